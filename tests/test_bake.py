@@ -1,0 +1,223 @@
+"""Bake the template with pytest-cookies and check what comes out."""
+
+import datetime
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+TEMPLATE = Path(__file__).resolve().parents[1]
+
+# Every file of the default bake, as sorted relative paths. Keep it in sync with the files
+# under `{{cookiecutter.project_slug}}/` (the CI workflow is absent when github_actions=false).
+EXPECTED_FILES = [
+    ".github/workflows/ci.yml",
+    ".gitignore",
+    "LICENSE",
+    "configs/default.py",
+    "configs/tiny.py",
+    "input_pipeline.py",
+    "model.py",
+    "parallel.py",
+    "pyproject.toml",
+    "tests/conftest.py",
+    "tests/test_input_pipeline.py",
+    "tests/test_masking.py",
+    "tests/test_model.py",
+    "tests/test_train.py",
+    "train.py",
+    "write_arrayrecord.py",
+    "writers.py",
+]
+CI_WORKFLOW = ".github/workflows/ci.yml"
+LICENSE_TITLES = {
+    "Apache-2.0": "Apache License\n                           Version 2.0, January 2004",
+    "MIT": "MIT License",
+    "BSD-3-Clause": "BSD 3-Clause License",
+}
+JINJA_MARKERS = ("{{", "}}", "{%", "%}")
+GITHUB_EXPRESSION = re.compile(r"\$\{\{[^{}]*\}\}")  # ${{ matrix.python-version }}
+SUBPROCESS_TIMEOUT = 120
+
+
+def bake_ok(cookies, **extra_context) -> Path:
+  result = cookies.bake(template=str(TEMPLATE), extra_context=extra_context)
+  assert result.exception is None, result.exception
+  assert result.exit_code == 0
+  return result.project_path
+
+
+def generated_files(project: Path) -> list[str]:
+  return sorted(p.relative_to(project).as_posix() for p in project.rglob("*") if p.is_file())
+
+
+def run(args, cwd, timeout=SUBPROCESS_TIMEOUT, env=None) -> subprocess.CompletedProcess:
+  return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def assert_lint_and_compile(project: Path) -> None:
+  """`ruff check` is clean and every .py compiles (SyntaxWarnings count as errors)."""
+  ruff = run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=project)
+  assert ruff.returncode == 0, ruff.stdout + ruff.stderr
+  compiled = run([sys.executable, "-W", "error::SyntaxWarning", "-m", "compileall", "-q", "."],
+                 cwd=project)
+  assert compiled.returncode == 0, compiled.stdout + compiled.stderr
+
+
+def assert_no_jinja_leftovers(project: Path) -> None:
+  for name in generated_files(project):
+    text = (project / name).read_text(encoding="utf-8")
+    if name.startswith(".github/workflows/"):
+      text = GITHUB_EXPRESSION.sub("", text)  # GitHub's own ${{ ... }} expressions
+    leftovers = [marker for marker in JINJA_MARKERS if marker in text]
+    assert not leftovers, f"{name} contains {leftovers}"
+
+
+def pyproject(project: Path) -> dict:
+  return tomllib.loads((project / "pyproject.toml").read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize(
+    "license_id, github_actions",
+    list(itertools.product(LICENSE_TITLES, [True, False])),
+)
+def test_bake_files(cookies, license_id, github_actions):
+  project = bake_ok(cookies, license=license_id, github_actions=github_actions)
+  expected = sorted(f for f in EXPECTED_FILES if github_actions or f != CI_WORKFLOW)
+  got = generated_files(project)
+  assert got == expected, (f"missing {sorted(set(expected) - set(got))}, "
+                           f"unexpected {sorted(set(got) - set(expected))}")
+  assert_no_jinja_leftovers(project)
+  license_text = (project / "LICENSE").read_text(encoding="utf-8")
+  assert LICENSE_TITLES[license_id] in license_text
+  assert f"{datetime.datetime.now(datetime.UTC).year} Your Name" in license_text.replace(",", "")
+  assert all(title not in license_text
+             for other, title in LICENSE_TITLES.items() if other != license_id)
+  meta = pyproject(project)["project"]
+  assert (meta["name"], meta["license"]) == ("nnx_data_parallel", license_id)
+  assert_lint_and_compile(project)
+
+
+@pytest.mark.parametrize(
+    "python_min, parallelism", list(itertools.product(["3.11", "3.12", "3.13"], ["spmd", "pmap"]))
+)
+def test_bake_python_and_parallelism(cookies, python_min, parallelism):
+  project = bake_ok(cookies, python_min=python_min, parallelism=parallelism)
+  config = pyproject(project)
+  assert config["project"]["requires-python"] == f">={python_min}"
+  assert config["tool"]["ruff"]["target-version"] == "py" + python_min.replace(".", "")
+  workflow = yaml.safe_load((project / CI_WORKFLOW).read_text(encoding="utf-8"))
+  matrix = workflow["jobs"]["test"]["strategy"]["matrix"]["python-version"]
+  assert matrix == ([python_min, "3.12"] if python_min == "3.11" else [python_min])
+  default_config = project / "configs" / "default.py"
+  if default_config.exists():  # written by the project code, listed in EXPECTED_FILES
+    assert f'config.parallelism = "{parallelism}"' in default_config.read_text(encoding="utf-8")
+  assert_no_jinja_leftovers(project)
+  assert_lint_and_compile(project)
+
+
+def test_bake_quotes_backslashes_unicode(cookies):
+  answers = {
+      "project_name": 'Zoë\'s "Quoted" \\ Project',
+      "description": 'Ünïcödé: it\'s a "test" \\ with backslash',
+      "author": 'José O\'Brien "JJ" \\',
+  }
+  project = bake_ok(cookies, **answers)
+  assert project.name == "zoe_s_quoted_project"
+  meta = pyproject(project)["project"]
+  assert meta["name"] == "zoe_s_quoted_project"
+  assert meta["description"] == answers["description"]
+  assert meta["authors"] == [{"name": answers["author"], "email": "you@example.com"}]
+  assert answers["author"] in (project / "LICENSE").read_text(encoding="utf-8")
+  readme = project / "README.md"
+  if readme.exists():
+    assert readme.read_text(encoding="utf-8").strip()
+  assert_no_jinja_leftovers(project)
+  assert_lint_and_compile(project)
+
+
+BAD_INPUTS = [
+    ({"project_slug": "My-Project"}, ["project_slug", "lowercase", "'my_project'"]),
+    ({"project_slug": "1abc"}, ["project_slug", "start with a lowercase letter", "'abc'"]),
+    ({"project_slug": "jax"}, ["project_slug", "shadow", "'jax'"]),
+    ({"parallelism": "dp"}, ["parallelism", "'dp'", "choices: spmd, pmap"]),
+    ({"python_min": "3.9"}, ["python_min", "'3.9'", "choices: 3.11, 3.12, 3.13"]),
+    ({"project_name": "", "project_slug": "no_name"}, ["project_name must not be empty"]),
+    ({"author": "  "}, ["author must not be empty"]),
+]
+BAD_IDS = ["slug-case", "slug-digit", "slug-jax", "parallelism", "python_min", "no-name",
+           "no-author"]
+CHOICE_VARIABLES = {"license", "python_min", "parallelism"}
+
+
+def default_answers() -> dict:
+  answers = json.loads((TEMPLATE / "cookiecutter.json").read_text(encoding="utf-8"))
+  answers = {k: v[0] if isinstance(v, list) else v
+             for k, v in answers.items() if not k.startswith("_")}
+  return answers | {"project_slug": "nnx_data_parallel"}
+
+
+@pytest.mark.parametrize("bad, rule", BAD_INPUTS, ids=BAD_IDS)
+def test_bad_input_rejected(cookies, tmp_path, bad, rule):
+  result = cookies.bake(template=str(TEMPLATE), extra_context=bad)
+  assert result.exit_code != 0
+  left = [p for p in (tmp_path / "cookies").rglob("*") if p.is_file() or any(p.iterdir())]
+  assert not left, left
+
+  # The same answers on the command line, to read the hook's message. Cookiecutter itself
+  # rejects a choice it does not know, so those reach the hook through a replay file.
+  config = tmp_path / "config.yaml"
+  config.write_text(yaml.safe_dump({"replay_dir": str(tmp_path / "replay"),
+                                    "cookiecutters_dir": str(tmp_path / "templates")}))
+  out = tmp_path / "out"
+  command = [sys.executable, "-m", "cookiecutter", "--config-file", str(config), "-o", str(out)]
+  if CHOICE_VARIABLES & bad.keys():
+    replay = tmp_path / "answers.json"
+    replay.write_text(json.dumps({"cookiecutter": default_answers() | bad}), encoding="utf-8")
+    command += ["--replay-file", str(replay), str(TEMPLATE)]
+  else:
+    command += ["--no-input", str(TEMPLATE)] + [f"{k}={v}" for k, v in bad.items()]
+  proc = run(command, cwd=tmp_path)
+  assert proc.returncode != 0
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("nnx-dp: "), proc.stderr
+  assert all(words in lines[0] for words in rule), lines[0]
+  assert not out.exists() or not any(out.iterdir())
+
+
+def requirement_set(lines) -> set[tuple[str, str]]:
+  reqs = [Requirement(line) for line in lines]
+  return {(canonicalize_name(r.name), str(r.specifier)) for r in reqs}
+
+
+def test_requirements_match_pyproject(cookies):
+  meta = pyproject(bake_ok(cookies))["project"]
+  wanted = requirement_set(meta["dependencies"] + meta["optional-dependencies"]["dev"])
+  lines = (TEMPLATE / "requirements-test.txt").read_text(encoding="utf-8").splitlines()
+  lines = [line.split("#")[0].strip() for line in lines]
+  listed = requirement_set(line for line in lines if line)
+  template_only = {name for name, _ in listed} - {name for name, _ in wanted}
+  assert template_only == {"cookiecutter", "pytest-cookies"}
+  assert {r for r in listed if r[0] not in template_only} == wanted
+
+
+@pytest.mark.baked_suite
+def test_baked_suite_default(cookies):
+  """The default project's own test suite passes with the interpreter running this test."""
+  project = bake_ok(cookies)
+  env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  proc = run([sys.executable, "-m", "pytest", "-q", "-x"], cwd=project, timeout=1500, env=env)
+  output = proc.stdout + proc.stderr
+  summary = output.strip().splitlines()[-1] if output.strip() else ""
+  assert proc.returncode == 0, output[-5000:]
+  assert re.search(r"\b[1-9]\d* passed\b", summary), summary
+  assert not re.search(r"\b(failed|errors?)\b", summary), summary

@@ -1,0 +1,42 @@
+"""Default hyperparameters: the CNN on the UCI digits, data-parallel over every device."""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+
+  # Data: 'digits' (ships with scikit-learn), 'arrayrecord' (files in data_dir, written by
+  # write_arrayrecord.py) or 'synthetic' (random images, for benchmarks).
+  config.dataset = "digits"
+  config.data_dir = ""
+  config.eval_fraction = 0.2  # digits: the held-out split
+  config.synthetic = ml_collections.ConfigDict(
+      dict(image_shape=(32, 32, 3), num_classes=10, num_train=8192, num_eval=1024))
+  config.augment_max_shift = 1  # random shifts of up to this many pixels; 0 turns them off
+  config.num_workers = 0  # Grain worker processes; 0 reads in the main process
+  config.read_threads = 2  # Grain threads per process (or per worker)
+  config.prefetch_batches = 4  # batches read ahead of the training step
+
+  # Model and optimisation.
+  config.model = ml_collections.ConfigDict(
+      dict(features=(32, 64), dtype="float32", param_dtype="float32"))
+  config.optimizer = "adam"  # 'adam', 'adamw' or 'sgd'
+  config.learning_rate = 3e-3  # peak; cosine decay to 0 over training
+  config.weight_decay = 1e-4  # adamw only
+  config.batch_size = 128  # global: over all devices and processes
+  config.num_epochs = 50
+  config.seed = 0
+
+  # Parallelism: 'spmd' (jax.jit over a device mesh) or 'pmap' (the legacy jax.pmap).
+  config.parallelism = "{{ cookiecutter.parallelism }}"
+
+  # Intervals, in steps. Training also logs, evaluates and checkpoints at its last step.
+  config.log_every_steps = 50
+  config.eval_every_steps = 200
+  config.checkpoint_every_steps = 200
+  config.max_checkpoints_to_keep = 3
+  # On the CPU backend, wait for a result this often: XLA:CPU collectives abort when hundreds
+  # of steps are queued. Other backends never wait inside the loop.
+  config.cpu_sync_every_steps = 8
+  return config

@@ -1,0 +1,87 @@
+"""Where arrays live: the device mesh and shardings (spmd), and pmap's replicated layout.
+
+spmd: one global array per leaf. The batch is split over the mesh axis 'data'; the model and
+  optimizer state are replicated (PartitionSpec()).
+pmap: every leaf has a leading axis of one entry per local device; `replicate` makes it,
+  `unreplicate` takes it away, `shard_batch` splits a batch into per-device pieces.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+DATA_AXIS = "data"  # the spmd mesh axis
+PMAP_AXIS = "devices"  # the pmap axis name (use it for nnx.BatchNorm(axis_name=...))
+
+
+def make_mesh() -> Mesh:
+  """A 1-D mesh over every device of every process. Auto axes: XLA inserts the all-reduces."""
+  return jax.make_mesh((jax.device_count(),), (DATA_AXIS,), axis_types=(AxisType.Auto,))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def data_sharded(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P(DATA_AXIS))
+
+
+def global_batch(local_batch, mesh: Mesh):
+  """This process's part of the batch -> global arrays split over 'data'."""
+  sharding = data_sharded(mesh)
+  return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local_batch)
+
+
+def local_devices_mesh() -> Mesh:
+  """pmap's layout: the leading axis of an array spread over this process's devices."""
+  return Mesh(np.array(jax.local_devices()), (PMAP_AXIS,))
+
+
+def replicate(tree):
+  """Every leaf broadcast to `[local_devices, ...]`, one copy on each local device."""
+  mesh = local_devices_mesh()
+  sharding = NamedSharding(mesh, P(PMAP_AXIS))
+  n = mesh.size
+  return jax.tree.map(
+      lambda x: jax.device_put(jnp.broadcast_to(x, (n, *jnp.shape(x))), sharding), tree)
+
+
+def unreplicate(tree):
+  """The copy on the first local device of every leaf of a replicated tree."""
+  return jax.tree.map(lambda x: x[0], tree)
+
+
+def shard_batch(batch, num_devices: int):
+  """`[global, ...]` -> `[num_devices, global // num_devices, ...]` for every leaf."""
+
+  def split(x):
+    if x.shape[0] % num_devices:
+      raise ValueError(f"shard_batch: a batch of {x.shape[0]} examples does not split over "
+                       f"{num_devices} devices; use a batch size that is a multiple of "
+                       f"{num_devices}.")
+    return x.reshape(num_devices, x.shape[0] // num_devices, *x.shape[1:])
+
+  return jax.tree.map(split, batch)
+
+
+def unshard_batch(batch):
+  """The inverse of `shard_batch`: `[devices, per_device, ...]` -> `[devices * per_device, ...]`."""
+  return jax.tree.map(lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]), batch)
+
+
+def pmap_batch(local_batch):
+  """This process's batch split over its devices and placed there, for pmap."""
+  mesh = local_devices_mesh()
+  return jax.device_put(shard_batch(local_batch, mesh.size), NamedSharding(mesh, P(PMAP_AXIS)))
+
+
+def describe(tree, name: str) -> str:
+  """One line per leaf: shape, dtype and sharding, to see where the state and batch live."""
+  lines = [f"{name}:"]
+  for path, x in jax.tree_util.tree_leaves_with_path(tree):
+    sharding = getattr(x, "sharding", None)
+    lines.append(f"  {jax.tree_util.keystr(path)} {x.dtype}{list(x.shape)} {sharding}")
+  return "\n".join(lines)

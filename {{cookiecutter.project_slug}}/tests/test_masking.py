@@ -1,0 +1,100 @@
+"""Padding and masking are exact: padded examples change no gradient, no metric, no count."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import input_pipeline
+import parallel
+import train
+from model import create_model
+
+
+def model_and_optimizer(config, image_shape=(8, 8, 1), num_classes=10):
+  model = create_model(config, image_shape, num_classes, nnx.Rngs(0))
+  return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+
+def digits_batch(n: int, padded_to: int):
+  rng = np.random.default_rng(1)
+  batch = {"image": np.zeros((padded_to, 8, 8, 1), np.float32),
+           "label": np.zeros((padded_to,), np.int32), "mask": np.zeros((padded_to,), bool)}
+  batch["image"][:n] = rng.random((n, 8, 8, 1), dtype=np.float32)
+  batch["label"][:n] = rng.integers(0, 10, n)
+  batch["mask"][:n] = True
+  return batch
+
+
+def max_abs_diff(a, b) -> float:
+  return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a),
+                                                             jax.tree.leaves(b)))
+
+
+def test_padded_gradient_equals_unpadded_gradient(tiny_config):
+  model, _ = model_and_optimizer(tiny_config)
+  padded = digits_batch(77, 128)  # 77 real examples on 8 devices: the last 3 devices hold none
+  real = {k: v[:77] for k, v in padded.items()}
+
+  def mean_loss(model, images, labels):
+    logits = model(images)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  expected = nnx.grad(mean_loss)(model, real["image"], real["label"])
+
+  mesh = parallel.make_mesh()
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def masked_grad(state, batch):
+    grads, metrics = nnx.grad(train.loss_and_metrics, has_aux=True)(
+        nnx.merge(graphdef, state), batch)
+    return jax.tree.map(lambda g: g / metrics.loss.count, grads), metrics
+
+  grads, metrics = masked_grad(jax.device_put(state, parallel.replicated(mesh)),
+                               parallel.global_batch(padded, mesh))
+  assert int(metrics.loss.count) == 77
+  assert max_abs_diff(grads, expected) < 1e-6
+  unmasked, _ = masked_grad(state, {**padded, "mask": np.ones(128, bool)})
+  assert max_abs_diff(unmasked, expected) > 1e-3  # the padding would matter if not masked
+
+
+def test_train_step_on_padded_batch_equals_step_on_real_examples(tiny_config):
+  padded = digits_batch(77, 128)
+  real = {k: v[:77] for k, v in padded.items()}
+  graphdef, state = nnx.split(model_and_optimizer(tiny_config))
+
+  one_device = jax.jit(functools.partial(train.train_step, graphdef))
+  expected, expected_metrics = one_device(state, real)
+
+  steps = train.make_steps(graphdef, tiny_config, parallel.make_mesh())
+  placed = steps.put_state(state)
+  new_state, metrics = steps.train(placed, steps.put_batch(padded))
+  assert max_abs_diff(steps.get_state(new_state), expected) < 1e-6
+  assert int(metrics.loss.count) == int(expected_metrics.loss.count) == 77
+  assert abs(float(metrics.loss.compute()) - float(expected_metrics.loss.compute())) < 1e-6
+
+
+def test_eval_counts_every_example_once(tiny_config):
+  """1001 examples, batch 64 on 8 devices: 15 full batches and one with 41 real examples."""
+  tiny_config.dataset = "synthetic"
+  tiny_config.synthetic.update(image_shape=(8, 8, 1), num_classes=10, num_eval=1001)
+  splits, info = input_pipeline.get_datasets(tiny_config)
+  model, optimizer = model_and_optimizer(tiny_config)
+  graphdef, state = nnx.split((model, optimizer))
+  steps = train.make_steps(graphdef, tiny_config, parallel.make_mesh())
+  batches = input_pipeline.eval_batches(splits["eval"], tiny_config)
+  result = train.evaluate(steps, steps.put_state(state), batches, tiny_config)
+  assert result["examples"] == 1001
+
+  examples = list(splits["eval"])
+  images = np.stack([ex["image"] for ex in examples])
+  labels = np.array([ex["label"] for ex in examples])
+  logits = model(images)
+  expected_loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+  expected_accuracy = (logits.argmax(-1) == labels).mean()
+  assert abs(result["loss"] - float(expected_loss)) < 1e-5
+  assert abs(result["accuracy"] - float(expected_accuracy)) < 1e-6

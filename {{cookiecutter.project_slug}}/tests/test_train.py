@@ -1,0 +1,93 @@
+"""End to end: train_and_evaluate on the tiny config writes metrics, checkpoints and resumes."""
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import orbax.checkpoint as ocp
+import pytest
+from tensorboard.backend.event_processing import event_accumulator
+
+import train
+
+PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def read_scalars(workdir: str) -> dict[str, dict[int, float]]:
+  """Every scalar in the workdir's event files, read by TensorBoard's own reader."""
+  scalars = {}
+  for path in glob.glob(os.path.join(workdir, "events.out.tfevents.*")):
+    reader = event_accumulator.EventAccumulator(path)
+    reader.Reload()
+    for tag in reader.Tags()["scalars"]:
+      scalars.setdefault(tag, {}).update({e.step: e.value for e in reader.Scalars(tag)})
+  return scalars
+
+
+@pytest.mark.parametrize("parallelism", ["spmd", "pmap"])
+def test_train_and_evaluate_writes_metrics_and_checkpoints(tiny_config, tmp_path, parallelism):
+  tiny_config.parallelism = parallelism
+  workdir = str(tmp_path)
+  result = train.train_and_evaluate(tiny_config, workdir)
+  last_step = -(-1437 // tiny_config.batch_size)  # one epoch of the digits' training split
+
+  assert result["examples"] == 360
+  assert result["accuracy"] > 0.3  # one epoch of a tiny CNN: well above chance (0.1)
+
+  scalars = read_scalars(workdir)
+  assert {"train_loss", "train_accuracy", "eval_loss", "eval_accuracy", "eval_examples",
+          "steps_per_sec"} <= set(scalars)
+  assert sorted(scalars["train_loss"]) == [5, 10, 15, 20, last_step]
+  assert sorted(scalars["eval_accuracy"]) == [10, 20, last_step]
+  assert scalars["eval_examples"][last_step] == 360
+  assert scalars["eval_accuracy"][last_step] == pytest.approx(result["accuracy"], abs=1e-6)
+  assert scalars["eval_loss"][last_step] == pytest.approx(result["loss"], rel=1e-6)
+  assert sum(scalars["train_examples"].values()) == 1437  # every training example, once
+
+  checkpoints = ocp.CheckpointManager(os.path.join(workdir, "checkpoints"))
+  assert checkpoints.all_steps() == [10, 20, last_step]
+  restored = checkpoints.restore(
+      last_step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+  model, optimizer = restored["0"], restored["1"]  # the state of nnx.split((model, optimizer))
+  assert int(optimizer["step"]["value"]) == last_step
+  assert model["dense"]["kernel"]["value"].shape == (2 * 2 * 16, 10)
+
+  # A rerun in the same workdir resumes from the last checkpoint: nothing left to train.
+  again = train.train_and_evaluate(tiny_config, workdir)
+  assert again == result
+  assert checkpoints.all_steps() == [10, 20, last_step]
+
+
+def test_resume_continues_where_it_stopped(tiny_config, tmp_path):
+  """Stopping after 20 of 46 steps and resuming gives the same result as running 46 at once."""
+  tiny_config.num_epochs, tiny_config.max_checkpoints_to_keep = 2, 10
+  straight = train.train_and_evaluate(tiny_config, str(tmp_path / "straight"))
+  # Resuming from step 20: a run of the same config in a workdir holding only the step-20
+  # checkpoint, made by copying the straight run's checkpoint directory.
+  resumed_dir = tmp_path / "resumed" / "checkpoints"
+  shutil.copytree(tmp_path / "straight" / "checkpoints" / "20", resumed_dir / "20")
+  resumed = train.train_and_evaluate(tiny_config, str(tmp_path / "resumed"))
+  assert resumed == straight
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--config.batch_size=100", "config.batch_size=100 does not divide over 8 devices"),
+    ("--config.dataset=mnist", "config.dataset='mnist' is unknown; use one of"),
+    ("--config.parallelism=dp", "config.parallelism='dp' is unknown; use one of"),
+])
+def test_bad_config_stops_with_one_line_before_compiling(tmp_path, override, message):
+  workdir = tmp_path / "run"
+  start = time.perf_counter()
+  out = subprocess.run(
+      [sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={workdir}", override],
+      cwd=PROJECT, capture_output=True, text=True, timeout=120,
+      env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+  elapsed = time.perf_counter() - start
+  assert out.returncode == 1
+  last_line = out.stderr.strip().splitlines()[-1]
+  assert last_line.startswith("error: ") and message in last_line, out.stderr[-2000:]
+  assert not workdir.exists()  # nothing read, written or compiled
+  print(f"{override}: refused in {elapsed:.1f}s: {last_line}")

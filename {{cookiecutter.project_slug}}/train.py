@@ -1,0 +1,258 @@
+"""Data-parallel training and evaluation.
+
+  python train.py --config=configs/default.py --workdir=/tmp/run [--config.batch_size=256 ...]
+
+The logic is in `train_and_evaluate(config, workdir)`; the absl entry point is at the bottom.
+"""
+
+import functools
+import os
+import time
+from typing import NamedTuple
+
+import writers  # noqa: I001  (first: lets CLU write TensorBoard files without TensorFlow)
+
+import flax
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+import orbax.checkpoint as ocp
+from absl import app, flags, logging
+from clu import metrics
+from flax import nnx
+from ml_collections import config_flags
+
+import input_pipeline
+import parallel
+from model import create_model
+
+PARALLELISMS = ("spmd", "pmap")
+OPTIMIZERS = ("adam", "adamw", "sgd")
+
+
+@flax.struct.dataclass
+class Metrics(metrics.Collection):
+  """Sums over real examples only (padding is masked out), merged across steps and devices."""
+
+  loss: metrics.Average.from_output("loss")
+  accuracy: metrics.Accuracy
+
+
+class ConfigError(ValueError):
+  """A config that cannot work; the message names the key, the value and the fix."""
+
+
+def validate_config(config: ml_collections.ConfigDict) -> None:
+  """Raises ConfigError, before any data is read or anything compiled."""
+
+  def need(ok, message):
+    if not ok:
+      raise ConfigError(message)
+
+  need(config.dataset in input_pipeline.DATASETS,
+       f"config.dataset={config.dataset!r} is unknown; use one of {input_pipeline.DATASETS}.")
+  need(config.parallelism in PARALLELISMS,
+       f"config.parallelism={config.parallelism!r} is unknown; use one of {PARALLELISMS}.")
+  need(config.optimizer in OPTIMIZERS,
+       f"config.optimizer={config.optimizer!r} is unknown; use one of {OPTIMIZERS}.")
+  for key in ("batch_size", "num_epochs", "log_every_steps", "eval_every_steps",
+              "checkpoint_every_steps", "max_checkpoints_to_keep", "cpu_sync_every_steps"):
+    need(isinstance(config[key], int) and config[key] > 0,
+         f"config.{key}={config[key]!r} must be a positive integer.")
+  devices = jax.device_count()
+  need(config.batch_size % devices == 0,
+       f"config.batch_size={config.batch_size} does not divide over {devices} devices; use a "
+       f"multiple of {devices}, e.g. {max(1, round(config.batch_size / devices)) * devices}.")
+  if config.dataset == "arrayrecord":
+    need(bool(input_pipeline.arrayrecord_paths(config.data_dir, "train")),
+         f"config.data_dir={config.data_dir!r} holds no train-*.array_record files; write them "
+         "with write_arrayrecord.py.")
+
+
+def create_optimizer(config, num_train_steps: int) -> optax.GradientTransformation:
+  schedule = optax.cosine_decay_schedule(config.learning_rate, num_train_steps)
+  if config.optimizer == "adamw":
+    return optax.adamw(schedule, weight_decay=config.weight_decay)
+  return {"adam": optax.adam, "sgd": optax.sgd}[config.optimizer](schedule)
+
+
+def loss_and_metrics(model, batch):
+  """The SUM of the losses of the real examples (normalised later, by the global count)."""
+  logits_BK = model(batch["image"])
+  losses_B = optax.softmax_cross_entropy_with_integer_labels(logits_BK, batch["label"])
+  loss_sum = jnp.sum(jnp.where(batch["mask"], losses_B, 0.0))
+  step_metrics = Metrics.single_from_model_output(
+      loss=losses_B, logits=logits_BK, labels=batch["label"], mask=batch["mask"])
+  return loss_sum, step_metrics
+
+
+def train_step(graphdef, state, batch, axis_name=None):
+  """One optimizer step. Under pmap (`axis_name` set) sums are reduced across devices.
+
+  The gradient is sum(grad of loss over real examples) / (number of real examples), both
+  summed globally: exact for any padding, on any number of devices.
+  """
+  model, optimizer = nnx.merge(graphdef, state)
+  model.train()
+  grads, step_metrics = nnx.grad(loss_and_metrics, has_aux=True)(model, batch)
+  if axis_name is not None:
+    grads, step_metrics = jax.lax.psum((grads, step_metrics), axis_name)
+  count = jnp.maximum(step_metrics.loss.count, 1)
+  optimizer.update(model, jax.tree.map(lambda g: g / count, grads))
+  return nnx.state((model, optimizer)), step_metrics
+
+
+def eval_step(graphdef, state, batch, axis_name=None):
+  model, _ = nnx.merge(graphdef, state)
+  model.eval()
+  _, step_metrics = loss_and_metrics(model, batch)
+  if axis_name is not None:
+    step_metrics = jax.lax.psum(step_metrics, axis_name)
+  return step_metrics
+
+
+class Steps(NamedTuple):
+  """The compiled steps of one parallelism, and how to move state and batches to them."""
+
+  train: callable  # (state, batch) -> (state, metrics); donates state
+  eval: callable  # (state, batch) -> metrics
+  put_state: callable  # checkpoint layout (replicated global arrays) -> the steps' layout
+  get_state: callable  # the steps' layout -> checkpoint layout
+  put_batch: callable  # this process's NumPy batch -> the steps' layout
+
+
+def make_steps(graphdef, config, mesh) -> Steps:
+  if config.parallelism == "pmap":
+    axis = parallel.PMAP_AXIS
+    pmap = functools.partial(jax.pmap, axis_name=axis)
+    return Steps(
+        train=pmap(functools.partial(train_step, graphdef, axis_name=axis), donate_argnums=0,
+                   out_axes=(0, None)),
+        eval=pmap(functools.partial(eval_step, graphdef, axis_name=axis), out_axes=None),
+        put_state=parallel.replicate,
+        get_state=lambda state: jax.device_put(parallel.unreplicate(state),
+                                               parallel.replicated(mesh)),
+        put_batch=parallel.pmap_batch,
+    )
+  return Steps(
+      train=jax.jit(functools.partial(train_step, graphdef), donate_argnums=0),
+      eval=jax.jit(functools.partial(eval_step, graphdef)),
+      put_state=lambda state: jax.device_put(state, parallel.replicated(mesh)),
+      get_state=lambda state: state,
+      put_batch=lambda batch: parallel.global_batch(batch, mesh),
+  )
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+  flat = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      flat.update(flatten(value, f"{prefix}{key}."))
+    else:
+      flat[f"{prefix}{key}"] = value
+  return flat
+
+
+def merge_metrics(step_metrics: list[Metrics]) -> dict[str, float]:
+  merged = functools.reduce(lambda a, b: a.merge(b), step_metrics)
+  merged = jax.device_get(merged)
+  return {**merged.compute(), "examples": int(merged.loss.count)}
+
+
+def evaluate(steps: Steps, state, eval_batches, config) -> dict[str, float]:
+  step_metrics = []
+  for i, batch in enumerate(input_pipeline.as_iterator(eval_batches, config)):
+    step_metrics.append(steps.eval(state, steps.put_batch(batch)))
+    if jax.default_backend() == "cpu" and i % config.cpu_sync_every_steps == 0:
+      jax.block_until_ready(step_metrics[-1])
+  return merge_metrics(step_metrics)
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+  """Trains (resuming from the latest checkpoint in `workdir`), returns the final eval metrics."""
+  validate_config(config)
+  workdir = os.path.abspath(workdir)
+  process = dict(process_index=jax.process_index(), process_count=jax.process_count())
+  splits, info = input_pipeline.get_datasets(config)
+  train_batches = input_pipeline.train_batches(splits["train"], config, **process)
+  eval_batches = input_pipeline.eval_batches(splits["eval"], config, **process)
+  num_train_steps = len(train_batches)
+  logging.info("%s: %s, %d train steps of %d examples over %d devices",
+               config.dataset, info, num_train_steps, config.batch_size, jax.device_count())
+
+  model = create_model(config, info.image_shape, info.num_classes, nnx.Rngs(config.seed))
+  optimizer = nnx.Optimizer(model, create_optimizer(config, num_train_steps), wrt=nnx.Param)
+  graphdef, state = nnx.split((model, optimizer))
+  mesh = parallel.make_mesh()
+  steps = make_steps(graphdef, config, mesh)
+
+  checkpoints = ocp.CheckpointManager(
+      os.path.join(workdir, "checkpoints"),
+      options=ocp.CheckpointManagerOptions(max_to_keep=config.max_checkpoints_to_keep))
+  state = jax.device_put(state, parallel.replicated(mesh))
+  first_step = checkpoints.latest_step() or 0
+  if first_step:
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    state = checkpoints.restore(
+        first_step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+    logging.info("Resumed from the checkpoint of step %d in %s", first_step, workdir)
+  state = steps.put_state(state)
+
+  writer = writers.metric_writers.create_default_writer(
+      workdir, just_logging=jax.process_index() > 0)
+  if first_step == 0:
+    writer.write_hparams(flatten(config.to_dict()))
+  report_progress = writers.periodic_actions.ReportProgress(
+      num_train_steps=num_train_steps, writer=writer)
+
+  train_iter = input_pipeline.as_iterator(train_batches, config, start=first_step)
+  train_metrics, last_log = [], time.perf_counter()
+  eval_metrics = None
+  for step in range(first_step + 1, num_train_steps + 1):  # `step` counts finished updates
+    with jax.profiler.StepTraceAnnotation("train", step_num=step):
+      state, step_metrics = steps.train(state, steps.put_batch(next(train_iter)))
+    train_metrics.append(step_metrics)
+    report_progress(step)
+    is_last = step == num_train_steps
+    if jax.default_backend() == "cpu" and step % config.cpu_sync_every_steps == 0:
+      jax.block_until_ready(step_metrics)
+    if step % config.log_every_steps == 0 or is_last:
+      summary = merge_metrics(train_metrics)
+      now = time.perf_counter()
+      summary["examples_per_sec"] = summary["examples"] / (now - last_log)
+      writer.write_scalars(step, {f"train_{k}": v for k, v in summary.items()})
+      train_metrics, last_log = [], now
+    if step % config.eval_every_steps == 0 or is_last:
+      with report_progress.timed("eval"):
+        eval_metrics = evaluate(steps, state, eval_batches, config)
+      writer.write_scalars(step, {f"eval_{k}": v for k, v in eval_metrics.items()})
+    if step % config.checkpoint_every_steps == 0 or is_last:
+      with report_progress.timed("checkpoint"):
+        checkpoints.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(steps.get_state(state))))
+  checkpoints.close()  # waits for the last asynchronous save
+  if eval_metrics is None:  # nothing left to train: report the restored state
+    eval_metrics = evaluate(steps, state, eval_batches, config)
+  writer.close()
+  logging.info("Final eval: accuracy %.4f, loss %.4f, on %d examples", eval_metrics["accuracy"],
+               eval_metrics["loss"], eval_metrics["examples"])
+  return eval_metrics
+
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
+flags.mark_flag_as_required("config")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints and metrics go.", required=True)
+
+
+def main(argv):
+  del argv
+  try:
+    validate_config(_CONFIG.value)
+  except ConfigError as e:
+    raise SystemExit(f"error: {e}") from None
+  train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+  app.run(main)
