@@ -82,6 +82,8 @@ def describe(tree, name: str) -> str:
   """One line per leaf: shape, dtype and sharding, to see where the state and batch live."""
   lines = [f"{name}:"]
   for path, x in jax.tree_util.tree_leaves_with_path(tree):
-    sharding = getattr(x, "sharding", None)
-    lines.append(f"  {jax.tree_util.keystr(path)} {x.dtype}{list(x.shape)} {sharding}")
+    where = x.sharding
+    if isinstance(where, NamedSharding):
+      where = f"{where.spec} over mesh {dict(where.mesh.shape)}"
+    lines.append(f"  {jax.tree_util.keystr(path)} {x.dtype}{list(x.shape)}: {where}")
   return "\n".join(lines)

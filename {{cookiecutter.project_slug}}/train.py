@@ -56,14 +56,16 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
        f"config.parallelism={config.parallelism!r} is unknown; use one of {PARALLELISMS}.")
   need(config.optimizer in OPTIMIZERS,
        f"config.optimizer={config.optimizer!r} is unknown; use one of {OPTIMIZERS}.")
-  for key in ("batch_size", "num_epochs", "log_every_steps", "eval_every_steps",
+  for key in ("batch_size", "grad_accum_steps", "num_epochs", "log_every_steps", "eval_every_steps",
               "checkpoint_every_steps", "max_checkpoints_to_keep", "cpu_sync_every_steps"):
     need(isinstance(config[key], int) and config[key] > 0,
          f"config.{key}={config[key]!r} must be a positive integer.")
-  devices = jax.device_count()
-  need(config.batch_size % devices == 0,
-       f"config.batch_size={config.batch_size} does not divide over {devices} devices; use a "
-       f"multiple of {devices}, e.g. {max(1, round(config.batch_size / devices)) * devices}.")
+  parts = jax.device_count() * config.grad_accum_steps
+  over = f"{jax.device_count()} devices" + (
+      f" x {config.grad_accum_steps} micro-batches" if config.grad_accum_steps > 1 else "")
+  need(config.batch_size % parts == 0,
+       f"config.batch_size={config.batch_size} does not divide over {over}; use a multiple of "
+       f"{parts}, e.g. {max(1, round(config.batch_size / parts)) * parts}.")
   if config.dataset == "arrayrecord":
     need(bool(input_pipeline.arrayrecord_paths(config.data_dir, "train")),
          f"config.data_dir={config.data_dir!r} holds no train-*.array_record files; write them "
@@ -87,16 +89,64 @@ def loss_and_metrics(model, batch):
   return loss_sum, step_metrics
 
 
-def train_step(graphdef, state, batch, axis_name=None):
+def micro_batches(batch, num: int):
+  """`[batch, ...]` -> `[num, batch // num, ...]`; micro-batch j holds examples j, j + num, ...,
+  so every device holds an equal share of every micro-batch."""
+  return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, num, *x.shape[1:]), 0, 1), batch)
+
+
+def summed_gradients(model, batch, num_micro_batches: int = 1):
+  """Gradient of the summed loss, and metrics, over `batch` in `num_micro_batches` sequential
+  pieces (gradient accumulation: the memory of one piece, the result of the whole batch)."""
+  grad_fn = nnx.grad(loss_and_metrics, has_aux=True)
+  if num_micro_batches == 1:
+    return grad_fn(model, batch)
+  micro = micro_batches(batch, num_micro_batches)
+  sums = grad_fn(model, jax.tree.map(lambda x: x[0], micro))
+  graphdef, state = nnx.split(model)
+
+  def add_micro_batch(carry, micro_batch):
+    state, sums = carry
+    model = nnx.merge(graphdef, state)
+    sums = jax.tree.map(jnp.add, sums, grad_fn(model, micro_batch))
+    return (nnx.state(model), sums), None
+
+  rest = jax.tree.map(lambda x: x[1:], micro)
+  (state, sums), _ = jax.lax.scan(add_micro_batch, (state, sums), rest)
+  nnx.update(model, state)
+  return sums
+
+
+def fold_in_device_index(model, axis_name):
+  """pmap gives every device the same RNG keys: fold in the device index so that dropout differs
+  between devices. Returns a function that puts the shared keys back (keeping the state
+  replicated; the streams' counters advance identically everywhere)."""
+  streams = [s for _, s in nnx.iter_graph(model) if isinstance(s, nnx.RngStream)]
+  keys = [stream.key[...] for stream in streams]
+  for stream in streams:
+    stream.key[...] = jax.random.fold_in(stream.key[...], jax.lax.axis_index(axis_name))
+
+  def restore():
+    for stream, key in zip(streams, keys):
+      stream.key[...] = key
+
+  return restore
+
+
+def train_step(graphdef, state, batch, grad_accum_steps=1, axis_name=None):
   """One optimizer step. Under pmap (`axis_name` set) sums are reduced across devices.
 
-  The gradient is sum(grad of loss over real examples) / (number of real examples), both
-  summed globally: exact for any padding, on any number of devices.
+  The gradient is sum(gradients of the real examples' losses) / (number of real examples),
+  both summed globally: exact for any padding, on any number of devices and micro-batches.
+  Only gradients and metrics are reduced; the optimizer's counters are never averaged.
   """
   model, optimizer = nnx.merge(graphdef, state)
   model.train()
-  grads, step_metrics = nnx.grad(loss_and_metrics, has_aux=True)(model, batch)
   if axis_name is not None:
+    restore_keys = fold_in_device_index(model, axis_name)
+  grads, step_metrics = summed_gradients(model, batch, grad_accum_steps)
+  if axis_name is not None:
+    restore_keys()
     grads, step_metrics = jax.lax.psum((grads, step_metrics), axis_name)
   count = jnp.maximum(step_metrics.loss.count, 1)
   optimizer.update(model, jax.tree.map(lambda g: g / count, grads))
@@ -123,12 +173,13 @@ class Steps(NamedTuple):
 
 
 def make_steps(graphdef, config, mesh) -> Steps:
+  accum = config.grad_accum_steps
   if config.parallelism == "pmap":
     axis = parallel.PMAP_AXIS
     pmap = functools.partial(jax.pmap, axis_name=axis)
     return Steps(
-        train=pmap(functools.partial(train_step, graphdef, axis_name=axis), donate_argnums=0,
-                   out_axes=(0, None)),
+        train=pmap(functools.partial(train_step, graphdef, grad_accum_steps=accum,
+                                     axis_name=axis), donate_argnums=0, out_axes=(0, None)),
         eval=pmap(functools.partial(eval_step, graphdef, axis_name=axis), out_axes=None),
         put_state=parallel.replicate,
         get_state=lambda state: jax.device_put(parallel.unreplicate(state),
@@ -136,7 +187,8 @@ def make_steps(graphdef, config, mesh) -> Steps:
         put_batch=parallel.pmap_batch,
     )
   return Steps(
-      train=jax.jit(functools.partial(train_step, graphdef), donate_argnums=0),
+      train=jax.jit(functools.partial(train_step, graphdef, grad_accum_steps=accum),
+                    donate_argnums=0),
       eval=jax.jit(functools.partial(eval_step, graphdef)),
       put_state=lambda state: jax.device_put(state, parallel.replicated(mesh)),
       get_state=lambda state: state,
@@ -198,6 +250,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         first_step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
     logging.info("Resumed from the checkpoint of step %d in %s", first_step, workdir)
   state = steps.put_state(state)
+  if config.print_shardings:
+    logging.info("%s\n%s", parallel.describe(state, "state"),
+                 parallel.describe(steps.put_batch(train_batches[first_step]), "batch"))
 
   writer = writers.metric_writers.create_default_writer(
       workdir, just_logging=jax.process_index() > 0)

@@ -24,12 +24,14 @@ def get_config() -> ml_collections.ConfigDict:
   config.optimizer = "adam"  # 'adam', 'adamw' or 'sgd'
   config.learning_rate = 3e-3  # peak; cosine decay to 0 over training
   config.weight_decay = 1e-4  # adamw only
-  config.batch_size = 128  # global: over all devices and processes
+  config.batch_size = 128  # global: over all devices and processes, per optimizer step
+  config.grad_accum_steps = 1  # split each batch into this many sequential micro-batches
   config.num_epochs = 50
   config.seed = 0
 
   # Parallelism: 'spmd' (jax.jit over a device mesh) or 'pmap' (the legacy jax.pmap).
   config.parallelism = "{{ cookiecutter.parallelism }}"
+  config.print_shardings = False  # log where the state and the first batch live, at start-up
 
   # Intervals, in steps. Training also logs, evaluates and checkpoints at its last step.
   config.log_every_steps = 50

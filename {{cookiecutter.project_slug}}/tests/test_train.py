@@ -61,16 +61,44 @@ def test_train_and_evaluate_writes_metrics_and_checkpoints(tiny_config, tmp_path
   assert checkpoints.all_steps() == [10, 20, last_step]
 
 
-def test_resume_continues_where_it_stopped(tiny_config, tmp_path):
-  """Stopping after 20 of 46 steps and resuming gives the same result as running 46 at once."""
-  tiny_config.num_epochs, tiny_config.max_checkpoints_to_keep = 2, 10
-  straight = train.train_and_evaluate(tiny_config, str(tmp_path / "straight"))
-  # Resuming from step 20: a run of the same config in a workdir holding only the step-20
-  # checkpoint, made by copying the straight run's checkpoint directory.
-  resumed_dir = tmp_path / "resumed" / "checkpoints"
-  shutil.copytree(tmp_path / "straight" / "checkpoints" / "20", resumed_dir / "20")
-  resumed = train.train_and_evaluate(tiny_config, str(tmp_path / "resumed"))
-  assert resumed == straight
+def two_epochs(parallelism):
+  from configs import tiny
+
+  config = tiny.get_config()
+  config.num_epochs, config.max_checkpoints_to_keep, config.parallelism = 2, 10, parallelism
+  return config
+
+
+@pytest.fixture(scope="module")
+def straight_runs(tmp_path_factory):
+  """Two epochs (46 steps) on each path, uninterrupted: {parallelism: (workdir, result)}."""
+  runs = {}
+  for parallelism in train.PARALLELISMS:
+    workdir = tmp_path_factory.mktemp(parallelism)
+    runs[parallelism] = workdir, train.train_and_evaluate(two_epochs(parallelism), str(workdir))
+  return runs
+
+
+def test_pmap_and_spmd_runs_end_with_the_same_eval_metrics(straight_runs):
+  spmd, pmap = straight_runs["spmd"][1], straight_runs["pmap"][1]
+  assert spmd["examples"] == pmap["examples"] == 360
+  assert pmap["loss"] == pytest.approx(spmd["loss"], abs=1e-5)
+  assert pmap["accuracy"] == pytest.approx(spmd["accuracy"], abs=1e-9)
+
+
+@pytest.mark.parametrize("first, second", [("spmd", "spmd"), ("pmap", "pmap"),
+                                           ("spmd", "pmap"), ("pmap", "spmd")])
+def test_resume_from_a_checkpoint_of_either_path(straight_runs, tmp_path, first, second):
+  """A workdir holding only the step-20 checkpoint of a `first` run, resumed by `second`."""
+  first_workdir, expected = straight_runs[first]
+  shutil.copytree(first_workdir / "checkpoints" / "20", tmp_path / "checkpoints" / "20")
+  resumed = train.train_and_evaluate(two_epochs(second), str(tmp_path))
+  if first == second:
+    assert resumed == expected  # the same path resumes exactly
+  else:
+    assert resumed["examples"] == expected["examples"]
+    assert resumed["loss"] == pytest.approx(expected["loss"], abs=1e-5)
+    assert resumed["accuracy"] == pytest.approx(expected["accuracy"], abs=1e-9)
 
 
 @pytest.mark.parametrize("override, message", [

@@ -1,0 +1,164 @@
+"""pmap = sharded jit = one device: same parameters from the same weights and batches."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import parallel
+import train
+from model import create_model
+
+NUM_DEVICES = 8
+
+
+def initial_state(config, model=None):
+  model = model or create_model(config, (8, 8, 1), 10, nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+  return nnx.split((model, optimizer))
+
+
+def batches(num_real: list[int], size: int = 64):
+  """One batch per entry, holding that many real examples followed by masked padding."""
+  rng = np.random.default_rng(0)
+  out = []
+  for n in num_real:
+    batch = {"image": np.zeros((size, 8, 8, 1), np.float32), "label": np.zeros(size, np.int32),
+             "mask": np.arange(size) < n}
+    batch["image"][:n] = rng.random((n, 8, 8, 1), dtype=np.float32)
+    batch["label"][:n] = rng.integers(0, 10, n)
+    out.append(batch)
+  return out
+
+
+def run(config, parallelism, batch_list, graphdef=None, state=None):
+  """Three (or len(batch_list)) train steps on one device, or on 8 with spmd or pmap."""
+  if graphdef is None:
+    graphdef, state = initial_state(config)
+  if parallelism == "single":
+    step = jax.jit(functools.partial(train.train_step, graphdef,
+                                     grad_accum_steps=config.grad_accum_steps))
+    state = jax.device_put(state, jax.devices()[0])
+    for batch in batch_list:
+      state, _ = step(state, batch)
+    return state
+  config.parallelism = parallelism
+  steps = train.make_steps(graphdef, config, parallel.make_mesh())
+  state = steps.put_state(jax.device_put(state, parallel.replicated(parallel.make_mesh())))
+  for batch in batch_list:
+    state, _ = steps.train(state, steps.put_batch(batch))
+  return steps.get_state(state)
+
+
+def assert_trees_close(a, b, atol):
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=0,
+                               err_msg=jax.tree_util.keystr(path))
+
+
+# 20 real examples in a batch of 64 on 8 devices (8 per device): devices 0-1 full, device 2
+# holds 4, devices 3-7 hold none.
+@pytest.mark.parametrize("num_real", [[64, 64, 64], [64, 20, 64], [20, 37, 1]])
+def test_pmap_equals_spmd_equals_single_device(tiny_config, num_real):
+  data = batches(num_real)
+  single = run(tiny_config, "single", data)
+  spmd = run(tiny_config, "spmd", data)
+  pmap = run(tiny_config, "pmap", data)
+  assert_trees_close(spmd, single, atol=1e-6)
+  assert_trees_close(pmap, single, atol=1e-6)
+  step_counter = pmap[1]["step"][...]
+  assert step_counter.dtype == jnp.uint32 and int(step_counter) == 3  # never averaged
+
+
+@pytest.mark.parametrize("parallelism", ["single", "spmd", "pmap"])
+def test_gradient_accumulation_equals_one_large_batch(tiny_config, parallelism):
+  data = batches([64, 50, 64])  # includes a padded batch
+  tiny_config.grad_accum_steps = 1
+  expected = run(tiny_config, parallelism, data)
+  tiny_config.grad_accum_steps = 4  # micro-batches of 16: 2 examples per device each
+  accumulated = run(tiny_config, parallelism, data)
+  assert_trees_close(accumulated, expected, atol=1e-6)
+
+
+def test_replicate_and_unreplicate(tiny_config):
+  _, state = initial_state(tiny_config)
+  replicated = parallel.replicate(state)
+  for x, r in zip(jax.tree.leaves(state), jax.tree.leaves(replicated)):
+    assert r.shape == (NUM_DEVICES, *x.shape) and r.dtype == x.dtype
+    assert len(r.addressable_shards) == NUM_DEVICES
+    assert {s.device for s in r.addressable_shards} == set(jax.local_devices())
+    for shard in r.addressable_shards:
+      np.testing.assert_array_equal(np.asarray(shard.data)[0], np.asarray(x))
+  back = parallel.unreplicate(replicated)
+  assert_trees_close(back, state, atol=0)
+
+
+def test_shard_batch_round_trip_and_error():
+  batch = {"image": np.arange(64 * 3).reshape(64, 3), "label": np.arange(64)}
+  sharded = parallel.shard_batch(batch, 8)
+  assert sharded["image"].shape == (8, 8, 3) and sharded["label"].shape == (8, 8)
+  np.testing.assert_array_equal(sharded["label"][2], np.arange(16, 24))  # contiguous pieces
+  back = parallel.unshard_batch(sharded)
+  np.testing.assert_array_equal(back["image"], batch["image"])
+  with pytest.raises(ValueError, match="a batch of 60 examples does not split over 8 devices"):
+    parallel.shard_batch({"label": np.arange(60)}, 8)
+
+
+class DropoutCNN(nnx.Module):
+  def __init__(self, rngs):
+    self.dense = nnx.Linear(64, 10, rngs=rngs)
+    self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+  def __call__(self, images):
+    return self.dense(self.dropout(images.reshape(images.shape[0], -1)))
+
+
+def test_pmap_dropout_differs_across_devices_and_state_stays_replicated(tiny_config):
+  graphdef, state = initial_state(tiny_config, DropoutCNN(nnx.Rngs(0)))
+  tiny_config.parallelism = "pmap"
+  steps = train.make_steps(graphdef, tiny_config, parallel.make_mesh())
+  state = steps.put_state(state)
+
+  @functools.partial(jax.pmap, axis_name=parallel.PMAP_AXIS)
+  def dropout_masks(state, images):
+    model, _ = nnx.merge(graphdef, state)
+    train.fold_in_device_index(model, parallel.PMAP_AXIS)
+    return model.dropout(images) != 0
+
+  masks = np.asarray(dropout_masks(state, jnp.ones((NUM_DEVICES, 4, 64))))
+  assert len({m.tobytes() for m in masks}) == NUM_DEVICES  # every device its own mask
+
+  state, _ = steps.train(state, steps.put_batch(batches([64])[0]))
+  for leaf in jax.tree.leaves(jax.tree.map(lambda x: x, state)):
+    leaf = jax.random.key_data(leaf) if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf
+    per_device = np.asarray(leaf)
+    assert (per_device == per_device[:1]).all()  # still identical on every device
+
+
+class BatchNormCNN(nnx.Module):
+  def __init__(self, axis_name, rngs):
+    self.conv = nnx.Conv(1, 4, kernel_size=(3, 3), use_bias=False, rngs=rngs)  # BN has one
+    self.norm = nnx.BatchNorm(4, axis_name=axis_name, rngs=rngs)
+    self.dense = nnx.Linear(8 * 8 * 4, 10, rngs=rngs)
+
+  def __call__(self, images):
+    x = nnx.relu(self.norm(self.conv(images)))
+    return self.dense(x.reshape(x.shape[0], -1))
+
+
+def test_batchnorm_statistics_are_synchronised(tiny_config):
+  """pmap with nnx.BatchNorm(axis_name=...) gives the statistics of the global batch."""
+  data = batches([64, 64])
+  graphdef, state = initial_state(tiny_config, BatchNormCNN(None, nnx.Rngs(0)))
+  single = run(tiny_config, "single", data, graphdef, state)
+  spmd = run(tiny_config, "spmd", data, graphdef, state)
+  graphdef, state = initial_state(tiny_config, BatchNormCNN(parallel.PMAP_AXIS, nnx.Rngs(0)))
+  pmap = run(tiny_config, "pmap", data, graphdef, state)
+  assert_trees_close(spmd, single, atol=1e-5)
+  assert_trees_close(pmap, single, atol=1e-5)
+  running_mean = pmap[0]["norm"]["mean"][...]
+  assert float(jnp.abs(running_mean).max()) > 0  # the statistics did move
