@@ -1,9 +1,7 @@
 """Reject impossible answers before anything is generated (one line on stderr, exit 1)."""
 
-import json
 import re
 import sys
-from pathlib import Path
 
 # Values are rendered as JSON string literals, so quotes and backslashes stay intact.
 ANSWERS = {
@@ -14,9 +12,13 @@ ANSWERS = {
     "python_min": {{ cookiecutter.python_min | tojson }},
     "parallelism": {{ cookiecutter.parallelism | tojson }},
 }
-# The choices come from cookiecutter.json itself; --replay and extra_context can bypass them.
-TEMPLATE_JSON = Path({{ cookiecutter._repo_dir | tojson }}, "cookiecutter.json")
-CHOICES = json.loads(TEMPLATE_JSON.read_text("utf-8"))
+# The choices of cookiecutter.json (tests/test_bake.py checks that they agree): --replay and
+# extra_context can bypass them.
+CHOICES = {
+    "license": ["Apache-2.0", "MIT", "BSD-3-Clause"],
+    "python_min": ["3.11", "3.12", "3.13"],
+    "parallelism": ["spmd", "pmap"],
+}
 
 SLUG_RE = re.compile(r"[a-z][a-z0-9_]*[a-z0-9]")
 # Modules the generated project imports or contains: a slug with one of these names would

@@ -1,5 +1,6 @@
 """Bake the template with pytest-cookies and check what comes out."""
 
+import ast
 import datetime
 import itertools
 import json
@@ -23,6 +24,7 @@ EXPECTED_FILES = [
     ".github/workflows/ci.yml",
     ".gitignore",
     "LICENSE",
+    "README.md",
     "configs/default.py",
     "configs/tiny.py",
     "input_pipeline.py",
@@ -33,6 +35,7 @@ EXPECTED_FILES = [
     "tests/test_input_pipeline.py",
     "tests/test_masking.py",
     "tests/test_model.py",
+    "tests/test_parallel.py",
     "tests/test_train.py",
     "train.py",
     "write_arrayrecord.py",
@@ -186,12 +189,29 @@ def test_bad_input_rejected(cookies, tmp_path, bad, rule):
     command += ["--replay-file", str(replay), str(TEMPLATE)]
   else:
     command += ["--no-input", str(TEMPLATE)] + [f"{k}={v}" for k, v in bad.items()]
-  proc = run(command, cwd=tmp_path)
+  proc = run(command, cwd=tmp_path, env=os.environ | {"TMPDIR": str(tmp_path)})
   assert proc.returncode != 0
   lines = proc.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("nnx-dp: "), proc.stderr
   assert all(words in lines[0] for words in rule), lines[0]
   assert not out.exists() or not any(out.iterdir())
+
+
+def test_hook_choices_match_cookiecutter_json():
+  hook = ast.parse((TEMPLATE / "hooks" / "pre_gen_project.py").read_text(encoding="utf-8"))
+  assignment = next(node for node in hook.body if isinstance(node, ast.Assign)
+                    and getattr(node.targets[0], "id", None) == "CHOICES")
+  choices = ast.literal_eval(assignment.value)
+  answers = json.loads((TEMPLATE / "cookiecutter.json").read_text(encoding="utf-8"))
+  assert choices == {key: answers[key] for key in CHOICE_VARIABLES}
+
+
+def test_bake_from_a_relative_template_path(tmp_path):
+  """As in the README: `cookiecutter --no-input -o build .` from the template's directory."""
+  proc = run([sys.executable, "-m", "cookiecutter", "--no-input", "-o", str(tmp_path), "."],
+             cwd=TEMPLATE, env=os.environ | {"TMPDIR": str(tmp_path)})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert (tmp_path / "nnx_data_parallel" / "train.py").is_file()
 
 
 def requirement_set(lines) -> set[tuple[str, str]]:

@@ -10,7 +10,10 @@ import os
 import time
 from typing import NamedTuple
 
-import writers  # noqa: I001  (first: lets CLU write TensorBoard files without TensorFlow)
+# isort: split
+import writers  # first: lets CLU write TensorBoard files without TensorFlow
+
+# isort: split
 
 import flax
 import jax
@@ -127,7 +130,7 @@ def fold_in_device_index(model, axis_name):
     stream.key[...] = jax.random.fold_in(stream.key[...], jax.lax.axis_index(axis_name))
 
   def restore():
-    for stream, key in zip(streams, keys):
+    for stream, key in zip(streams, keys, strict=True):
       stream.key[...] = key
 
   return restore
@@ -300,8 +303,17 @@ flags.mark_flag_as_required("config")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints and metrics go.", required=True)
 
 
+class _QuietLibraries(logging.logging.Filter):
+  """Keeps the log to progress and metrics: drops INFO lines from inside JAX and Orbax."""
+
+  def filter(self, record):
+    return record.levelno >= logging.logging.WARNING or not any(
+        f"{os.sep}{lib}{os.sep}" in record.pathname for lib in ("jax", "orbax"))
+
+
 def main(argv):
   del argv
+  logging.get_absl_handler().addFilter(_QuietLibraries())
   try:
     validate_config(_CONFIG.value)
   except ConfigError as e:

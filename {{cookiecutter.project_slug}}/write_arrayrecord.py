@@ -28,7 +28,7 @@ def write_split(out_dir: str, split: str, images: np.ndarray, labels: np.ndarray
     raise ValueError(f"{split}: {len(images)} images but {len(labels)} labels.")
   paths = [os.path.join(out_dir, f"{split}-{i:05d}-of-{num_shards:05d}.array_record")
            for i in range(num_shards)]
-  for path, indices in zip(paths, np.array_split(np.arange(len(labels)), num_shards)):
+  for path, indices in zip(paths, np.array_split(np.arange(len(labels)), num_shards), strict=True):
     writer = ArrayRecordWriter(path, "group_size:1")
     for index in indices:
       writer.write(serialization.msgpack_serialize(

@@ -65,7 +65,7 @@ def test_iterator_resumes_at_a_batch(tiny_config):
   all_batches = list(input_pipeline.as_iterator(batches, tiny_config))
   resumed = list(input_pipeline.as_iterator(batches, tiny_config, start=4))
   assert len(resumed) == len(all_batches) - 4
-  for a, b in zip(all_batches[4:], resumed):
+  for a, b in zip(all_batches[4:], resumed, strict=True):
     np.testing.assert_array_equal(a["label"], b["label"])
 
 

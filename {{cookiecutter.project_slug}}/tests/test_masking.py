@@ -30,8 +30,8 @@ def digits_batch(n: int, padded_to: int):
 
 
 def max_abs_diff(a, b) -> float:
-  return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a),
-                                                             jax.tree.leaves(b)))
+  pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+  return max(float(jnp.max(jnp.abs(x - y))) for x, y in pairs)
 
 
 def test_padded_gradient_equals_unpadded_gradient(tiny_config):

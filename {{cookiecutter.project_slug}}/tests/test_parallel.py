@@ -55,7 +55,8 @@ def run(config, parallelism, batch_list, graphdef=None, state=None):
 
 
 def assert_trees_close(a, b, atol):
-  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b),
+                          strict=True):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=0,
                                err_msg=jax.tree_util.keystr(path))
 
@@ -87,7 +88,7 @@ def test_gradient_accumulation_equals_one_large_batch(tiny_config, parallelism):
 def test_replicate_and_unreplicate(tiny_config):
   _, state = initial_state(tiny_config)
   replicated = parallel.replicate(state)
-  for x, r in zip(jax.tree.leaves(state), jax.tree.leaves(replicated)):
+  for x, r in zip(jax.tree.leaves(state), jax.tree.leaves(replicated), strict=True):
     assert r.shape == (NUM_DEVICES, *x.shape) and r.dtype == x.dtype
     assert len(r.addressable_shards) == NUM_DEVICES
     assert {s.device for s in r.addressable_shards} == set(jax.local_devices())
