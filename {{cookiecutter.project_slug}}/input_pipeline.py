@@ -2,9 +2,15 @@
 
 Every batch is a dict of NumPy arrays holding this process's share of one global batch:
   image [local_batch, H, W, C] float32, label [local_batch] int32, mask [local_batch] bool.
-`mask` is False on padding. Every split is cut into exactly ceil(examples / global_batch)
-batches on every process, so all processes run the same number of steps and every real example
-is seen exactly once per epoch: nothing is dropped, nothing is counted twice.
+`mask` is False on padding. A split is cut into exactly ceil(examples / global_batch) batches
+on every process, so all processes run the same number of steps and every real example is seen
+exactly once per epoch: nothing is dropped, nothing is counted twice.
+
+One Grain element is one batch, gathered with NumPy fancy indexing: Grain's per-example path
+costs tens of microseconds per example, more than a training step of a small model. Batch k
+holds the examples at positions [k * global_batch, (k + 1) * global_batch) of the stream
+(`num_epochs` passes, each a fresh seeded permutation); process p takes positions p, p + P, ...
+of it, so the global batch is the same whatever the number of processes P.
 """
 
 import dataclasses
@@ -29,7 +35,7 @@ class DatasetInfo:
 
 
 class ArraySource:
-  """A random-access Grain source over in-memory arrays."""
+  """Examples held in memory: `take` gathers a batch of them at once."""
 
   def __init__(self, images: np.ndarray, labels: np.ndarray):
     self.images, self.labels = images, labels
@@ -37,8 +43,23 @@ class ArraySource:
   def __len__(self) -> int:
     return len(self.labels)
 
-  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-    return {"image": self.images[index], "label": self.labels[index]}
+  def take(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+    return {"image": self.images[indices], "label": self.labels[indices]}
+
+
+class RecordSource:
+  """Examples in ArrayRecord files, one msgpack-encoded example per record."""
+
+  def __init__(self, paths: list[str]):
+    self.records = grain.sources.ArrayRecordDataSource(paths)
+
+  def __len__(self) -> int:
+    return len(self.records)
+
+  def take(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+    examples = [serialization.msgpack_restore(self.records[int(i)]) for i in indices]
+    return {"image": np.stack([ex["image"] for ex in examples]),
+            "label": np.array([ex["label"] for ex in examples], np.int32)}
 
 
 def _digits(config) -> dict[str, ArraySource]:
@@ -66,106 +87,110 @@ def _synthetic(config) -> dict[str, ArraySource]:
   return {"train": split(spec.num_train), "eval": split(spec.num_eval)}
 
 
-def decode_record(record: bytes) -> dict[str, np.ndarray]:
-  example = serialization.msgpack_restore(record)
-  return {"image": example["image"], "label": np.int32(example["label"])}
-
-
 def arrayrecord_paths(data_dir: str, split: str) -> list[str]:
   return sorted(glob.glob(os.path.join(data_dir, f"{split}-*.array_record")))
 
 
-def _arrayrecord(config) -> dict[str, grain.MapDataset]:
-  """ArrayRecord shards written by write_arrayrecord.py: `{split}-NNNNN-of-NNNNN.array_record`."""
-  return {
-      split: grain.MapDataset.source(
-          grain.sources.ArrayRecordDataSource(arrayrecord_paths(config.data_dir, split))
-      ).map(decode_record)
-      for split in ("train", "eval")
-  }
-
-
-def get_datasets(config) -> tuple[dict[str, grain.MapDataset], DatasetInfo]:
-  """Returns the unbatched, unshuffled splits ('train', 'eval') and what the model needs to know."""
+def get_datasets(config) -> tuple[dict[str, ArraySource | RecordSource], DatasetInfo]:
+  """The 'train' and 'eval' sources, and what the model needs to know about them."""
   if config.dataset == "arrayrecord":
     with open(os.path.join(config.data_dir, "metadata.json")) as f:
       meta = json.load(f)
-    splits = _arrayrecord(config)
+    sources = {split: RecordSource(arrayrecord_paths(config.data_dir, split))
+               for split in ("train", "eval")}
     image_shape, num_classes = meta["image_shape"], meta["num_classes"]
+  elif config.dataset == "synthetic":
+    sources = _synthetic(config)
+    image_shape, num_classes = config.synthetic.image_shape, config.synthetic.num_classes
   else:
-    sources = {"digits": _digits, "synthetic": _synthetic}[config.dataset](config)
-    splits = {name: grain.MapDataset.source(src) for name, src in sources.items()}
+    sources = _digits(config)
     image_shape = sources["train"].images.shape[1:]
     num_classes = int(sources["train"].labels.max()) + 1
-    if config.dataset == "synthetic":
-      num_classes = config.synthetic.num_classes
   info = DatasetInfo(tuple(image_shape), int(num_classes),
-                     {name: len(ds) for name, ds in splits.items()})
-  return splits, info
-
-
-class RandomShift(grain.transforms.RandomMap):
-  """Shifts an image by up to `max_shift` pixels in each direction, filling with zeros."""
-
-  def __init__(self, max_shift: int):
-    self.max_shift = max_shift
-
-  def random_map(self, example, rng: np.random.Generator):
-    image, s = example["image"], self.max_shift
-    height, width = image.shape[:2]
-    dy, dx = rng.integers(0, 2 * s + 1, size=2)
-    padded = np.pad(image, ((s, s), (s, s), (0, 0)))
-    return {**example, "image": padded[dy:dy + height, dx:dx + width]}
-
-
-def _to_model_input(example):
-  image = example["image"]
-  if np.issubdtype(image.dtype, np.integer):
-    image = image.astype(np.float32) / 255.0
-  return {"image": image.astype(np.float32), "label": np.int32(example["label"]), "mask": True}
+                     {split: len(source) for split, source in sources.items()})
+  return sources, info
 
 
 def num_batches(num_examples: int, global_batch_size: int) -> int:
   return math.ceil(num_examples / global_batch_size)
 
 
-def batched(
-    dataset: grain.MapDataset,
-    *,
-    global_batch_size: int,
-    process_index: int = 0,
-    process_count: int = 1,
-) -> grain.MapDataset:
-  """This process's padded, masked batches of `dataset`: the same count on every process.
-
-  Process p takes examples p, p + P, p + 2P, ...; so global batch k is examples
-  [k * global_batch_size, (k + 1) * global_batch_size) of `dataset`, whatever P is.
-  """
-  local_batch_size = global_batch_size // process_count
-  count = num_batches(len(dataset), global_batch_size)
-  local = dataset[process_index::process_count].map(_to_model_input)
-  pad = functools.partial(grain.experimental.batch_and_pad, batch_size=local_batch_size)
-  batches = local.batch(local_batch_size, batch_fn=pad)
-  if len(batches) < count:  # this process ran out of examples: add fully masked batches
-    empty = pad([{**local[0], "mask": False}])
-    batches = grain.MapDataset.concatenate(
-        [batches, grain.MapDataset.source([empty] * (count - len(batches)))])
-  return batches
+def _mix(x: np.ndarray) -> np.ndarray:
+  """splitmix64: well-spread 64-bit hashes of integers, vectorised (wrapping arithmetic)."""
+  x = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+  x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+  x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+  return x ^ (x >> np.uint64(31))
 
 
-def train_batches(dataset: grain.MapDataset, config, **process) -> grain.MapDataset:
-  """`num_epochs` passes over `dataset`, reshuffled every epoch, as one stream of batches.
+def random_shift(images_BHWC: np.ndarray, max_shift: int, keys_B: np.ndarray) -> np.ndarray:
+  """Shifts each image by up to `max_shift` pixels each way (zero fill); the shift of an image
+  is a function of its key alone, so it does not depend on how examples are batched."""
+  batch, height, width, _ = images_BHWC.shape
+  size = 2 * max_shift + 1
+  bits = _mix(keys_B)
+  dy = (bits % np.uint64(size)).astype(int)
+  dx = (bits // np.uint64(size) % np.uint64(size)).astype(int)
+  padded = np.pad(images_BHWC, ((0, 0), (max_shift, max_shift), (max_shift, max_shift), (0, 0)))
+  rows = dy[:, None] + np.arange(height)  # [B, H]
+  cols = dx[:, None] + np.arange(width)  # [B, W]
+  return padded[np.arange(batch)[:, None, None], rows[:, :, None], cols[:, None, :]]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadBatch:
+  """Batch number -> this process's padded, masked batch (the map of the Grain pipeline)."""
+
+  source: ArraySource | RecordSource
+  global_batch_size: int
+  num_epochs: int = 1
+  shuffle_seed: int | None = None  # None: the source's order
+  max_shift: int = 0  # random shifts (training augmentation); 0: none
+  process_index: int = 0
+  process_count: int = 1
+
+  def __len__(self) -> int:
+    return num_batches(self.num_epochs * len(self.source), self.global_batch_size)
+
+  @functools.lru_cache(maxsize=4)  # noqa: B019  (a batch spans at most two epochs)
+  def permutation(self, epoch: int) -> np.ndarray:
+    return np.random.default_rng([self.shuffle_seed, epoch]).permutation(len(self.source))
+
+  def __call__(self, batch_number: int) -> dict[str, np.ndarray]:
+    local_batch_size = self.global_batch_size // self.process_count
+    start = batch_number * self.global_batch_size + self.process_index
+    positions = start + self.process_count * np.arange(local_batch_size)
+    mask = positions < self.num_epochs * len(self.source)
+    epoch, offset = np.divmod(np.where(mask, positions, 0), len(self.source))
+    indices = offset
+    if self.shuffle_seed is not None:
+      indices = np.empty_like(offset)
+      for e in np.unique(epoch):  # a batch may straddle two epochs
+        indices[epoch == e] = self.permutation(int(e))[offset[epoch == e]]
+    batch = self.source.take(indices)
+    image = batch["image"]
+    if np.issubdtype(image.dtype, np.integer):
+      image = image.astype(np.float32) / 255.0
+    if self.max_shift:
+      image = random_shift(image, self.max_shift, positions + (self.shuffle_seed or 0) * 2**40)
+    image = np.where(mask[:, None, None, None], image, 0).astype(np.float32)
+    label = np.where(mask, batch["label"], 0).astype(np.int32)
+    return {"image": image, "label": label, "mask": mask}
+
+
+def train_batches(source, config, **process) -> grain.MapDataset:
+  """`num_epochs` passes over `source`, reshuffled every epoch, as one stream of batches.
 
   Only the very last batch can be partial; it is padded and masked.
   """
-  dataset = dataset.shuffle(seed=config.seed).repeat(config.num_epochs)
-  if config.augment_max_shift:
-    dataset = dataset.random_map(RandomShift(config.augment_max_shift), seed=config.seed)
-  return batched(dataset, global_batch_size=config.batch_size, **process)
+  load = LoadBatch(source, config.batch_size, config.num_epochs, config.seed,
+                   config.augment_max_shift, **process)
+  return grain.MapDataset.range(len(load)).map(load)
 
 
-def eval_batches(dataset: grain.MapDataset, config, **process) -> grain.MapDataset:
-  return batched(dataset, global_batch_size=config.batch_size, **process)
+def eval_batches(source, config, **process) -> grain.MapDataset:
+  load = LoadBatch(source, config.batch_size, **process)
+  return grain.MapDataset.range(len(load)).map(load)
 
 
 def as_iterator(batches: grain.MapDataset, config, start: int = 0) -> grain.DatasetIterator:

@@ -66,8 +66,7 @@ def main(argv):
     from configs import default
 
     sources, _ = input_pipeline.get_datasets(default.get_config())
-    splits = {s: (np.stack([ex["image"] for ex in ds]), np.array([ex["label"] for ex in ds]))
-              for s, ds in sources.items()}
+    splits = {split: (source.images, source.labels) for split, source in sources.items()}
   write_dataset(_OUT_DIR.value, splits, _NUM_SHARDS.value)
   print(f"wrote {', '.join(f'{s}: {len(y)}' for s, (_, y) in splits.items())} to {_OUT_DIR.value}")
 

@@ -90,9 +90,8 @@ def test_eval_counts_every_example_once(tiny_config):
   result = train.evaluate(steps, steps.put_state(state), batches, tiny_config)
   assert result["examples"] == 1001
 
-  examples = list(splits["eval"])
-  images = np.stack([ex["image"] for ex in examples])
-  labels = np.array([ex["label"] for ex in examples])
+  examples = splits["eval"].take(np.arange(1001))
+  images, labels = examples["image"], examples["label"]
   logits = model(images)
   expected_loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
   expected_accuracy = (logits.argmax(-1) == labels).mean()
