@@ -5,8 +5,11 @@
 The logic is in `train_and_evaluate(config, workdir)`; the absl entry point is at the bottom.
 """
 
+import contextlib
 import functools
 import os
+import signal
+import threading
 import time
 from typing import NamedTuple
 
@@ -16,6 +19,7 @@ import writers  # first: lets CLU write TensorBoard files without TensorFlow
 # isort: split
 
 import flax
+import grain
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -42,6 +46,28 @@ class Metrics(metrics.Collection):
   accuracy: metrics.Accuracy
 
 
+@flax.struct.dataclass
+class Finite(metrics.Metric):
+  """Whether every merged training step had a finite loss and gradient."""
+
+  all_steps: jax.Array
+
+  @classmethod
+  def empty(cls):
+    return cls(all_steps=jnp.array(True))
+
+  def merge(self, other):
+    return type(self)(all_steps=self.all_steps & other.all_steps)
+
+  def compute(self):
+    return self.all_steps
+
+
+@flax.struct.dataclass
+class TrainMetrics(Metrics):
+  finite: Finite
+
+
 class ConfigError(ValueError):
   """A config that cannot work; the message names the key, the value and the fix."""
 
@@ -63,16 +89,43 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
               "checkpoint_every_steps", "max_checkpoints_to_keep", "cpu_sync_every_steps"):
     need(isinstance(config[key], int) and config[key] > 0,
          f"config.{key}={config[key]!r} must be a positive integer.")
+  for key in ("learning_rate", "eval_fraction"):
+    need(isinstance(config[key], (int, float)) and config[key] > 0,
+         f"config.{key}={config[key]!r} must be a positive number.")
+  need(config.eval_fraction < 1, f"config.eval_fraction={config.eval_fraction} must be below 1.")
   parts = jax.device_count() * config.grad_accum_steps
   over = f"{jax.device_count()} devices" + (
+      f" on {jax.process_count()} processes" if jax.process_count() > 1 else "") + (
       f" x {config.grad_accum_steps} micro-batches" if config.grad_accum_steps > 1 else "")
   need(config.batch_size % parts == 0,
        f"config.batch_size={config.batch_size} does not divide over {over}; use a multiple of "
        f"{parts}, e.g. {max(1, round(config.batch_size / parts)) * parts}.")
   if config.dataset == "arrayrecord":
-    need(bool(input_pipeline.arrayrecord_paths(config.data_dir, "train")),
-         f"config.data_dir={config.data_dir!r} holds no train-*.array_record files; write them "
-         "with write_arrayrecord.py.")
+    for split in ("train", "eval"):
+      need(bool(input_pipeline.arrayrecord_paths(config.data_dir, split)),
+           f"config.data_dir={config.data_dir!r} holds no {split}-*.array_record files; write "
+           "them with write_arrayrecord.py.")
+    need(os.path.isfile(os.path.join(config.data_dir, "metadata.json")),
+         f"config.data_dir={config.data_dir!r} has no metadata.json; write the data with "
+         "write_arrayrecord.py.")
+
+
+def check_checkpoint_fits(checkpoints, step: int, abstract_state, workdir: str) -> None:
+  """Raises ConfigError if the checkpoint of `step` holds a different model or optimizer."""
+
+  def shapes(tree):  # {"0/conv1/kernel/value": (3, 3, 1, 32), ...}
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {"/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                     for k in path): tuple(x.shape) for path, x in leaves}
+
+  saved = shapes(checkpoints.item_metadata(step)["state"])
+  wanted = shapes(abstract_state)
+  for name in sorted(saved.keys() | wanted.keys()):
+    if saved.get(name) != wanted.get(name):
+      raise ConfigError(
+          f"workdir {workdir!r} holds a checkpoint (step {step}) of a different model: {name} is "
+          f"{saved.get(name, 'absent')} there and {wanted.get(name, 'absent')} in this config; "
+          "use a new --workdir, or the config that wrote it.")
 
 
 def create_optimizer(config, num_train_steps: int) -> optax.GradientTransformation:
@@ -143,6 +196,7 @@ def train_step(graphdef, state, batch, grad_accum_steps=1, axis_name=None):
   both summed globally: exact for any padding, on any number of devices and micro-batches.
   Only gradients and metrics are reduced; the optimizer's counters are never averaged.
   """
+  old_state = jax.tree.map(lambda x: x, state)  # kept for a step that is not finite
   model, optimizer = nnx.merge(graphdef, state)
   model.train()
   if axis_name is not None:
@@ -153,7 +207,12 @@ def train_step(graphdef, state, batch, grad_accum_steps=1, axis_name=None):
     grads, step_metrics = jax.lax.psum((grads, step_metrics), axis_name)
   count = jnp.maximum(step_metrics.loss.count, 1)
   optimizer.update(model, jax.tree.map(lambda g: g / count, grads))
-  return nnx.state((model, optimizer)), step_metrics
+  # A non-finite loss or gradient leaves the state as it was; the loop decides what to do.
+  finite = jnp.isfinite(step_metrics.loss.total) & jnp.all(
+      jnp.stack([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]))
+  new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                           nnx.state((model, optimizer)), old_state)
+  return new_state, TrainMetrics(**vars(step_metrics), finite=Finite(all_steps=finite))
 
 
 def eval_step(graphdef, state, batch, axis_name=None):
@@ -210,9 +269,9 @@ def flatten(tree: dict, prefix: str = "") -> dict:
 
 
 def merge_metrics(step_metrics: list[Metrics]) -> dict[str, float]:
-  merged = functools.reduce(lambda a, b: a.merge(b), step_metrics)
-  merged = jax.device_get(merged)
-  return {**merged.compute(), "examples": int(merged.loss.count)}
+  merged = jax.device_get(functools.reduce(lambda a, b: a.merge(b), step_metrics))
+  return {"loss": float(merged.loss.compute()), "accuracy": float(merged.accuracy.compute()),
+          "examples": int(merged.loss.count)}
 
 
 def evaluate(steps: Steps, state, eval_batches, config) -> dict[str, float]:
@@ -224,8 +283,45 @@ def evaluate(steps: Steps, state, eval_batches, config) -> dict[str, float]:
   return merge_metrics(step_metrics)
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
-  """Trains (resuming from the latest checkpoint in `workdir`), returns the final eval metrics."""
+class NonFiniteLoss(FloatingPointError):
+  """A training step had a non-finite loss or gradient (its update was not applied)."""
+
+
+@contextlib.contextmanager
+def stop_signals():
+  """Collects SIGTERM and SIGINT instead of dying, so the loop can stop after a step and save.
+
+  With several processes, JAX's preemption service handles SIGTERM instead (the loop asks Orbax
+  whether a preemption sync point is reached), so that every process stops at the same step.
+  """
+  received = []
+  mine = jax.process_count() == 1 and threading.current_thread() is threading.main_thread()
+  previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum))
+              for sig in (signal.SIGTERM, signal.SIGINT)} if mine else {}
+  try:
+    yield received
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
+
+
+def restore_or_init(checkpoints, state, train_iter, workdir: str):
+  """The latest complete checkpoint in `workdir` (state and data position), or a fresh start."""
+  step = checkpoints.latest_step()
+  if step is None:
+    return 0, state
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+  check_checkpoint_fits(checkpoints, step, abstract, workdir)
+  restored = checkpoints.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract),
+      data_iter=grain.checkpoint.CheckpointRestore(train_iter)))
+  logging.info("Resumed from the checkpoint of step %d in %s", step, workdir)
+  return step, restored["state"]
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float] | None:
+  """Trains, resuming from the latest checkpoint in `workdir`; returns the final eval metrics,
+  or None when SIGTERM/SIGINT (or a preemption notice) stopped it after saving a checkpoint."""
   validate_config(config)
   workdir = os.path.abspath(workdir)
   process = dict(process_index=jax.process_index(), process_count=jax.process_count())
@@ -242,16 +338,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   mesh = parallel.make_mesh()
   steps = make_steps(graphdef, config, mesh)
 
+  # One manager for the model and optimizer state and the position of the data iterator.
+  # Orbax writes each checkpoint to a temporary directory and renames it when complete, so a
+  # checkpoint cut short by a kill is never restored.
   checkpoints = ocp.CheckpointManager(
       os.path.join(workdir, "checkpoints"),
-      options=ocp.CheckpointManagerOptions(max_to_keep=config.max_checkpoints_to_keep))
-  state = jax.device_put(state, parallel.replicated(mesh))
-  first_step = checkpoints.latest_step() or 0
-  if first_step:
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-    state = checkpoints.restore(
-        first_step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
-    logging.info("Resumed from the checkpoint of step %d in %s", first_step, workdir)
+      options=ocp.CheckpointManagerOptions(max_to_keep=config.max_checkpoints_to_keep),
+      item_handlers=dict(state=ocp.StandardCheckpointHandler(),
+                         data_iter=grain.checkpoint.CheckpointHandler()))
+  train_iter = input_pipeline.as_iterator(train_batches, config)
+  first_step, state = restore_or_init(
+      checkpoints, jax.device_put(state, parallel.replicated(mesh)), train_iter, workdir)
   state = steps.put_state(state)
   if config.print_shardings:
     logging.info("%s\n%s", parallel.describe(state, "state"),
@@ -262,34 +359,71 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   if first_step == 0:
     writer.write_hparams(flatten(config.to_dict()))
   report_progress = writers.periodic_actions.ReportProgress(
-      num_train_steps=num_train_steps, writer=writer)
+      num_train_steps=num_train_steps, writer=writer, every_steps=config.log_every_steps)
 
-  train_iter = input_pipeline.as_iterator(train_batches, config, start=first_step)
-  train_metrics, last_log = [], time.perf_counter()
-  eval_metrics = None
-  for step in range(first_step + 1, num_train_steps + 1):  # `step` counts finished updates
-    with jax.profiler.StepTraceAnnotation("train", step_num=step):
-      state, step_metrics = steps.train(state, steps.put_batch(next(train_iter)))
-    train_metrics.append(step_metrics)
-    report_progress(step)
-    is_last = step == num_train_steps
-    if jax.default_backend() == "cpu" and step % config.cpu_sync_every_steps == 0:
-      jax.block_until_ready(step_metrics)
-    if step % config.log_every_steps == 0 or is_last:
-      summary = merge_metrics(train_metrics)
-      now = time.perf_counter()
-      summary["examples_per_sec"] = summary["examples"] / (now - last_log)
-      writer.write_scalars(step, {f"train_{k}": v for k, v in summary.items()})
-      train_metrics, last_log = [], now
-    if step % config.eval_every_steps == 0 or is_last:
-      with report_progress.timed("eval"):
-        eval_metrics = evaluate(steps, state, eval_batches, config)
-      writer.write_scalars(step, {f"eval_{k}": v for k, v in eval_metrics.items()})
-    if step % config.checkpoint_every_steps == 0 or is_last:
-      with report_progress.timed("checkpoint"):
-        checkpoints.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(steps.get_state(state))))
+  def save(step):
+    with report_progress.timed("checkpoint"):
+      checkpoints.save(step, force=True, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(steps.get_state(state)),
+          data_iter=grain.checkpoint.CheckpointSave(train_iter)))
+
+  def check_finite(pending):
+    """Pending: (step, metrics) since the last check. Raises on a skipped step unless allowed."""
+    finite = jax.device_get([m.finite.all_steps for _, m in pending])
+    bad = [step for (step, _), ok in zip(pending, finite, strict=True) if not ok]
+    if bad and not config.skip_nonfinite_steps:
+      checkpoints.wait_until_finished()
+      raise NonFiniteLoss(
+          f"non-finite loss or gradient at step {bad[0]}; its update was not applied, and the "
+          f"last good checkpoint is step {checkpoints.latest_step()} in {checkpoints.directory}. "
+          "Lower the learning rate, check the data, or set --config.skip_nonfinite_steps=True.")
+    if bad:
+      logging.warning("Skipped %d steps with a non-finite loss or gradient: %s", len(bad), bad)
+
+  train_metrics, last_log, eval_metrics, stopped_by = [], time.perf_counter(), None, None
+  with stop_signals() as received:
+    for step in range(first_step + 1, num_train_steps + 1):  # `step` counts finished updates
+      with jax.profiler.StepTraceAnnotation("train", step_num=step):
+        state, step_metrics = steps.train(state, steps.put_batch(next(train_iter)))
+      train_metrics.append((step, step_metrics))
+      report_progress(step)
+      if step == first_step + 1:  # the loop's clock starts once the step is compiled
+        jax.block_until_ready(step_metrics)
+        loop_start = time.perf_counter()
+      is_last = step == num_train_steps
+      if jax.default_backend() == "cpu" and step % config.cpu_sync_every_steps == 0:
+        jax.block_until_ready(step_metrics)
+      stopped_by = received[0] if received else (
+          "a preemption notice" if checkpoints.reached_preemption(step) else None)
+      if step % config.log_every_steps == 0 or step % config.checkpoint_every_steps == 0 or (
+          is_last or stopped_by):
+        check_finite(train_metrics)
+      if step % config.log_every_steps == 0 or is_last:
+        summary = merge_metrics([m for _, m in train_metrics])
+        now = time.perf_counter()
+        summary["examples_per_sec"] = summary["examples"] / (now - last_log)
+        writer.write_scalars(step, {f"train_{k}": v for k, v in summary.items()})
+        train_metrics, last_log = [], now
+      if step % config.eval_every_steps == 0 or is_last:
+        with report_progress.timed("eval"):
+          eval_metrics = evaluate(steps, state, eval_batches, config)
+        writer.write_scalars(step, {f"eval_{k}": v for k, v in eval_metrics.items()})
+      if step % config.checkpoint_every_steps == 0 or is_last or stopped_by:
+        save(step)
+      if stopped_by:
+        break
   checkpoints.close()  # waits for the last asynchronous save
+  if stopped_by:
+    name = signal.Signals(stopped_by).name if isinstance(stopped_by, int) else stopped_by
+    logging.warning("Stopped by %s after step %d of %d; saved checkpoint %d in %s. Run the same "
+                    "command again to resume.", name, step, num_train_steps, step, workdir)
+    writer.close()
+    return None
+  if num_train_steps > first_step + 1:
+    # Training throughput of the whole loop (input pipeline, logging, evaluation, checkpoints).
+    loop_rate = (num_train_steps - first_step - 1) * config.batch_size / (
+        time.perf_counter() - loop_start)
+    writer.write_scalars(num_train_steps, {"loop_examples_per_sec": loop_rate})
   if eval_metrics is None:  # nothing left to train: report the restored state
     eval_metrics = evaluate(steps, state, eval_batches, config)
   writer.close()
@@ -315,10 +449,11 @@ def main(argv):
   del argv
   logging.get_absl_handler().addFilter(_QuietLibraries())
   try:
-    validate_config(_CONFIG.value)
-  except ConfigError as e:
+    result = train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  except (ConfigError, NonFiniteLoss) as e:
     raise SystemExit(f"error: {e}") from None
-  train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  if result is None:  # stopped by a signal, after saving: the conventional 128 + SIGTERM
+    raise SystemExit(128 + signal.SIGTERM)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval_every_steps = 200
   config.checkpoint_every_steps = 200
   config.max_checkpoints_to_keep = 3
+  config.skip_nonfinite_steps = False  # True: skip a step whose loss is not finite; False: stop
   # On the CPU backend, wait for a result this often: XLA:CPU collectives abort when hundreds
   # of steps are queued. Other backends never wait inside the loop.
   config.cpu_sync_every_steps = 8

@@ -1,0 +1,190 @@
+"""Nothing lost: stopped, killed or fed bad input, a run resumes exactly or refuses cleanly."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import input_pipeline
+import train
+from write_arrayrecord import write_dataset
+
+PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+
+# Runs train_and_evaluate on the tiny config (with JSON overrides) and records every training
+# batch the pipeline makes: its number and a hash of its contents. With no read-ahead
+# (read_threads=0) batches are made exactly when the loop takes them.
+DRIVER = """
+import hashlib, json, sys
+from absl import flags
+flags.FLAGS.mark_as_parsed()
+import input_pipeline, train
+from configs import tiny
+workdir, overrides, record_path = sys.argv[1:]
+config = tiny.get_config()
+config.update(json.loads(overrides))
+record = open(record_path, "a")
+make_batch = input_pipeline.LoadBatch.__call__
+def recorded(self, number):
+  batch = make_batch(self, number)
+  if self.shuffle_seed is not None:  # training batches
+    digest = hashlib.sha1(b"".join(batch[k].tobytes() for k in sorted(batch))).hexdigest()
+    print(number, digest, file=record, flush=True)
+  return batch
+input_pipeline.LoadBatch.__call__ = recorded
+result = train.train_and_evaluate(config, workdir)
+print("RESULT", json.dumps(result))
+sys.exit(0 if result is not None else 143)
+"""
+
+
+def start(workdir, overrides, record):
+  return subprocess.Popen([sys.executable, "-c", DRIVER, str(workdir), json.dumps(overrides),
+                           str(record)], cwd=PROJECT, env=ENV, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+
+
+def finish(process, timeout=300):
+  stdout, stderr = process.communicate(timeout=timeout)
+  return process.returncode, stdout, stderr
+
+
+def recorded(path):
+  with open(path) as f:
+    return [tuple(line.split()) for line in f]
+
+
+def final_state(workdir):
+  """The latest checkpoint's state, as {path: array}."""
+  with ocp.CheckpointManager(os.path.join(workdir, "checkpoints")) as checkpoints:
+    step = checkpoints.latest_step()
+    state = checkpoints.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore()))["state"]
+  import jax
+
+  return step, {jax.tree_util.keystr(p): np.asarray(x)
+                for p, x in jax.tree_util.tree_leaves_with_path(state)}
+
+
+def wait_for(condition, process, timeout=120):
+  deadline = time.monotonic() + timeout
+  while not condition():
+    assert process.poll() is None, process.communicate()[1][-3000:]
+    assert time.monotonic() < deadline, "timed out"
+    time.sleep(0.005)
+
+
+NO_READ_AHEAD = dict(read_threads=0, prefetch_batches=0)
+
+
+def test_sigterm_mid_epoch_then_resume_is_bitwise_identical(tmp_path):
+  overrides = dict(NO_READ_AHEAD, num_epochs=8, checkpoint_every_steps=50)  # 23 steps an epoch
+  straight = start(tmp_path / "straight", overrides, tmp_path / "straight.txt")
+  code, stdout, stderr = finish(straight)
+  assert code == 0, stderr[-3000:]
+
+  interrupted = start(tmp_path / "run", overrides, tmp_path / "run.txt")
+  wait_for(lambda: len(recorded(tmp_path / "run.txt")) >= 40, interrupted)
+  interrupted.send_signal(signal.SIGTERM)
+  code, _, stderr = finish(interrupted)
+  assert code == 143, stderr[-3000:]
+  stopped_at, _ = final_state(tmp_path / "run")
+  assert f"Stopped by SIGTERM after step {stopped_at} of 184" in stderr
+  assert stopped_at % 23 != 0 and stopped_at % 50 != 0  # mid-epoch, between regular saves
+
+  resumed = start(tmp_path / "run", overrides, tmp_path / "run.txt")
+  code, stdout_resumed, stderr = finish(resumed)
+  assert code == 0, stderr[-3000:]
+  assert f"Resumed from the checkpoint of step {stopped_at}" in stderr
+
+  # The same batches, in the same order, each exactly once; then the same bits.
+  assert recorded(tmp_path / "run.txt") == recorded(tmp_path / "straight.txt")
+  assert len(recorded(tmp_path / "run.txt")) == 184
+  step_a, state_a = final_state(tmp_path / "straight")
+  step_b, state_b = final_state(tmp_path / "run")
+  assert step_a == step_b == 184 and state_a.keys() == state_b.keys()
+  for name in state_a:
+    np.testing.assert_array_equal(state_a[name], state_b[name], err_msg=name)
+  assert stdout_resumed.splitlines()[-1] == stdout.splitlines()[-1]  # same eval metrics
+
+
+def test_sigkill_while_saving_resumes_from_the_previous_complete_checkpoint(tmp_path):
+  # A larger model, so that a checkpoint takes long enough to be killed in the middle.
+  overrides = dict(model={"features": (128, 256)}, num_epochs=2, checkpoint_every_steps=10)
+  straight = start(tmp_path / "straight", overrides, tmp_path / "straight.txt")
+  killed = start(tmp_path / "run", overrides, tmp_path / "run.txt")
+  checkpoint_dir = tmp_path / "run" / "checkpoints"
+
+  def writing_second_checkpoint():
+    return checkpoint_dir.exists() and any(
+        "tmp" in p.name and not p.name.startswith("10.") for p in checkpoint_dir.iterdir())
+
+  wait_for(writing_second_checkpoint, killed)
+  killed.kill()
+  killed.wait(timeout=60)
+  half_written = [p.name for p in checkpoint_dir.iterdir() if "tmp" in p.name]
+  assert half_written, "the kill came too late to catch a checkpoint being written"
+  with ocp.CheckpointManager(checkpoint_dir) as checkpoints:
+    assert checkpoints.latest_step() == 10  # the half-written one is not a checkpoint
+
+  resumed = start(tmp_path / "run", overrides, tmp_path / "run.txt")
+  code, stdout, stderr = finish(resumed)
+  assert code == 0, stderr[-3000:]
+  assert "Resumed from the checkpoint of step 10" in stderr
+  code, stdout_straight, stderr = finish(straight)
+  assert code == 0, stderr[-3000:]
+  _, state_a = final_state(tmp_path / "straight")
+  _, state_b = final_state(tmp_path / "run")
+  for name in state_a:
+    np.testing.assert_array_equal(state_a[name], state_b[name], err_msg=name)
+
+
+def test_same_config_and_seed_give_the_same_bits(tiny_config, tmp_path):
+  first = train.train_and_evaluate(tiny_config, str(tmp_path / "a"))
+  second = train.train_and_evaluate(tiny_config, str(tmp_path / "b"))
+  assert first == second
+  _, state_a = final_state(tmp_path / "a")
+  _, state_b = final_state(tmp_path / "b")
+  for name in state_a:
+    np.testing.assert_array_equal(state_a[name], state_b[name], err_msg=name)
+
+
+def digits_with_a_nan(directory, tiny_config):
+  """The digits as ArrayRecord files, with one training image made of NaNs."""
+  sources, _ = input_pipeline.get_datasets(tiny_config)
+  images = sources["train"].images.copy()
+  images[100] = np.nan
+  write_dataset(str(directory), {"train": (images, sources["train"].labels),
+                                 "eval": (sources["eval"].images, sources["eval"].labels)})
+  tiny_config.dataset, tiny_config.data_dir = "arrayrecord", str(directory)
+  batches = input_pipeline.train_batches(input_pipeline.get_datasets(tiny_config)[0]["train"],
+                                         tiny_config)
+  return next(k + 1 for k in range(len(batches)) if np.isnan(batches[k]["image"]).any())
+
+
+def test_nonfinite_loss_stops_naming_the_step_and_the_last_good_checkpoint(tiny_config, tmp_path):
+  tiny_config.checkpoint_every_steps = 5
+  bad_step = digits_with_a_nan(tmp_path / "data", tiny_config)
+  with pytest.raises(train.NonFiniteLoss, match=f"at step {bad_step};") as error:
+    train.train_and_evaluate(tiny_config, str(tmp_path / "run"))
+  last_good = (bad_step - 1) // 5 * 5
+  assert f"last good checkpoint is step {last_good} in" in str(error.value)
+  last_step, state = final_state(tmp_path / "run")
+  assert last_step == last_good and all(np.isfinite(x).all() for x in state.values()
+                                        if x.dtype.kind == "f")
+
+
+def test_nonfinite_steps_can_be_skipped(tiny_config, tmp_path):
+  digits_with_a_nan(tmp_path / "data", tiny_config)
+  tiny_config.skip_nonfinite_steps = True
+  result = train.train_and_evaluate(tiny_config, str(tmp_path / "run"))
+  assert result["examples"] == 360 and np.isfinite(result["loss"])
+  _, state = final_state(tmp_path / "run")
+  assert all(np.isfinite(x).all() for x in state.values() if x.dtype.kind == "f")
