@@ -36,6 +36,7 @@ EXPECTED_FILES = [
     "tests/test_masking.py",
     "tests/test_model.py",
     "tests/test_parallel.py",
+    "tests/test_preemption.py",
     "tests/test_train.py",
     "train.py",
     "write_arrayrecord.py",

@@ -101,21 +101,47 @@ def test_resume_from_a_checkpoint_of_either_path(straight_runs, tmp_path, first,
     assert resumed["accuracy"] == pytest.approx(expected["accuracy"], abs=1e-9)
 
 
+def run_cli(workdir, *overrides, config="configs/tiny.py"):
+  start = time.perf_counter()
+  out = subprocess.run(
+      [sys.executable, "train.py", f"--config={config}", f"--workdir={workdir}", *overrides],
+      cwd=PROJECT, capture_output=True, text=True, timeout=300,
+      env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+  return out, time.perf_counter() - start
+
+
 @pytest.mark.parametrize("override, message", [
-    ("--config.batch_size=100", "config.batch_size=100 does not divide over 8 devices"),
+    ("--config.batch_size=100", "config.batch_size=100 does not divide over 8 devices; use a "
+                                "multiple of 8, e.g. 96."),
     ("--config.dataset=mnist", "config.dataset='mnist' is unknown; use one of"),
     ("--config.parallelism=dp", "config.parallelism='dp' is unknown; use one of"),
+    ("--config.optimizer=lamb", "config.optimizer='lamb' is unknown; use one of"),
+    ("--config.batch_size=0", "config.batch_size=0 must be a positive integer."),
+    ("--config.num_epochs=-1", "config.num_epochs=-1 must be a positive integer."),
+    ("--config.eval_every_steps=0", "config.eval_every_steps=0 must be a positive integer."),
+    ("--config.learning_rate=0", "config.learning_rate=0.0 must be a positive number."),
+    ("--config.dataset=arrayrecord", "config.data_dir='' holds no train-*.array_record files"),
 ])
 def test_bad_config_stops_with_one_line_before_compiling(tmp_path, override, message):
   workdir = tmp_path / "run"
-  start = time.perf_counter()
-  out = subprocess.run(
-      [sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={workdir}", override],
-      cwd=PROJECT, capture_output=True, text=True, timeout=120,
-      env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
-  elapsed = time.perf_counter() - start
+  out, elapsed = run_cli(workdir, override)
   assert out.returncode == 1
   last_line = out.stderr.strip().splitlines()[-1]
   assert last_line.startswith("error: ") and message in last_line, out.stderr[-2000:]
   assert not workdir.exists()  # nothing read, written or compiled
   print(f"{override}: refused in {elapsed:.1f}s: {last_line}")
+
+
+def test_a_checkpoint_of_another_model_is_refused_and_kept(tmp_path):
+  workdir = tmp_path / "run"
+  out, _ = run_cli(workdir)
+  assert out.returncode == 0, out.stderr[-2000:]
+  before = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()}
+  out, elapsed = run_cli(workdir, "--config.model.features=(8,32)")
+  assert out.returncode == 1
+  last_line = out.stderr.strip().splitlines()[-1]
+  assert last_line.startswith(f"error: workdir '{workdir}' holds a checkpoint (step 23) of a "
+                              "different model: 0/conv2/bias/value is (16,) there and (32,) in "
+                              "this config"), last_line
+  assert {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()} == before
+  print(f"other model: refused in {elapsed:.1f}s: {last_line}")
