@@ -11,7 +11,8 @@ on the CPU), so the peak memory is that configuration's; `single` uses device 0 
 Loop efficiency: the `loop_examples_per_sec` that `train_and_evaluate` writes for the config
 (input pipeline, metrics, logging, evaluation and checkpoints included) over the bare step's
 examples/s for the same model and batch. Needs the dev extra (tensorboard reads the metrics).
---tiny shrinks everything (configs/tiny.py) to a smoke run of every code path, for CI.
+--tiny shrinks everything (configs/tiny.py) to a smoke run of every code path, for CI; it runs
+two subprocesses at a time (its timings mean nothing), the full benchmark one at a time.
 """
 
 import concurrent.futures
@@ -75,7 +76,8 @@ def step_state_batch(config, path: str):
   graphdef, state = nnx.split((model, optimizer))
   if path == "single":
     device = jax.devices()[0]
-    step = jax.jit(functools.partial(train.train_step, graphdef), donate_argnums=0)
+    step = jax.jit(functools.partial(train.train_step, graphdef,
+                                     grad_accum_steps=config.grad_accum_steps), donate_argnums=0)
     return step, jax.device_put(state, device), jax.device_put(batch, device)
   config.parallelism = path
   mesh = parallel.make_mesh()
@@ -150,8 +152,6 @@ def run_in_subprocess(what: str, is_tiny: bool) -> dict:
 
 
 def run_all(whats: list[str], is_tiny: bool) -> dict[str, dict]:
-  """Every measurement, one process at a time so that they do not compete for the cores; --tiny
-  runs two at a time (its timings mean nothing)."""
   with concurrent.futures.ThreadPoolExecutor(max_workers=2 if is_tiny else 1) as pool:
     return dict(zip(whats, pool.map(lambda what: run_in_subprocess(what, is_tiny), whats)))
 

@@ -29,6 +29,13 @@ def data_sharded(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(DATA_AXIS))
 
 
+def to_global(tree, mesh: Mesh):
+  """Arrays every process holds in full (the same values everywhere) -> global arrays
+  replicated over the mesh."""
+  sharding = replicated(mesh)
+  return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), tree)
+
+
 def global_batch(local_batch, mesh: Mesh):
   """This process's part of the batch -> global arrays split over 'data'."""
   sharding = data_sharded(mesh)
@@ -44,9 +51,12 @@ def replicate(tree):
   """Every leaf broadcast to `[local_devices, ...]`, one copy on each local device."""
   mesh = local_devices_mesh()
   sharding = NamedSharding(mesh, P(PMAP_AXIS))
-  n = mesh.size
-  return jax.tree.map(
-      lambda x: jax.device_put(jnp.broadcast_to(x, (n, *jnp.shape(x))), sharding), tree)
+
+  def put(x):
+    x = x.addressable_data(0) if isinstance(x, jax.Array) else x  # this process's copy
+    return jax.device_put(jnp.broadcast_to(x, (mesh.size, *jnp.shape(x))), sharding)
+
+  return jax.tree.map(put, tree)
 
 
 def unreplicate(tree):

@@ -244,15 +244,14 @@ def make_steps(graphdef, config, mesh) -> Steps:
                                      axis_name=axis), donate_argnums=0, out_axes=(0, None)),
         eval=pmap(functools.partial(eval_step, graphdef, axis_name=axis), out_axes=None),
         put_state=parallel.replicate,
-        get_state=lambda state: jax.device_put(parallel.unreplicate(state),
-                                               parallel.replicated(mesh)),
+        get_state=lambda state: parallel.to_global(parallel.unreplicate(state), mesh),
         put_batch=parallel.pmap_batch,
     )
   return Steps(
       train=jax.jit(functools.partial(train_step, graphdef, grad_accum_steps=accum),
                     donate_argnums=0),
       eval=jax.jit(functools.partial(eval_step, graphdef)),
-      put_state=lambda state: jax.device_put(state, parallel.replicated(mesh)),
+      put_state=lambda state: state,
       get_state=lambda state: state,
       put_batch=lambda batch: parallel.global_batch(batch, mesh),
   )
@@ -305,18 +304,28 @@ def stop_signals():
       signal.signal(sig, handler)
 
 
-def restore_or_init(checkpoints, state, train_iter, workdir: str):
-  """The latest complete checkpoint in `workdir` (state and data position), or a fresh start."""
+def restore_or_init(checkpoints, state, train_batches, config, workdir: str):
+  """The latest complete checkpoint in `workdir` and the training iterator positioned after it,
+  or a fresh start. Returns (step, state, iterator)."""
   step = checkpoints.latest_step()
   if step is None:
-    return 0, state
+    return 0, state, input_pipeline.as_iterator(train_batches, config)
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
   check_checkpoint_fits(checkpoints, step, abstract, workdir)
-  restored = checkpoints.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(abstract),
-      data_iter=grain.checkpoint.CheckpointRestore(train_iter)))
+  state = checkpoints.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract)))["state"]
+  saved_iterator = os.path.join(checkpoints.directory, str(step), "data_iter",
+                                f"process_{jax.process_index()}-of-{jax.process_count()}.json")
+  if os.path.exists(saved_iterator):
+    train_iter = input_pipeline.as_iterator(train_batches, config)
+    checkpoints.restore(step, args=ocp.args.Composite(
+        data_iter=grain.checkpoint.CheckpointRestore(train_iter)))
+  else:  # saved by another number of processes: batch k is still batch k, so start at `step`
+    logging.info("The data iterator was saved by another number of processes; batches resume "
+                 "from batch %d.", step)
+    train_iter = input_pipeline.as_iterator(train_batches, config, start=step)
   logging.info("Resumed from the checkpoint of step %d in %s", step, workdir)
-  return step, restored["state"]
+  return step, state, train_iter
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float] | None:
@@ -346,9 +355,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       options=ocp.CheckpointManagerOptions(max_to_keep=config.max_checkpoints_to_keep),
       item_handlers=dict(state=ocp.StandardCheckpointHandler(),
                          data_iter=grain.checkpoint.CheckpointHandler()))
-  train_iter = input_pipeline.as_iterator(train_batches, config)
-  first_step, state = restore_or_init(
-      checkpoints, jax.device_put(state, parallel.replicated(mesh)), train_iter, workdir)
+  first_step, state, train_iter = restore_or_init(
+      checkpoints, parallel.to_global(state, mesh), train_batches, config, workdir)
   state = steps.put_state(state)
   if config.print_shardings:
     logging.info("%s\n%s", parallel.describe(state, "state"),
@@ -435,6 +443,38 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
 flags.mark_flag_as_required("config")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints and metrics go.", required=True)
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "host:port of process 0, to run several processes without a "
+    "cluster that JAX detects by itself (SLURM, Open MPI, Cloud TPU pods).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "With --coordinator_address.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "With --coordinator_address.")
+_HEARTBEAT = flags.DEFINE_integer(
+    "heartbeat_timeout_seconds", 100, "After this long without news of a process, the others "
+    "stop with an error instead of waiting for it.")
+
+def cluster_detected() -> bool:
+  """A multi-process job that jax.distributed.initialize() configures from the environment."""
+  env = os.environ
+  return (int(env.get("SLURM_NTASKS", 1)) > 1 or int(env.get("OMPI_COMM_WORLD_SIZE", 1)) > 1
+          or "," in env.get("TPU_WORKER_HOSTNAMES", "") or "JAX_COORDINATOR_ADDRESS" in env)
+
+
+def initialize_distributed() -> None:
+  """Joins JAX's distributed runtime when this is one of several processes; else does nothing."""
+  timeouts = dict(heartbeat_timeout_seconds=_HEARTBEAT.value, initialization_timeout=300)
+  if _COORDINATOR.value:
+    host = _COORDINATOR.value.rsplit(":", 1)[0]
+    bind = _COORDINATOR.value if host in ("127.0.0.1", "localhost") else None  # loopback only
+    jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                               coordinator_bind_address=bind, **timeouts)
+  elif cluster_detected():
+    jax.distributed.initialize(**timeouts)  # JAX reads the cluster's environment
+  else:
+    return
+  logging.info("Process %d of %d, %d local devices of %d", jax.process_index(),
+               jax.process_count(), jax.local_device_count(), jax.device_count())
+  if jax.process_index() > 0:
+    logging.set_verbosity(logging.WARNING)  # process 0 logs progress and metrics
 
 
 class _QuietLibraries(logging.logging.Filter):
@@ -448,6 +488,7 @@ class _QuietLibraries(logging.logging.Filter):
 def main(argv):
   del argv
   logging.get_absl_handler().addFilter(_QuietLibraries())
+  initialize_distributed()
   try:
     result = train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except (ConfigError, NonFiniteLoss) as e:

@@ -1,0 +1,109 @@
+"""Several processes on JAX's distributed runtime (over 127.0.0.1) = one process, exactly."""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import portpicker
+import pytest
+from test_train import read_scalars
+
+PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def train(workdir, processes: int, *overrides: str) -> dict[str, dict[int, float]]:
+  """Runs train.py on 8 CPU devices in all (1 x 8 or 2 x 4); returns its scalars."""
+  args = ["--config=configs/tiny.py", f"--workdir={workdir}", *overrides]
+  if processes == 1:
+    command = [sys.executable, "train.py", *args]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  else:
+    command = [sys.executable, "launch.py", f"--num_processes={processes}",
+               f"--devices_per_process={8 // processes}", "--timeout=400", "--", *args]
+    env = dict(os.environ)
+  out = subprocess.run(command, cwd=PROJECT, env=env, capture_output=True, text=True,
+                       timeout=450)
+  assert out.returncode == 0, out.stderr[-4000:]
+  return read_scalars(str(workdir))
+
+
+def assert_same_run(multi, single):
+  assert sorted(multi["train_loss"]) == sorted(single["train_loss"])
+  for step, loss in single["train_loss"].items():
+    assert multi["train_loss"][step] == pytest.approx(loss, abs=1e-5), step
+  assert multi["train_examples"] == single["train_examples"]
+  assert multi["eval_examples"] == single["eval_examples"]
+  for step, accuracy in single["eval_accuracy"].items():
+    assert multi["eval_accuracy"][step] == pytest.approx(accuracy, abs=1e-6), step
+    assert multi["eval_loss"][step] == pytest.approx(single["eval_loss"][step], abs=1e-5), step
+
+
+@pytest.mark.parametrize("parallelism", ["spmd", "pmap"])
+def test_two_processes_train_like_one(tmp_path, parallelism):
+  override = f"--config.parallelism={parallelism}"
+  single = train(tmp_path / "one", 1, override)
+  multi = train(tmp_path / "two", 2, override)
+  assert_same_run(multi, single)
+  assert set(single["eval_examples"].values()) == {360}
+  # Only process 0 writes metrics: one events file.
+  assert len(list((tmp_path / "two").glob("events.out.tfevents.*"))) == 1
+
+
+def test_uneven_eval_split_counts_every_example_once(tmp_path):
+  """1001 eval examples over 2 processes of batch 32: 501 and 500 real ones, same step count."""
+  overrides = ["--config.dataset=synthetic", "--config.synthetic.image_shape=(8,8,1)",
+               "--config.synthetic.num_train=256", "--config.synthetic.num_eval=1001",
+               "--config.batch_size=64"]
+  single = train(tmp_path / "one", 1, *overrides)
+  multi = train(tmp_path / "two", 2, *overrides)
+  assert set(multi["eval_examples"].values()) == {1001}
+  assert_same_run(multi, single)
+
+
+def test_resume_with_another_number_of_processes(tmp_path):
+  """The step-20 checkpoint of a 2-process run, resumed by 1 process, ends like a 1-process run."""
+  overrides = ["--config.num_epochs=2", "--config.max_checkpoints_to_keep=10"]
+  single = train(tmp_path / "one", 1, *overrides)
+  train(tmp_path / "two", 2, *overrides)
+  shutil.copytree(tmp_path / "two" / "checkpoints" / "20",
+                  tmp_path / "resumed" / "checkpoints" / "20")
+  resumed = train(tmp_path / "resumed", 1, *overrides)
+  assert sorted(resumed["train_loss"]) == [s for s in sorted(single["train_loss"]) if s > 20]
+  for step, loss in resumed["train_loss"].items():
+    assert loss == pytest.approx(single["train_loss"][step], abs=1e-5), step
+  last = max(single["eval_loss"])
+  assert resumed["eval_loss"][last] == pytest.approx(single["eval_loss"][last], abs=1e-5)
+  assert resumed["eval_accuracy"][last] == pytest.approx(single["eval_accuracy"][last], abs=1e-6)
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_when_a_process_dies_the_other_stops_with_an_error(tmp_path, victim):
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+         "JAX_PLATFORMS": "cpu"}
+  address = f"127.0.0.1:{portpicker.pick_unused_port()}"
+  processes = [subprocess.Popen(
+      [sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={tmp_path}",
+       "--config.num_epochs=500", f"--coordinator_address={address}", "--num_processes=2",
+       f"--process_id={i}", "--heartbeat_timeout_seconds=10"],
+      cwd=PROJECT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+      for i in range(2)]
+  try:
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "checkpoints" / "10").is_dir():  # training is under way
+      assert time.monotonic() < deadline and all(p.poll() is None for p in processes)
+      time.sleep(0.1)
+    processes[victim].kill()
+    killed_at = time.monotonic()
+    survivor = processes[1 - victim]
+    _, stderr = survivor.communicate(timeout=120)
+    elapsed = time.monotonic() - killed_at
+  finally:
+    for p in processes:
+      if p.poll() is None:
+        p.kill()
+  assert survivor.returncode != 0
+  assert "another task died" in stderr or "unhealthy" in stderr, stderr[-3000:]
+  print(f"process {1 - victim} stopped {elapsed:.1f}s after process {victim} was killed")
+  assert elapsed < 60
