@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -78,31 +79,56 @@ def test_resume_with_another_number_of_processes(tmp_path):
   assert resumed["eval_accuracy"][last] == pytest.approx(single["eval_accuracy"][last], abs=1e-6)
 
 
-@pytest.mark.parametrize("victim", [0, 1])
-def test_when_a_process_dies_the_other_stops_with_an_error(tmp_path, victim):
+def start_pair(workdir):
+  """Two train.py processes of 4 CPU devices, training long enough to be interrupted."""
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
          "JAX_PLATFORMS": "cpu"}
   address = f"127.0.0.1:{portpicker.pick_unused_port()}"
   processes = [subprocess.Popen(
-      [sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={tmp_path}",
+      [sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={workdir}",
        "--config.num_epochs=500", f"--coordinator_address={address}", "--num_processes=2",
        f"--process_id={i}", "--heartbeat_timeout_seconds=10"],
       cwd=PROJECT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
       for i in range(2)]
+  deadline = time.monotonic() + 300
+  while not (workdir / "checkpoints" / "10").is_dir():  # training is under way
+    assert time.monotonic() < deadline and all(p.poll() is None for p in processes)
+    time.sleep(0.1)
+  return processes
+
+
+def stop_all(processes):
+  for p in processes:
+    if p.poll() is None:
+      p.kill()
+
+
+def test_sigterm_to_one_process_stops_all_at_the_same_step(tmp_path):
+  processes = start_pair(tmp_path)
   try:
-    deadline = time.monotonic() + 300
-    while not (tmp_path / "checkpoints" / "10").is_dir():  # training is under way
-      assert time.monotonic() < deadline and all(p.poll() is None for p in processes)
-      time.sleep(0.1)
+    processes[1].send_signal(signal.SIGTERM)  # JAX's preemption service tells process 0
+    stderrs = [p.communicate(timeout=120)[1] for p in processes]
+  finally:
+    stop_all(processes)
+  assert [p.returncode for p in processes] == [143, 143], stderrs[0][-3000:]
+  stops = [line for err in stderrs for line in err.splitlines() if "Stopped by" in line]
+  assert len(stops) == 2
+  step = int(stops[0].split("after step ")[1].split()[0])
+  assert all(f"after step {step} of" in line for line in stops)  # both at the same step
+  assert (tmp_path / "checkpoints" / str(step)).is_dir()
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_when_a_process_dies_the_other_stops_with_an_error(tmp_path, victim):
+  processes = start_pair(tmp_path)
+  try:
     processes[victim].kill()
     killed_at = time.monotonic()
     survivor = processes[1 - victim]
     _, stderr = survivor.communicate(timeout=120)
     elapsed = time.monotonic() - killed_at
   finally:
-    for p in processes:
-      if p.poll() is None:
-        p.kill()
+    stop_all(processes)
   assert survivor.returncode != 0
   assert "another task died" in stderr or "unhealthy" in stderr, stderr[-3000:]
   print(f"process {1 - victim} stopped {elapsed:.1f}s after process {victim} was killed")
