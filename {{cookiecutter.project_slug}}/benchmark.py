@@ -153,7 +153,8 @@ def run_in_subprocess(what: str, is_tiny: bool) -> dict:
 
 def run_all(whats: list[str], is_tiny: bool) -> dict[str, dict]:
   with concurrent.futures.ThreadPoolExecutor(max_workers=2 if is_tiny else 1) as pool:
-    return dict(zip(whats, pool.map(lambda what: run_in_subprocess(what, is_tiny), whats)))
+    results = pool.map(functools.partial(run_in_subprocess, is_tiny=is_tiny), whats)
+    return dict(zip(whats, results, strict=True))
 
 
 def benchmark(is_tiny: bool) -> dict:

@@ -193,11 +193,22 @@ def eval_batches(source, config, **process) -> grain.MapDataset:
   return grain.MapDataset.range(len(load)).map(load)
 
 
-def as_iterator(batches: grain.MapDataset, config, start: int = 0) -> grain.DatasetIterator:
-  """An iterator over `batches[start:]`, with `config.num_workers` worker processes."""
+def as_iterator(batches: grain.MapDataset, config, start: int = 0,
+                put=None) -> grain.DatasetIterator:
+  """An iterator over `batches[start:]`, read with `config.num_workers` worker processes.
+
+  With `put` (a function placing a batch on the devices), batches are placed by a background
+  thread, `config.prefetch_to_device` ahead of the step. The iterator's state (for checkpoints)
+  is the position of the batch last taken from it, whatever was prefetched.
+  """
   read_options = grain.ReadOptions(num_threads=config.read_threads,
                                    prefetch_buffer_size=config.prefetch_batches)
   dataset = batches[start:].to_iter_dataset(read_options)
   if config.num_workers:
     dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=config.num_workers))
+  if put is not None:
+    dataset = dataset.map(put)
+    if config.prefetch_to_device:
+      dataset = grain.experimental.ThreadPrefetchIterDataset(
+          dataset, prefetch_buffer_size=config.prefetch_to_device)
   return iter(dataset)

@@ -23,6 +23,7 @@ import grain
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from absl import app, flags, logging
@@ -275,11 +276,38 @@ def merge_metrics(step_metrics: list[Metrics]) -> dict[str, float]:
 
 def evaluate(steps: Steps, state, eval_batches, config) -> dict[str, float]:
   step_metrics = []
-  for i, batch in enumerate(input_pipeline.as_iterator(eval_batches, config)):
-    step_metrics.append(steps.eval(state, steps.put_batch(batch)))
+  for i, batch in enumerate(input_pipeline.as_iterator(eval_batches, config,
+                                                         put=steps.put_batch)):
+    step_metrics.append(steps.eval(state, batch))
     if jax.default_backend() == "cpu" and i % config.cpu_sync_every_steps == 0:
       jax.block_until_ready(step_metrics[-1])
   return merge_metrics(step_metrics)
+
+
+# Peak dense bf16 FLOP/s of one device, by a part of its `device_kind` (first match wins).
+PEAK_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "B200": 2250e12,
+              "A100": 312e12, "L40S": 362e12, "L4": 121e12, "TPU v4": 275e12,
+              "TPU v5 lite": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12,
+              "TPU v6 lite": 918e12, "TPU7x": 2307e12}
+
+
+class Speed:
+  """FLOP/s and model FLOP utilisation (MFU), from XLA's cost analysis of the train step."""
+
+  def __init__(self, steps, state, host_batch, config):
+    cost = steps.train.lower(state, steps.put_batch(host_batch)).cost_analysis()
+    flops = (cost or {}).get("flops", 0.0)  # pmap's is of one device; spmd's, of all
+    self.flops_per_step = flops * (jax.device_count() if config.parallelism == "pmap" else 1)
+    kind = jax.devices()[0].device_kind
+    peak = config.peak_flops_per_device or next(
+        (f for name, f in PEAK_FLOPS.items() if name in kind), 0.0)
+    self.peak = peak * jax.device_count()
+    logging.info("Train step: %.3g FLOPs; peak of the %d %s devices: %s", self.flops_per_step,
+                 jax.device_count(), kind, f"{self.peak:.3g} FLOP/s" if self.peak else "unknown")
+
+  def report(self, steps_per_sec: float) -> dict[str, float]:
+    achieved = self.flops_per_step * steps_per_sec
+    return {"flops_per_sec": achieved, **({"mfu": achieved / self.peak} if self.peak else {})}
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -304,12 +332,12 @@ def stop_signals():
       signal.signal(sig, handler)
 
 
-def restore_or_init(checkpoints, state, train_batches, config, workdir: str):
+def restore_or_init(checkpoints, state, train_batches, config, put, workdir: str):
   """The latest complete checkpoint in `workdir` and the training iterator positioned after it,
-  or a fresh start. Returns (step, state, iterator)."""
+  or a fresh start. Returns (step, state, iterator of batches placed by `put`)."""
   step = checkpoints.latest_step()
   if step is None:
-    return 0, state, input_pipeline.as_iterator(train_batches, config)
+    return 0, state, input_pipeline.as_iterator(train_batches, config, put=put)
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
   check_checkpoint_fits(checkpoints, step, abstract, workdir)
   state = checkpoints.restore(step, args=ocp.args.Composite(
@@ -317,13 +345,13 @@ def restore_or_init(checkpoints, state, train_batches, config, workdir: str):
   saved_iterator = os.path.join(checkpoints.directory, str(step), "data_iter",
                                 f"process_{jax.process_index()}-of-{jax.process_count()}.json")
   if os.path.exists(saved_iterator):
-    train_iter = input_pipeline.as_iterator(train_batches, config)
+    train_iter = input_pipeline.as_iterator(train_batches, config, put=put)
     checkpoints.restore(step, args=ocp.args.Composite(
         data_iter=grain.checkpoint.CheckpointRestore(train_iter)))
   else:  # saved by another number of processes: batch k is still batch k, so start at `step`
     logging.info("The data iterator was saved by another number of processes; batches resume "
                  "from batch %d.", step)
-    train_iter = input_pipeline.as_iterator(train_batches, config, start=step)
+    train_iter = input_pipeline.as_iterator(train_batches, config, start=step, put=put)
   logging.info("Resumed from the checkpoint of step %d in %s", step, workdir)
   return step, state, train_iter
 
@@ -356,11 +384,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       item_handlers=dict(state=ocp.StandardCheckpointHandler(),
                          data_iter=grain.checkpoint.CheckpointHandler()))
   first_step, state, train_iter = restore_or_init(
-      checkpoints, parallel.to_global(state, mesh), train_batches, config, workdir)
+      checkpoints, parallel.to_global(state, mesh), train_batches, config, steps.put_batch,
+      workdir)
   state = steps.put_state(state)
+  local_batch_size = config.batch_size // jax.process_count()
+  zeros_batch = {"image": np.zeros((local_batch_size, *info.image_shape), np.float32),
+                 "label": np.zeros(local_batch_size, np.int32),
+                 "mask": np.zeros(local_batch_size, bool)}  # the shapes of every batch
   if config.print_shardings:
     logging.info("%s\n%s", parallel.describe(state, "state"),
-                 parallel.describe(steps.put_batch(train_batches[first_step]), "batch"))
+                 parallel.describe(steps.put_batch(zeros_batch), "batch"))
 
   writer = writers.metric_writers.create_default_writer(
       workdir, just_logging=jax.process_index() > 0)
@@ -368,6 +401,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     writer.write_hparams(flatten(config.to_dict()))
   report_progress = writers.periodic_actions.ReportProgress(
       num_train_steps=num_train_steps, writer=writer, every_steps=config.log_every_steps)
+  hooks = [report_progress]
+  if config.profile_first_step and jax.process_index() == 0:
+    hooks.append(writers.periodic_actions.Profile(
+        logdir=workdir, first_profile=config.profile_first_step,
+        num_profile_steps=config.profile_num_steps, profile_duration_ms=None, every_secs=None))
+  speed = Speed(steps, state, zeros_batch, config)
 
   def save(step):
     with report_progress.timed("checkpoint"):
@@ -392,9 +431,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   with stop_signals() as received:
     for step in range(first_step + 1, num_train_steps + 1):  # `step` counts finished updates
       with jax.profiler.StepTraceAnnotation("train", step_num=step):
-        state, step_metrics = steps.train(state, steps.put_batch(next(train_iter)))
+        state, step_metrics = steps.train(state, next(train_iter))
       train_metrics.append((step, step_metrics))
-      report_progress(step)
+      for hook in hooks:
+        hook(step)
       if step == first_step + 1:  # the loop's clock starts once the step is compiled
         jax.block_until_ready(step_metrics)
         loop_start = time.perf_counter()
@@ -410,6 +450,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         summary = merge_metrics([m for _, m in train_metrics])
         now = time.perf_counter()
         summary["examples_per_sec"] = summary["examples"] / (now - last_log)
+        summary.update(speed.report(len(train_metrics) / (now - last_log)))
         writer.write_scalars(step, {f"train_{k}": v for k, v in summary.items()})
         train_metrics, last_log = [], now
       if step % config.eval_every_steps == 0 or is_last:

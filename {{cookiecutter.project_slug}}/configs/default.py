@@ -16,7 +16,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.augment_max_shift = 1  # random shifts of up to this many pixels; 0 turns them off
   config.num_workers = 0  # Grain worker processes; 0 reads in the main process
   config.read_threads = 2  # Grain threads per process (or per worker)
-  config.prefetch_batches = 4  # batches read ahead of the training step
+  config.prefetch_batches = 16  # batches read ahead of the training step, on the host
+  config.prefetch_to_device = 2  # batches placed on the devices ahead of the step; 0: none
 
   # Model and optimisation.
   config.model = ml_collections.ConfigDict(
@@ -32,6 +33,12 @@ def get_config() -> ml_collections.ConfigDict:
   # Parallelism: 'spmd' (jax.jit over a device mesh) or 'pmap' (the legacy jax.pmap).
   config.parallelism = "{{ cookiecutter.parallelism }}"
   config.print_shardings = False  # log where the state and the first batch live, at start-up
+
+  # Performance reports. MFU needs the peak FLOP/s of one device: looked up from the device
+  # kind (bf16, dense) when 0.
+  config.peak_flops_per_device = 0.0
+  config.profile_first_step = 0  # > 0: write a jax.profiler trace into the workdir from here
+  config.profile_num_steps = 5
 
   # Intervals, in steps. Training also logs, evaluates and checkpoints at its last step.
   config.log_every_steps = 50

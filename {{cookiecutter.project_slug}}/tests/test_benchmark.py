@@ -1,4 +1,4 @@
-"""Smoke test of benchmark.py: a real --tiny run measures every model and path (timings unchecked)."""
+"""Smoke test of benchmark.py: a real --tiny run measures every model and path (no timings)."""
 
 import json
 import math

@@ -84,18 +84,19 @@ def wait_for(condition, process, timeout=120):
     time.sleep(0.005)
 
 
-NO_READ_AHEAD = dict(read_threads=0, prefetch_batches=0)
+NO_READ_AHEAD = dict(read_threads=0, prefetch_batches=0, prefetch_to_device=0)
 
 
-def test_sigterm_mid_epoch_then_resume_is_bitwise_identical(tmp_path):
-  overrides = dict(NO_READ_AHEAD, num_epochs=8, checkpoint_every_steps=50)
+@pytest.mark.parametrize("read_ahead", [False, True], ids=["no-read-ahead", "prefetching"])
+def test_sigterm_mid_epoch_then_resume_is_bitwise_identical(tmp_path, read_ahead):
+  overrides = dict(num_epochs=8, checkpoint_every_steps=50, **({} if read_ahead else NO_READ_AHEAD))
   num_steps = -(-8 * 1437 // 64)  # 8 passes over the digits' 1437 training images
   straight = start(tmp_path / "straight", overrides, tmp_path / "straight.txt")
   code, stdout, stderr = finish(straight)
   assert code == 0, stderr[-3000:]
 
-  interrupted = start(tmp_path / "run", overrides, tmp_path / "run.txt")
-  wait_for(lambda: len(recorded(tmp_path / "run.txt")) >= 40, interrupted)
+  interrupted = start(tmp_path / "run", overrides, tmp_path / "first.txt")
+  wait_for(lambda: len(recorded(tmp_path / "first.txt")) >= 40, interrupted)
   interrupted.send_signal(signal.SIGTERM)
   code, _, stderr = finish(interrupted)
   assert code == 143, stderr[-3000:]
@@ -103,14 +104,23 @@ def test_sigterm_mid_epoch_then_resume_is_bitwise_identical(tmp_path):
   assert f"Stopped by SIGTERM after step {stopped_at} of {num_steps}" in stderr
   assert stopped_at * 64 % 1437 and stopped_at % 50  # mid-epoch, between regular saves
 
-  resumed = start(tmp_path / "run", overrides, tmp_path / "run.txt")
+  resumed = start(tmp_path / "run", overrides, tmp_path / "second.txt")
   code, stdout_resumed, stderr = finish(resumed)
   assert code == 0, stderr[-3000:]
   assert f"Resumed from the checkpoint of step {stopped_at}" in stderr
 
-  # The same batches, in the same order, each exactly once; then the same bits.
-  assert recorded(tmp_path / "run.txt") == recorded(tmp_path / "straight.txt")
-  assert len(recorded(tmp_path / "run.txt")) == num_steps
+  # The batches the two runs made: each as in the uninterrupted run, and the resumed run
+  # starts with the batch after the last one the stopped run trained on.
+  expected = recorded(tmp_path / "straight.txt")
+  first, second = recorded(tmp_path / "first.txt"), recorded(tmp_path / "second.txt")
+  if read_ahead:  # batches made by threads, out of order, and a few never trained on
+    made = {**dict(first), **dict(second)}
+    assert all(dict(expected)[number] == digest for number, digest in made.items())
+    assert {int(n) for n, _ in first} >= set(range(stopped_at))
+    assert min(int(n) for n, _ in second) == stopped_at
+  else:  # batches are made exactly when taken: the same sequence, each batch exactly once
+    assert second == expected[stopped_at:]
+    assert first + second == expected and len(expected) == num_steps
   step_a, state_a = final_state(tmp_path / "straight")
   step_b, state_b = final_state(tmp_path / "run")
   assert step_a == step_b == num_steps and state_a.keys() == state_b.keys()

@@ -46,6 +46,9 @@ def test_train_and_evaluate_writes_metrics_and_checkpoints(tiny_config, tmp_path
   assert scalars["eval_accuracy"][last_step] == pytest.approx(result["accuracy"], abs=1e-6)
   assert scalars["eval_loss"][last_step] == pytest.approx(result["loss"], rel=1e-6)
   assert sum(scalars["train_examples"].values()) == 1437  # every training example, once
+  assert all(v > 0 for v in scalars["train_flops_per_sec"].values())
+  assert "train_mfu" not in scalars  # the peak FLOP/s of a CPU is not known
+  assert not (tmp_path / "plugins").exists()  # no profile unless asked for
 
   checkpoints = ocp.CheckpointManager(os.path.join(workdir, "checkpoints"))
   assert checkpoints.all_steps() == [10, 20, last_step]
@@ -59,6 +62,17 @@ def test_train_and_evaluate_writes_metrics_and_checkpoints(tiny_config, tmp_path
   again = train.train_and_evaluate(tiny_config, workdir)
   assert again == result
   assert checkpoints.all_steps() == [10, 20, last_step]
+
+
+def test_profile_and_mfu_on_demand(tiny_config, tmp_path):
+  tiny_config.profile_first_step, tiny_config.profile_num_steps = 3, 4
+  tiny_config.peak_flops_per_device = 1e12
+  train.train_and_evaluate(tiny_config, str(tmp_path))
+  traces = glob.glob(str(tmp_path / "plugins" / "profile" / "*" / "*.xplane.pb"))
+  assert len(traces) == 1 and os.path.getsize(traces[0]) > 0
+  scalars = read_scalars(str(tmp_path))
+  for step, flops_per_sec in scalars["train_flops_per_sec"].items():
+    assert scalars["train_mfu"][step] == pytest.approx(flops_per_sec / 8e12, rel=1e-5)
 
 
 def two_epochs(parallelism):
