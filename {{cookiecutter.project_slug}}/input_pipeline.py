@@ -165,8 +165,8 @@ class LoadBatch:
     indices = offset
     if self.shuffle_seed is not None:
       indices = np.empty_like(offset)
-      for e in np.unique(epoch):  # a batch may straddle two epochs
-        indices[epoch == e] = self.permutation(int(e))[offset[epoch == e]]
+      for e in range(epoch.min(), epoch.max() + 1):  # a batch may straddle two epochs
+        indices[epoch == e] = self.permutation(e)[offset[epoch == e]]
     batch = self.source.take(indices)
     image = batch["image"]
     if np.issubdtype(image.dtype, np.integer):

@@ -39,6 +39,8 @@ def to_global(tree, mesh: Mesh):
 def global_batch(local_batch, mesh: Mesh):
   """This process's part of the batch -> global arrays split over 'data'."""
   sharding = data_sharded(mesh)
+  if jax.process_count() == 1:
+    return jax.device_put(local_batch, sharding)  # the whole batch in one call
   return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local_batch)
 
 
