@@ -14,6 +14,7 @@ import types
 
 def _tensorboardx_summary_writer(interface):
   import tensorboardX
+  import tensorboardX.summary
 
   class SummaryWriter(interface.MetricWriter):
     """CLU's MetricWriter interface, written as TensorBoard event files by tensorboardX."""
@@ -38,9 +39,11 @@ def _tensorboardx_summary_writer(interface):
         self._writer.add_histogram(key, value, global_step=step)
 
     def write_hparams(self, hparams):
-      self._writer.add_hparams(
-          {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in hparams.items()},
-          {}, name=".")
+      # Into this writer's own file (add_hparams would open a second one).
+      plain = {k: v if isinstance(v, (int, float, str, bool)) else str(v)
+               for k, v in hparams.items()}
+      for summary in tensorboardX.summary.hparams(plain, {}):
+        self._writer.file_writer.add_summary(summary)
 
     def write_videos(self, step, videos):
       del step, videos  # not supported by this writer; CLU's logging writer ignores them too

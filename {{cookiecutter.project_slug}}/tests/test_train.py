@@ -46,6 +46,7 @@ def test_train_and_evaluate_writes_metrics_and_checkpoints(tiny_config, tmp_path
   assert scalars["eval_accuracy"][last_step] == pytest.approx(result["accuracy"], abs=1e-6)
   assert scalars["eval_loss"][last_step] == pytest.approx(result["loss"], rel=1e-6)
   assert sum(scalars["train_examples"].values()) == 1437  # every training example, once
+  assert len(glob.glob(os.path.join(workdir, "events.out.tfevents.*"))) == 1
   assert all(v > 0 for v in scalars["train_flops_per_sec"].values())
   assert "train_mfu" not in scalars  # the peak FLOP/s of a CPU is not known
   assert not (tmp_path / "plugins").exists()  # no profile unless asked for
