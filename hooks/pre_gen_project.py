@@ -27,6 +27,7 @@ TAKEN = {
     "jax", "flax", "optax", "grain", "clu", "orbax", "ml_collections", "numpy", "absl",
     "sklearn", "tensorboardX", "tensorboard", "array_record",
     "train", "model", "input_pipeline", "parallel", "writers", "write_arrayrecord", "configs",
+    "launch", "benchmark", "portpicker",
     "tests",
 }
 TAKEN_LOWER = {name.lower(): name for name in TAKEN}  # case-insensitive file systems

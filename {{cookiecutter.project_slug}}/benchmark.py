@@ -2,17 +2,18 @@
 
   python benchmark.py --out=bench.json [--tiny]
 
-For two models (the config's CNN on the digits; a wider CNN on synthetic 32x32x3 images), and each
-path, it reports: compile time (ahead of time: `step.lower(state, batch).compile()`, pmap too),
-the median time of a compiled step on a batch already on the devices (each step waited for, the
-donated state threaded through), examples/s from that median, and peak host memory (ru_maxrss).
-Every (model, path) runs in its own subprocess (this script with --measure) on 8 devices (forced
-on the CPU), so the peak memory is that configuration's; `single` uses device 0 only.
-Loop efficiency: the `loop_examples_per_sec` that `train_and_evaluate` writes for the config
-(input pipeline, metrics, logging, evaluation and checkpoints included) over the bare step's
-examples/s for the same model and batch. Needs the dev extra (tensorboard reads the metrics).
---tiny shrinks everything (configs/tiny.py) to a smoke run of every code path, for CI; it runs
-two subprocesses at a time (its timings mean nothing), the full benchmark one at a time.
+For two models (the config's CNN on the digits; a wider CNN on synthetic 32x32x3 images) and each
+path: compile time (ahead of time, `step.lower(state, batch).compile()`, pmap too), the median
+time of the compiled step on a batch already on the devices (each step waited for, the donated
+state threaded through), examples/s from it, and peak host memory (ru_maxrss). Every (model, path)
+runs in its own subprocess (this script with --measure) with 8 devices (forced on the CPU), so the
+peak is its own; `single` uses device 0 only.
+Loop efficiency: `train_and_evaluate`'s `loop_examples_per_sec` for the config (input pipeline,
+metrics, logging, evaluation, checkpoints) over the bare compiled step's examples/s when run back
+to back on one batch already on the devices, waiting as often as the loop does
+(`cpu_sync_every_steps` on the CPU; the median step time above waits on every step).
+--tiny (configs/tiny.py, shrunk models, few steps; two subprocesses at a time, so its timings mean
+nothing) runs every code path in seconds, for CI. Needs the dev extra (tensorboard).
 """
 
 import concurrent.futures
@@ -44,17 +45,19 @@ MODELS = ("digits", "large")  # the config's CNN on the digits; a wider CNN on b
 PATHS = ("single", "spmd", "pmap")
 LOOP_PATHS = ("spmd", "pmap")
 WARMUP_STEPS = 2  # untimed calls of the compiled step before the timed ones
+REPEATS = 3  # loop runs and back-to-back step runs per path: their median is reported
 
 _OUT = flags.DEFINE_string("out", "bench.json", "Where the JSON results go.")
 _TINY = flags.DEFINE_bool("tiny", False, "A smoke run of every code path in seconds (CI).")
-_MEASURE = flags.DEFINE_string("measure", None, "Internal: 'MODEL:PATH' or 'loop:PATH', measured "
+_MEASURE = flags.DEFINE_string("measure", None, "Internal: 'MODEL:PATH' or 'loop:PATH:RUN', measured "
                                "in this process, printed as JSON.")
 
 
 def get_config(model: str, is_tiny: bool) -> ml_collections.ConfigDict:
   """The default (or tiny) config; for 'large', the CNN widened, on synthetic images."""
   config = (tiny if is_tiny else default).get_config()
-  config.timed_steps = 3 if is_tiny else 50
+  config.timed_steps = 3 if is_tiny else 100
+  config.stream_repeats = 1 if is_tiny else REPEATS  # the loop efficiency's denominator
   if model == "large":
     config.dataset = "synthetic"
     config.synthetic.image_shape = (16, 16, 3) if is_tiny else (32, 32, 3)
@@ -62,6 +65,7 @@ def get_config(model: str, is_tiny: bool) -> ml_collections.ConfigDict:
     config.batch_size = 64 if is_tiny else 256
     config.synthetic.num_train = config.synthetic.num_eval = config.batch_size  # one batch
     config.timed_steps = 3 if is_tiny else 30  # ~1 s a step on 2 CPU cores
+    config.stream_repeats = 1
   return config
 
 
@@ -103,8 +107,22 @@ def measure_step(config, path: str) -> dict:
     jax.block_until_ready((state, step_metrics))
     step_times_s.append(time.perf_counter() - start)
   step_s = statistics.median(step_times_s[WARMUP_STEPS:])
+  # Back to back, waiting as often as the training loop does: the rate the loop could reach
+  # (the median of REPEATS runs of timed_steps steps).
+  sync_every = config.cpu_sync_every_steps if jax.default_backend() == "cpu" else 0
+  stream_times_s = []
+  for _ in range(config.stream_repeats):
+    start = time.perf_counter()
+    for i in range(1, config.timed_steps + 1):
+      state, step_metrics = compiled(state, batch)
+      if sync_every and i % sync_every == 0:
+        jax.block_until_ready(step_metrics)
+    jax.block_until_ready(state)
+    stream_times_s.append((time.perf_counter() - start) / config.timed_steps)
+  stream_s = statistics.median(stream_times_s)
   return dict(compile_s=compile_s, step_ms=1e3 * step_s,
-              examples_per_sec=config.batch_size / step_s, peak_host_mb=peak_host_mb())
+              examples_per_sec=config.batch_size / step_s,
+              stream_examples_per_sec=config.batch_size / stream_s, peak_host_mb=peak_host_mb())
 
 
 def read_scalar(workdir: str, tag: str) -> float:
@@ -128,8 +146,8 @@ def measure_loop(config, path: str) -> dict:
 
 
 def measure(what: str, is_tiny: bool) -> dict:
-  """What the subprocess `--measure=what` prints: 'MODEL:PATH' or 'loop:PATH'."""
-  model, path = what.split(":")
+  """What the subprocess `--measure=what` prints: 'MODEL:PATH' or 'loop:PATH:RUN'."""
+  model, path = what.split(":")[:2]
   if model == "loop":
     result = measure_loop(get_config("digits", is_tiny), path)
   else:
@@ -160,8 +178,9 @@ def run_all(whats: list[str], is_tiny: bool) -> dict[str, dict]:
 def benchmark(is_tiny: bool) -> dict:
   config_parallelism = get_config("digits", is_tiny).parallelism
   loop_paths = sorted(LOOP_PATHS, key=lambda path: path != config_parallelism)  # the config's first
+  repeats = 1 if is_tiny else REPEATS
   results = run_all([f"{model}:{path}" for model in MODELS for path in PATHS] +
-                    [f"loop:{path}" for path in loop_paths], is_tiny)
+                    [f"loop:{path}:{i}" for path in loop_paths for i in range(repeats)], is_tiny)
   models = {}
   for model in MODELS:
     config = get_config(model, is_tiny)
@@ -173,11 +192,13 @@ def benchmark(is_tiny: bool) -> dict:
         pmap_over_spmd_step_time=paths["pmap"]["step_ms"] / paths["spmd"]["step_ms"])
   loop = {}
   for path in loop_paths:
-    loop_rate = results[f"loop:{path}"]["examples_per_sec"]
-    step_rate = models["digits"]["paths"][path]["examples_per_sec"]
+    runs = [results[f"loop:{path}:{i}"] for i in range(repeats)]
+    loop_rate = statistics.median(run["examples_per_sec"] for run in runs)
+    step_rate = models["digits"]["paths"][path]["stream_examples_per_sec"]
     loop[path] = dict(loop_examples_per_sec=loop_rate, step_examples_per_sec=step_rate,
                       efficiency=loop_rate / step_rate,
-                      peak_host_mb=results[f"loop:{path}"]["peak_host_mb"])
+                      peak_host_mb=max(run["peak_host_mb"] for run in runs),
+                      loop_runs_examples_per_sec=[run["examples_per_sec"] for run in runs])
   first = results[f"{MODELS[0]}:{PATHS[0]}"]
   return dict(jax=jax.__version__, flax=flax.__version__, backend=first["backend"],
               device_count=first["device_count"], tiny=is_tiny,
