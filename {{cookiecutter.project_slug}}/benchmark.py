@@ -49,8 +49,8 @@ REPEATS = 3  # loop runs and back-to-back step runs per path: their median is re
 
 _OUT = flags.DEFINE_string("out", "bench.json", "Where the JSON results go.")
 _TINY = flags.DEFINE_bool("tiny", False, "A smoke run of every code path in seconds (CI).")
-_MEASURE = flags.DEFINE_string("measure", None, "Internal: 'MODEL:PATH' or 'loop:PATH:RUN', measured "
-                               "in this process, printed as JSON.")
+_MEASURE = flags.DEFINE_string("measure", None, "Internal: 'MODEL:PATH' or 'loop:PATH:RUN', "
+                               "measured in this process, printed as JSON.")
 
 
 def get_config(model: str, is_tiny: bool) -> ml_collections.ConfigDict:
