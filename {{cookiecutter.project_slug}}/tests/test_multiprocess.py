@@ -1,6 +1,7 @@
 """Several processes on JAX's distributed runtime (over 127.0.0.1) = one process, exactly."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -129,7 +130,11 @@ def test_when_a_process_dies_the_other_stops_with_an_error(tmp_path, victim):
     elapsed = time.monotonic() - killed_at
   finally:
     stop_all(processes)
-  assert survivor.returncode != 0
-  assert "another task died" in stderr or "unhealthy" in stderr, stderr[-3000:]
-  print(f"process {1 - victim} stopped {elapsed:.1f}s after process {victim} was killed")
+  # Either the collective under way loses its peer and gloo aborts at once, or JAX's distributed
+  # service notices the missing heartbeats and stops the process, saying another task died.
+  causes = [line for line in stderr.splitlines()
+            if "another task died" in line or re.search(r"instance of 'gloo::", line)]
+  print(f"process {1 - victim} stopped {elapsed:.1f}s after process {victim} was killed: "
+        f"{causes[:1]}")
+  assert survivor.returncode != 0 and causes, stderr[-3000:]
   assert elapsed < 60
