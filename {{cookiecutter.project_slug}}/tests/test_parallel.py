@@ -51,6 +51,7 @@ def run(config, parallelism, batch_list, graphdef=None, state=None):
   state = steps.put_state(jax.device_put(state, parallel.replicated(parallel.make_mesh())))
   for batch in batch_list:
     state, _ = steps.train(state, steps.put_batch(batch))
+    jax.block_until_ready(state)  # as the training loop does on the CPU: never queue collectives
   return steps.get_state(state)
 
 
