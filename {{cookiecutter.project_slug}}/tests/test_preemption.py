@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -70,8 +71,6 @@ def final_state(workdir):
     step = checkpoints.latest_step()
     state = checkpoints.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore()))["state"]
-  import jax
-
   return step, {jax.tree_util.keystr(p): np.asarray(x)
                 for p, x in jax.tree_util.tree_leaves_with_path(state)}
 
