@@ -62,8 +62,16 @@ def replicate(tree):
 
 
 def unreplicate(tree):
-  """The copy on the first local device of every leaf of a replicated tree."""
-  return jax.tree.map(lambda x: x[0], tree)
+  """This process's copy (on its first device) of every leaf of a replicated tree, on the host:
+  a plain transfer, where indexing `x[0]` on the devices would compile a program per shape.
+  NumPy arrays, but PRNG keys stay keys."""
+
+  def first(x):
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      return jax.random.wrap_key_data(first(jax.random.key_data(x)), impl=jax.random.key_impl(x))
+    return np.asarray(x.addressable_data(0))[0]
+
+  return jax.tree.map(first, tree)
 
 
 def shard_batch(batch, num_devices: int):

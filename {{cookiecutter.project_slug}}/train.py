@@ -52,25 +52,38 @@ class Metrics(metrics.Collection):
 
 
 @flax.struct.dataclass
-class Finite(metrics.Metric):
-  """Whether every merged training step had a finite loss and gradient."""
+class NonFinite(metrics.Metric):
+  """Training steps with a non-finite loss or gradient (their updates were not applied): how
+  many of the merged steps, and the index among them of the first, or -1."""
 
-  all_steps: jax.Array
+  steps: jax.Array
+  count: jax.Array
+  first: jax.Array
 
   @classmethod
   def empty(cls):
-    return cls(all_steps=jnp.array(True))
+    return cls(steps=jnp.array(0), count=jnp.array(0), first=jnp.array(-1))
+
+  @classmethod
+  def from_step(cls, finite):
+    return cls(steps=jnp.array(1), count=jnp.where(finite, 0, 1), first=jnp.where(finite, -1, 0))
 
   def merge(self, other):
-    return type(self)(all_steps=self.all_steps & other.all_steps)
+    first = jnp.where(self.first >= 0, self.first,
+                      jnp.where(other.first >= 0, self.steps + other.first, -1))
+    return type(self)(self.steps + other.steps, self.count + other.count, first)
 
   def compute(self):
-    return self.all_steps
+    return self.count
 
 
 @flax.struct.dataclass
-class TrainMetrics(Metrics):
-  finite: Finite
+class TrainMetrics(metrics.Collection):
+  """Metrics, and the steps that were skipped. (CLU reads only a class's own fields.)"""
+
+  loss: metrics.Average.from_output("loss")
+  accuracy: metrics.Accuracy
+  nonfinite_steps: NonFinite
 
 
 class ConfigError(ValueError):
@@ -194,8 +207,9 @@ def fold_in_device_index(model, axis_name):
   return restore
 
 
-def train_step(graphdef, state, batch, grad_accum_steps=1, axis_name=None):
-  """One optimizer step. Under pmap (`axis_name` set) sums are reduced across devices.
+def train_step(graphdef, state, running, batch, grad_accum_steps=1, axis_name=None):
+  """One optimizer step; `running` (TrainMetrics) comes back with this step's metrics merged in.
+  Under pmap (`axis_name` set) sums are reduced across devices.
 
   The gradient is sum(gradients of the real examples' losses) / (number of real examples),
   both summed globally: exact for any padding, on any number of devices and micro-batches.
@@ -217,48 +231,55 @@ def train_step(graphdef, state, batch, grad_accum_steps=1, axis_name=None):
       jnp.stack([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]))
   new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
                            nnx.state((model, optimizer)), old_state)
-  return new_state, TrainMetrics(**vars(step_metrics), finite=Finite(all_steps=finite))
+  step_metrics = TrainMetrics(**vars(step_metrics), nonfinite_steps=NonFinite.from_step(finite))
+  return new_state, running.merge(step_metrics)
 
 
-def eval_step(graphdef, state, batch, axis_name=None):
+def eval_step(graphdef, state, running, batch, axis_name=None):
   model, _ = nnx.merge(graphdef, state)
   model.eval()
   _, step_metrics = loss_and_metrics(model, batch)
   if axis_name is not None:
     step_metrics = jax.lax.psum(step_metrics, axis_name)
-  return step_metrics
+  return running.merge(step_metrics)
 
 
 class Steps(NamedTuple):
   """The compiled steps of one parallelism, and how to move state and batches to them."""
 
-  train: callable  # (state, batch) -> (state, metrics); donates state
-  eval: callable  # (state, batch) -> metrics
+  train: callable  # (state, running TrainMetrics, batch) -> the two updated; donates both
+  eval: callable  # (state, running Metrics, batch) -> the metrics updated; donates them
   put_state: callable  # checkpoint layout (replicated global arrays) -> the steps' layout
   get_state: callable  # the steps' layout -> checkpoint layout
   put_batch: callable  # this process's NumPy batch -> the steps' layout
+  empty: callable  # a metrics class -> its empty value, placed for the steps
 
 
 def make_steps(graphdef, config, mesh) -> Steps:
   accum = config.grad_accum_steps
   if config.parallelism == "pmap":
     axis = parallel.PMAP_AXIS
-    pmap = functools.partial(jax.pmap, axis_name=axis)
+    # State and batch: one slice per device (axis 0). Metrics: one value, the same everywhere.
+    pmap = functools.partial(jax.pmap, axis_name=axis, in_axes=(0, None, 0))
+    local = parallel.replicated(parallel.local_devices_mesh())
     return Steps(
         train=pmap(functools.partial(train_step, graphdef, grad_accum_steps=accum,
-                                     axis_name=axis), donate_argnums=0, out_axes=(0, None)),
-        eval=pmap(functools.partial(eval_step, graphdef, axis_name=axis), out_axes=None),
+                                     axis_name=axis), out_axes=(0, None), donate_argnums=(0, 1)),
+        eval=pmap(functools.partial(eval_step, graphdef, axis_name=axis), out_axes=None,
+                  donate_argnums=1),
         put_state=parallel.replicate,
         get_state=lambda state: parallel.to_global(parallel.unreplicate(state), mesh),
         put_batch=parallel.pmap_batch,
+        empty=lambda cls: jax.device_put(cls.empty(), local),
     )
   return Steps(
       train=jax.jit(functools.partial(train_step, graphdef, grad_accum_steps=accum),
-                    donate_argnums=0),
-      eval=jax.jit(functools.partial(eval_step, graphdef)),
+                    donate_argnums=(0, 1)),
+      eval=jax.jit(functools.partial(eval_step, graphdef), donate_argnums=1),
       put_state=lambda state: state,
       get_state=lambda state: state,
       put_batch=lambda batch: parallel.global_batch(batch, mesh),
+      empty=lambda cls: parallel.to_global(cls.empty(), mesh),
   )
 
 
@@ -272,22 +293,27 @@ def flatten(tree: dict, prefix: str = "") -> dict:
   return flat
 
 
-def merge_metrics(step_metrics: list[Metrics]) -> dict[str, float]:
-  """Merged on the host: one transfer, then NumPy (merging on the devices costs a dispatch per
-  operation)."""
-  merged = functools.reduce(lambda a, b: a.merge(b), jax.device_get(step_metrics))
-  return {"loss": float(merged.loss.compute()), "accuracy": float(merged.accuracy.compute()),
-          "examples": int(merged.loss.count)}
+def summarize(running: Metrics) -> dict[str, float]:
+  """The running metrics, fetched in one transfer and computed on the host."""
+  running = jax.device_get(running)
+  return {**{name: float(value) for name, value in running.compute().items()},
+          "examples": int(running.loss.count)}
+
+
+def sync_every(config) -> int:
+  """How often the loops wait for a result: XLA:CPU collectives abort when hundreds of steps
+  are queued; other backends never need to wait (0)."""
+  return config.cpu_sync_every_steps if jax.default_backend() == "cpu" else 0
 
 
 def evaluate(steps: Steps, state, eval_batches, config) -> dict[str, float]:
-  step_metrics = []
+  running, every = steps.empty(Metrics), sync_every(config)
   for i, batch in enumerate(input_pipeline.as_iterator(eval_batches, config,
-                                                         put=steps.put_batch)):
-    step_metrics.append(steps.eval(state, batch))
-    if jax.default_backend() == "cpu" and i % config.cpu_sync_every_steps == 0:
-      jax.block_until_ready(step_metrics[-1])
-  return merge_metrics(step_metrics)
+                                                         put=steps.put_batch), start=1):
+    running = steps.eval(state, running, batch)
+    if every and i % every == 0:
+      jax.block_until_ready(running)
+  return summarize(running)
 
 
 # Peak dense bf16 FLOP/s of one device, by a part of its `device_kind` (first match wins).
@@ -301,7 +327,8 @@ class Speed:
   """FLOP/s and model FLOP utilisation (MFU), from XLA's cost analysis of the train step."""
 
   def __init__(self, steps, state, host_batch, config):
-    cost = steps.train.lower(state, steps.put_batch(host_batch)).cost_analysis()
+    cost = steps.train.lower(state, steps.empty(TrainMetrics),
+                             steps.put_batch(host_batch)).cost_analysis()
     flops = (cost or {}).get("flops", 0.0)  # pmap's is of one device; spmd's, of all
     self.flops_per_step = flops * (jax.device_count() if config.parallelism == "pmap" else 1)
     kind = jax.devices()[0].device_kind
@@ -407,7 +434,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     writer.write_hparams(flatten(config.to_dict()))
   report_progress = writers.periodic_actions.ReportProgress(
       num_train_steps=num_train_steps, writer=writer, every_steps=config.log_every_steps)
-  steps.eval(state, steps.put_batch(zeros_batch))  # compile the eval step now, not mid-training
+  # Compile the eval step now, not mid-training.
+  steps.eval(state, steps.empty(Metrics), steps.put_batch(zeros_batch))
   hooks = [report_progress]
   if config.profile_first_step and jax.process_index() == 0:
     hooks.append(writers.periodic_actions.Profile(
@@ -421,45 +449,47 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           state=ocp.args.StandardSave(steps.get_state(state)),
           data_iter=grain.checkpoint.CheckpointSave(train_iter)))
 
-  def check_finite(pending):
-    """Pending: (step, metrics) since the last check. Raises on a skipped step unless allowed."""
-    finite = jax.device_get([m.finite.all_steps for _, m in pending])  # one transfer
-    bad = [step for (step, _), ok in zip(pending, finite, strict=True) if not ok]
-    if bad and not config.skip_nonfinite_steps:
+  def check_finite(running, since: int):
+    """Raises if a step from `since` on was not finite, unless such steps may be skipped."""
+    nonfinite = jax.device_get(running.nonfinite_steps)
+    if nonfinite.count and not config.skip_nonfinite_steps:
       checkpoints.wait_until_finished()
       raise NonFiniteLoss(
-          f"non-finite loss or gradient at step {bad[0]}; its update was not applied, and the "
-          f"last good checkpoint is step {checkpoints.latest_step()} in {checkpoints.directory}. "
-          "Lower the learning rate, check the data, or set --config.skip_nonfinite_steps=True.")
-    if bad:
-      logging.warning("Skipped %d steps with a non-finite loss or gradient: %s", len(bad), bad)
+          f"non-finite loss or gradient at step {since + int(nonfinite.first)}; its update was "
+          f"not applied, and the last good checkpoint is step {checkpoints.latest_step()} in "
+          f"{checkpoints.directory}. Lower the learning rate, check the data, or set "
+          "--config.skip_nonfinite_steps=True.")
 
-  train_metrics, last_log, eval_metrics, stopped_by = [], time.perf_counter(), None, None
+  # `running` merges the metrics of the training steps from `since` on, on the devices.
+  running, since, every = steps.empty(TrainMetrics), first_step + 1, sync_every(config)
+  last_log, eval_metrics, stopped_by = time.perf_counter(), None, None
   with stop_signals() as received:
     for step in range(first_step + 1, num_train_steps + 1):  # `step` counts finished updates
       with jax.profiler.StepTraceAnnotation("train", step_num=step):
-        state, step_metrics = steps.train(state, next(train_iter))
-      train_metrics.append((step, step_metrics))
+        state, running = steps.train(state, running, next(train_iter))
       for hook in hooks:
         hook(step)
       if step == first_step + 1:  # the loop's clock starts once the step is compiled
-        jax.block_until_ready(step_metrics)
+        jax.block_until_ready(running)
         loop_start = time.perf_counter()
       is_last = step == num_train_steps
-      if jax.default_backend() == "cpu" and step % config.cpu_sync_every_steps == 0:
-        jax.block_until_ready(step_metrics)
+      if every and step % every == 0:
+        jax.block_until_ready(running)
       stopped_by = received[0] if received else (
           "a preemption notice" if checkpoints.reached_preemption(step) else None)
       if step % config.log_every_steps == 0 or step % config.checkpoint_every_steps == 0 or (
           is_last or stopped_by):
-        check_finite(train_metrics)
+        check_finite(running, since)
       if step % config.log_every_steps == 0 or is_last:
-        summary = merge_metrics([m for _, m in train_metrics])
+        summary = summarize(running)
         now = time.perf_counter()
         summary["examples_per_sec"] = summary["examples"] / (now - last_log)
-        summary.update(speed.report(len(train_metrics) / (now - last_log)))
+        summary.update(speed.report((step - since + 1) / (now - last_log)))
         writer.write_scalars(step, {f"train_{k}": v for k, v in summary.items()})
-        train_metrics, last_log = [], now
+        if summary["nonfinite_steps"]:
+          logging.warning("Skipped %d of steps %d-%d: non-finite loss or gradient.",
+                          int(summary["nonfinite_steps"]), since, step)
+        running, since, last_log = steps.empty(TrainMetrics), step + 1, now
       if step % config.eval_every_steps == 0 or is_last:
         with report_progress.timed("eval"):
           eval_metrics = evaluate(steps, state, eval_batches, config)

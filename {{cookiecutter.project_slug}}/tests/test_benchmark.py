@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 import benchmark
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,6 +38,10 @@ def test_tiny_benchmark_measures_every_model_and_path(tmp_path):
   for path, loop in results["loop"].items():
     assert_positive_finite(loop, ("loop_examples_per_sec", "step_examples_per_sec", "efficiency"),
                            f"loop:{path}")
+    # --tiny runs one (bare step, loop) pair per path: the efficiency is that pair's ratio.
+    assert loop["efficiencies"] == [loop["efficiency"]]
+    assert loop["efficiency"] == pytest.approx(
+        loop["loop_examples_per_sec"] / loop["step_examples_per_sec"], rel=1e-9)
 
   assert re.search(r"^loop efficiency: \d\.\d\d$", done.stdout, re.MULTILINE), done.stdout
   assert re.search(r"^pmap/spmd step time: \d+\.\d\d", done.stdout, re.MULTILINE), done.stdout

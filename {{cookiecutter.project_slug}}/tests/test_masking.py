@@ -68,11 +68,12 @@ def test_train_step_on_padded_batch_equals_step_on_real_examples(tiny_config):
   graphdef, state = nnx.split(model_and_optimizer(tiny_config))
 
   one_device = jax.jit(functools.partial(train.train_step, graphdef))
-  expected, expected_metrics = one_device(state, real)
+  expected, expected_metrics = one_device(state, train.TrainMetrics.empty(), real)
 
   steps = train.make_steps(graphdef, tiny_config, parallel.make_mesh())
   placed = steps.put_state(state)
-  new_state, metrics = steps.train(placed, steps.put_batch(padded))
+  new_state, metrics = steps.train(placed, steps.empty(train.TrainMetrics),
+                                   steps.put_batch(padded))
   assert max_abs_diff(steps.get_state(new_state), expected) < 1e-6
   assert int(metrics.loss.count) == int(expected_metrics.loss.count) == 77
   assert abs(float(metrics.loss.compute()) - float(expected_metrics.loss.compute())) < 1e-6

@@ -36,29 +36,36 @@ def batches(num_real: list[int], size: int = 64):
 
 
 def run(config, parallelism, batch_list, graphdef=None, state=None):
-  """Three (or len(batch_list)) train steps on one device, or on 8 with spmd or pmap."""
+  """Three (or len(batch_list)) train steps on one device, or on 8 with spmd or pmap.
+  Returns the state and the summary of the steps' merged metrics."""
   if graphdef is None:
     graphdef, state = initial_state(config)
   if parallelism == "single":
     step = jax.jit(functools.partial(train.train_step, graphdef,
                                      grad_accum_steps=config.grad_accum_steps))
-    state = jax.device_put(state, jax.devices()[0])
+    state, running = jax.device_put((state, train.TrainMetrics.empty()), jax.devices()[0])
     for batch in batch_list:
-      state, _ = step(state, batch)
-    return state
+      state, running = step(state, running, batch)
+    return state, train.summarize(running)
   config.parallelism = parallelism
   steps = train.make_steps(graphdef, config, parallel.make_mesh())
   state = steps.put_state(jax.device_put(state, parallel.replicated(parallel.make_mesh())))
+  running = steps.empty(train.TrainMetrics)
   for batch in batch_list:
-    state, _ = steps.train(state, steps.put_batch(batch))
+    state, running = steps.train(state, running, steps.put_batch(batch))
     jax.block_until_ready(state)  # as the training loop does on the CPU: never queue collectives
-  return steps.get_state(state)
+  return steps.get_state(state), train.summarize(running)
+
+
+def as_numpy(x):
+  """The values of an array, or the raw data of PRNG keys."""
+  return np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
 
 
 def assert_trees_close(a, b, atol):
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b),
                           strict=True):
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=0,
+    np.testing.assert_allclose(as_numpy(x), as_numpy(y), atol=atol, rtol=0,
                                err_msg=jax.tree_util.keystr(path))
 
 
@@ -67,11 +74,15 @@ def assert_trees_close(a, b, atol):
 @pytest.mark.parametrize("num_real", [[64, 64, 64], [64, 20, 64], [20, 37, 1]])
 def test_pmap_equals_spmd_equals_single_device(tiny_config, num_real):
   data = batches(num_real)
-  single = run(tiny_config, "single", data)
-  spmd = run(tiny_config, "spmd", data)
-  pmap = run(tiny_config, "pmap", data)
+  single, single_metrics = run(tiny_config, "single", data)
+  spmd, spmd_metrics = run(tiny_config, "spmd", data)
+  pmap, pmap_metrics = run(tiny_config, "pmap", data)
   assert_trees_close(spmd, single, atol=1e-6)
   assert_trees_close(pmap, single, atol=1e-6)
+  for metrics in (single_metrics, spmd_metrics, pmap_metrics):  # merged over the three steps
+    assert metrics["examples"] == sum(num_real) and metrics["nonfinite_steps"] == 0
+    assert metrics["loss"] == pytest.approx(single_metrics["loss"], abs=1e-6)
+    assert metrics["accuracy"] == single_metrics["accuracy"]
   step_counter = pmap[1]["step"][...]
   assert step_counter.dtype == jnp.uint32 and int(step_counter) == 3  # never averaged
 
@@ -80,22 +91,24 @@ def test_pmap_equals_spmd_equals_single_device(tiny_config, num_real):
 def test_gradient_accumulation_equals_one_large_batch(tiny_config, parallelism):
   data = batches([64, 50, 64])  # includes a padded batch
   tiny_config.grad_accum_steps = 1
-  expected = run(tiny_config, parallelism, data)
+  expected, _ = run(tiny_config, parallelism, data)
   tiny_config.grad_accum_steps = 4  # micro-batches of 16: 2 examples per device each
-  accumulated = run(tiny_config, parallelism, data)
+  accumulated, _ = run(tiny_config, parallelism, data)
   assert_trees_close(accumulated, expected, atol=1e-6)
 
 
-def test_replicate_and_unreplicate(tiny_config):
-  _, state = initial_state(tiny_config)
+@pytest.mark.parametrize("model", ["cnn", "dropout"])  # dropout: the state holds PRNG keys
+def test_replicate_and_unreplicate(tiny_config, model):
+  _, state = initial_state(tiny_config, DropoutCNN(nnx.Rngs(0)) if model == "dropout" else None)
   replicated = parallel.replicate(state)
   for x, r in zip(jax.tree.leaves(state), jax.tree.leaves(replicated), strict=True):
     assert r.shape == (NUM_DEVICES, *x.shape) and r.dtype == x.dtype
     assert len(r.addressable_shards) == NUM_DEVICES
     assert {s.device for s in r.addressable_shards} == set(jax.local_devices())
     for shard in r.addressable_shards:
-      np.testing.assert_array_equal(np.asarray(shard.data)[0], np.asarray(x))
+      np.testing.assert_array_equal(as_numpy(shard.data)[0], as_numpy(x))
   back = parallel.unreplicate(replicated)
+  assert [x.dtype for x in jax.tree.leaves(back)] == [x.dtype for x in jax.tree.leaves(state)]
   assert_trees_close(back, state, atol=0)
 
 
@@ -134,7 +147,8 @@ def test_pmap_dropout_differs_across_devices_and_state_stays_replicated(tiny_con
   masks = np.asarray(dropout_masks(state, jnp.ones((NUM_DEVICES, 4, 64))))
   assert len({m.tobytes() for m in masks}) == NUM_DEVICES  # every device its own mask
 
-  state, _ = steps.train(state, steps.put_batch(batches([64])[0]))
+  state, _ = steps.train(state, steps.empty(train.TrainMetrics),
+                         steps.put_batch(batches([64])[0]))
   for leaf in jax.tree.leaves(jax.tree.map(lambda x: x, state)):
     leaf = jax.random.key_data(leaf) if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf
     per_device = np.asarray(leaf)
@@ -156,10 +170,10 @@ def test_batchnorm_statistics_are_synchronised(tiny_config):
   """pmap with nnx.BatchNorm(axis_name=...) gives the statistics of the global batch."""
   data = batches([64, 64])
   graphdef, state = initial_state(tiny_config, BatchNormCNN(None, nnx.Rngs(0)))
-  single = run(tiny_config, "single", data, graphdef, state)
-  spmd = run(tiny_config, "spmd", data, graphdef, state)
+  single, _ = run(tiny_config, "single", data, graphdef, state)
+  spmd, _ = run(tiny_config, "spmd", data, graphdef, state)
   graphdef, state = initial_state(tiny_config, BatchNormCNN(parallel.PMAP_AXIS, nnx.Rngs(0)))
-  pmap = run(tiny_config, "pmap", data, graphdef, state)
+  pmap, _ = run(tiny_config, "pmap", data, graphdef, state)
   assert_trees_close(spmd, single, atol=1e-5)
   assert_trees_close(pmap, single, atol=1e-5)
   running_mean = pmap[0]["norm"]["mean"][...]
