@@ -201,3 +201,19 @@ def test_nonfinite_steps_can_be_skipped(tiny_config, tmp_path):
   assert result["examples"] == 360 and np.isfinite(result["loss"])
   _, state = final_state(tmp_path / "run")
   assert all(np.isfinite(x).all() for x in state.values() if x.dtype.kind == "f")
+
+
+def test_nonfinite_steps_are_counted_and_the_first_found_however_merged():
+  finite = [True, True, False, True, False, True]  # steps 0-5; 2 and 4 not finite
+  flags = [train.NonFinite.from_step(jax.numpy.array(ok)) for ok in finite]
+  one_by_one = train.NonFinite.empty()
+  for flag in flags:
+    one_by_one = one_by_one.merge(flag)
+  halves = flags[0].merge(flags[1]).merge(flags[2]).merge(
+      flags[3].merge(flags[4]).merge(flags[5]))  # merged in two windows, then together
+  late = train.NonFinite.empty().merge(flags[3]).merge(flags[4])  # a window from step 3 on
+  for merged in (one_by_one, halves):
+    assert (int(merged.steps), int(merged.count), int(merged.first)) == (6, 2, 2)
+  assert (int(late.count), int(late.first)) == (1, 1)
+  clean = train.NonFinite.empty().merge(flags[0]).merge(flags[1])
+  assert (int(clean.count), int(clean.first)) == (0, -1)
