@@ -449,9 +449,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           state=ocp.args.StandardSave(steps.get_state(state)),
           data_iter=grain.checkpoint.CheckpointSave(train_iter)))
 
-  def check_finite(running, since: int):
+  def check_finite(nonfinite: NonFinite, since: int):
     """Raises if a step from `since` on was not finite, unless such steps may be skipped."""
-    nonfinite = jax.device_get(running.nonfinite_steps)
     if nonfinite.count and not config.skip_nonfinite_steps:
       checkpoints.wait_until_finished()
       raise NonFiniteLoss(
@@ -479,9 +478,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           "a preemption notice" if checkpoints.reached_preemption(step) else None)
       if step % config.log_every_steps == 0 or step % config.checkpoint_every_steps == 0 or (
           is_last or stopped_by):
-        check_finite(running, since)
+        fetched = jax.device_get(running)  # one transfer, for the check and the summary
+        check_finite(fetched.nonfinite_steps, since)
       if step % config.log_every_steps == 0 or is_last:
-        summary = summarize(running)
+        summary = summarize(fetched)
         now = time.perf_counter()
         summary["examples_per_sec"] = summary["examples"] / (now - last_log)
         summary.update(speed.report((step - since + 1) / (now - last_log)))

@@ -149,9 +149,8 @@ def test_pmap_dropout_differs_across_devices_and_state_stays_replicated(tiny_con
 
   state, _ = steps.train(state, steps.empty(train.TrainMetrics),
                          steps.put_batch(batches([64])[0]))
-  for leaf in jax.tree.leaves(jax.tree.map(lambda x: x, state)):
-    leaf = jax.random.key_data(leaf) if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf
-    per_device = np.asarray(leaf)
+  for leaf in jax.tree.leaves(state):
+    per_device = as_numpy(leaf)
     assert (per_device == per_device[:1]).all()  # still identical on every device
 
 
