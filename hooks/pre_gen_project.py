@@ -26,8 +26,8 @@ SLUG_RE = re.compile(r"[a-z][a-z0-9_]*[a-z0-9]")
 TAKEN = {
     "jax", "flax", "optax", "grain", "clu", "orbax", "ml_collections", "numpy", "absl",
     "sklearn", "tensorboardX", "tensorboard", "array_record",
-    "train", "model", "input_pipeline", "parallel", "writers", "write_arrayrecord", "configs",
-    "launch", "benchmark", "portpicker",
+    "train", "model", "input_pipeline", "parallel", "steps", "writers", "write_arrayrecord",
+    "configs", "launch", "benchmark", "portpicker",
     "tests",
 }
 TAKEN_LOWER = {name.lower(): name for name in TAKEN}  # case-insensitive file systems

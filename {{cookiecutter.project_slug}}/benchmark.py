@@ -1,24 +1,33 @@
-"""Benchmarks the train step on one device, on every device with spmd and with pmap, and the loop.
+"""Benchmarks the train step on one device, on every device with spmd and with pmap, the input
+pipeline, and the training loop.
 
   python benchmark.py --out=bench.json [--tiny]
 
-Steps: for two models (the config's CNN on the digits; a wider CNN on synthetic 32x32x3 images)
+Steps: for two models (the config's CNN on the digits; a wider CNN on synthetic 64x64x3 images)
 and each path, the compile time (ahead of time, `step.lower(...).compile()`), the median time of
-the compiled step on a batch already on the devices (each step waited for, the donated state
-threaded through), examples/s from it, and the peak host memory. The three paths of a model run
-in one process, taking turns of a few steps, so that a machine whose speed drifts (shared or
-throttled cores) slows them alike and their ratios are fair; the peak memory (ru_maxrss) of each
-path comes from a short run of that path alone in its own process.
+the compiled single step (k = 1) on a batch already on the devices (each step waited for, the
+donated state threaded through), examples/s from it, and the peak host memory. The three paths
+of a model run in one process, taking turns of a few steps, so that a machine whose speed drifts
+(shared or throttled cores) slows them alike and their ratios are fair; the peak memory
+(ru_maxrss) of each path comes from a short run of that path alone in its own process.
 
-Loop efficiency: `train_and_evaluate`'s `loop_examples_per_sec` for the config (input pipeline,
-metrics, logging, evaluation, checkpoints) over the examples/s of the bare compiled step run
-back to back on one batch already on the devices, as many steps as the loop and waiting as
-often as it does (`cpu_sync_every_steps` on the CPU). Each repeat runs both in a fresh process,
-one right after the other, in alternating order; the efficiency is the median of their ratios.
+Input pipeline: images/s of the Grain iterator alone, as the loop reads it (64x64x3 uint8
+images, batch 1024, `steps_per_dispatch` batches an element, each placed on the devices).
 
-Every measurement runs in a subprocess with 8 devices (forced on the CPU); `single` uses device 0.
---tiny (configs/tiny.py, shrunk models, few steps; two subprocesses at a time, so its timings mean
-nothing) runs every code path in seconds, for CI. Needs the dev extra (tensorboard).
+Loop efficiency: `train_and_evaluate`'s `loop_examples_per_sec` (input pipeline, metrics,
+logging, evaluation, checkpoints; `steps_per_dispatch` steps a call) over the examples/s of the
+bare compiled single step (k = 1) run back to back on one batch already on the devices, as many
+steps as the loop and waiting as often as it does (`cpu_sync_every_steps` on the CPU). It can
+exceed 1: several steps per call beat one. Each repeat runs both in a fresh process, one right
+after the other, in alternating order; the efficiency is the median of their ratios. For the
+large model (one path, the config's): on an accelerator, the CNN (128, 256) in bfloat16 on
+batches of 1024; on the CPU, shrunk to what 2 cores run in seconds (features (16, 32), batch
+256), said in the report.
+
+Every measurement runs in a subprocess, one at a time (a GPU is never shared); on the CPU with
+8 devices (forced). `single` uses device 0. --tiny (configs/tiny.py, shrunk models, few steps;
+on the CPU two subprocesses at a time, so its timings mean nothing) runs every code path in
+seconds, for CI. Needs the dev extra (tensorboard).
 """
 
 import concurrent.futures
@@ -42,6 +51,7 @@ from tensorboard.backend.event_processing import event_accumulator
 
 import input_pipeline
 import parallel
+import steps
 from configs import default, tiny
 from model import create_model
 
@@ -51,51 +61,60 @@ PATHS = ("single", "spmd", "pmap")
 LOOP_PATHS = ("spmd", "pmap")
 WARMUP_STEPS = 2  # untimed calls of each compiled step before the timed ones
 REPEATS = 3  # paired (bare step, loop) runs per path: the median of their ratios is reported
+PIPELINE = dict(image_shape=(64, 64, 3), batch_size=1024)
 
 _OUT = flags.DEFINE_string("out", "bench.json", "Where the JSON results go.")
 _TINY = flags.DEFINE_bool("tiny", False, "A smoke run of every code path in seconds (CI).")
-_MEASURE = flags.DEFINE_string("measure", None, "Internal: 'steps:MODEL', 'memory:MODEL:PATH' "
-                               "or 'loop:PATH:RUN', measured in this process, printed as JSON.")
+_MEASURE = flags.DEFINE_string("measure", None, "Internal: 'steps:MODEL', 'memory:MODEL:PATH', "
+                               "'loop:MODEL:PATH:RUN' or 'pipeline', measured in this process, "
+                               "printed as JSON.")
 
 
 def get_config(model: str, is_tiny: bool) -> ml_collections.ConfigDict:
-  """The default (or tiny) config; for 'large', the CNN widened, on synthetic images. Steps are
-  timed in `rounds` turns of `turn_steps` steps per path."""
+  """The default (or tiny) config; for 'large', a wider CNN on synthetic 64x64x3 images (see
+  the module's docstring). Steps are timed in `rounds` turns of `turn_steps` steps per path."""
   config = (tiny if is_tiny else default).get_config()
   config.rounds, config.turn_steps = (1, 3) if is_tiny else (10, 20)
   if model == "large":
+    accelerator = jax.default_backend() != "cpu"
     config.dataset = "synthetic"
-    config.synthetic.image_shape = (16, 16, 3) if is_tiny else (32, 32, 3)
-    config.model.features = (16, 32) if is_tiny else (64, 128)
-    config.batch_size = 64 if is_tiny else 256
-    config.synthetic.num_train = config.synthetic.num_eval = config.batch_size  # one batch
-    config.rounds, config.turn_steps = (1, 3) if is_tiny else (8, 4)  # ~0.5 s a step here
+    config.synthetic.image_shape = (16, 16, 3) if is_tiny else PIPELINE["image_shape"]
+    config.model.features = (16, 32) if is_tiny or not accelerator else (128, 256)
+    config.model.dtype = "bfloat16" if accelerator else "float32"
+    config.batch_size = 64 if is_tiny else PIPELINE["batch_size"] if accelerator else 256
+    loop_steps = 15 if is_tiny else 100 if accelerator else 20
+    config.synthetic.num_train = loop_steps * config.batch_size
+    config.synthetic.num_eval = 2 * config.batch_size
+    config.num_epochs = 1
+    config.rounds, config.turn_steps = (1, 3) if is_tiny else (10, 10) if accelerator else (4, 2)
   return config
 
 
 def step_state_batch(config, path: str):
-  """The train step of `path`, and a state, running metrics and a batch already where the step
-  wants them."""
+  """The single train step (k = 1) of `path`, and a state, running metrics and a batch already
+  where the step wants them."""
   import train  # not at the top: it marks train.py's own flags (--config, ...) required
 
+  config = config.copy_and_resolve_references()
+  config.steps_per_dispatch = 1
   splits, info = input_pipeline.get_datasets(config)
-  batch = input_pipeline.train_batches(splits["train"], config)[0]
+  batch = input_pipeline.train_batches(splits["train"], config)[0]  # [1, batch, ...]
   model = create_model(config, info.image_shape, info.num_classes, nnx.Rngs(config.seed))
   optimizer = nnx.Optimizer(model, train.create_optimizer(config, 1000), wrt=nnx.Param)
   graphdef, state = nnx.split((model, optimizer))
   if path == "single":
     device = jax.devices()[0]
-    step = jax.jit(functools.partial(train.train_step, graphdef,
-                                     grad_accum_steps=config.grad_accum_steps),
+    step = jax.jit(functools.partial(steps.train_step, graphdef,
+                                     grad_accum_steps=config.grad_accum_steps,
+                                     max_shift=config.augment_max_shift, seed=config.seed),
                    donate_argnums=(0, 1))
-    placed = jax.device_put((state, train.TrainMetrics.empty(), batch), device)
-    return step, *placed
-  config = config.copy_and_resolve_references()
+    one_batch = jax.tree.map(lambda x: x[0], batch)
+    return step, *jax.device_put((state, steps.TrainMetrics.empty(), one_batch), device)
   config.parallelism = path
   mesh = parallel.make_mesh()
-  steps = train.make_steps(graphdef, config, mesh)
-  state = steps.put_state(jax.device_put(state, parallel.replicated(mesh)))
-  return steps.train, state, steps.empty(train.TrainMetrics), steps.put_batch(batch)
+  compiled = steps.make(graphdef, config, mesh)
+  state = compiled.put_state(jax.device_put(state, parallel.replicated(mesh)))
+  return compiled.train, state, compiled.empty(steps.TrainMetrics), compiled.put_batch(batch)
 
 
 def peak_host_mb() -> float:
@@ -160,52 +179,88 @@ def read_scalar(workdir: str, tag: str) -> float:
 
 
 def measure_loop(config, path: str, loop_first: bool) -> dict:
-  """The loop's examples/s and the bare step's, measured one right after the other."""
+  """The loop's examples/s and the bare single step's, measured one right after the other."""
   import train  # see step_state_batch
 
   config.parallelism = path
-  num_steps = len(input_pipeline.train_batches(input_pipeline.get_datasets(config)[0]["train"],
-                                               config)) - 1  # the loop's clock skips step 1
+  num_steps = input_pipeline.num_batches(
+      config.num_epochs * input_pipeline.get_datasets(config)[1].num_examples["train"],
+      config.batch_size) - config.steps_per_dispatch  # the loop's clock skips the first call
 
   def loop():
     with tempfile.TemporaryDirectory() as workdir:
       train.train_and_evaluate(config, workdir)
-      return read_scalar(workdir, "loop_examples_per_sec")
+      return (read_scalar(workdir, "loop_examples_per_sec"),
+              read_scalar(workdir, "loop_host_us_per_step"))
 
   def bare():
     runner = Runner(config, path)
     return num_steps * config.batch_size / runner.stream(num_steps, train.sync_every(config))
 
   if loop_first:
-    loop_rate, step_rate = loop(), bare()
+    (loop_rate, host_us), step_rate = loop(), bare()
   else:
-    step_rate, loop_rate = bare(), loop()
+    step_rate, (loop_rate, host_us) = bare(), loop()
   return dict(loop_examples_per_sec=loop_rate, step_examples_per_sec=step_rate,
-              efficiency=loop_rate / step_rate)
+              efficiency=loop_rate / step_rate, host_us_per_step=host_us,
+              steps_per_dispatch=config.steps_per_dispatch)
+
+
+def measure_pipeline(is_tiny: bool, seconds: float = 3.0) -> dict:
+  """Images/s of the Grain iterator alone, placing each element on the devices (spmd)."""
+  config = get_config("large", is_tiny)
+  config.synthetic.image_shape = PIPELINE["image_shape"]
+  config.batch_size = PIPELINE["batch_size"]
+  config.synthetic.num_train = 8 * config.batch_size
+  config.num_epochs = 1000  # never runs out
+  splits, info = input_pipeline.get_datasets(config)
+  mesh = parallel.make_mesh()
+  put = functools.partial(parallel.global_batch, mesh=mesh)
+  iterator = input_pipeline.as_iterator(input_pipeline.train_batches(splits["train"], config),
+                                        config, put=put)
+  jax.block_until_ready(next(iterator))  # threads started, first element read
+  start, images = time.perf_counter(), 0
+  while time.perf_counter() - start < (0.3 if is_tiny else seconds):
+    element = next(iterator)
+    images += element["mask"].size
+  jax.block_until_ready(element)
+  return dict(images_per_sec=images / (time.perf_counter() - start),
+              steps_per_dispatch=config.steps_per_dispatch, **PIPELINE)
+
+
+def describe(config) -> dict:
+  return dict(image_shape=list(input_pipeline.get_datasets(config)[1].image_shape),
+              features=list(config.model.features), dtype=config.model.dtype,
+              batch_size=config.batch_size, timed_steps=config.rounds * config.turn_steps)
 
 
 def measure(what: str, is_tiny: bool) -> dict:
   """What the subprocess `--measure=what` prints."""
-  kind, name, *rest = what.split(":")
+  kind, *rest = what.split(":")
   if kind == "steps":
-    result = measure_steps(get_config(name, is_tiny))
+    config = get_config(rest[0], is_tiny)
+    result = dict(paths=measure_steps(config), **describe(config))
   elif kind == "memory":
-    Runner(get_config(name, is_tiny), rest[0])  # compiled, and WARMUP_STEPS steps run
+    Runner(get_config(rest[0], is_tiny), rest[1])  # compiled, and WARMUP_STEPS steps run
     result = {}
-  else:  # loop:PATH:RUN
-    result = measure_loop(get_config("digits", is_tiny), name, loop_first=int(rest[0]) % 2 == 1)
+  elif kind == "pipeline":
+    result = measure_pipeline(is_tiny)
+  else:  # loop:MODEL:PATH:RUN
+    config = get_config(rest[0], is_tiny)
+    result = dict(measure_loop(config, rest[1], loop_first=int(rest[2]) % 2 == 1),
+                  **describe(config))
   return dict(result, peak_host_mb=peak_host_mb(), device_count=jax.device_count(),
-              backend=jax.default_backend())
+              backend=jax.default_backend(), device_kind=jax.devices()[0].device_kind)
 
 
 def run_in_subprocess(what: str, is_tiny: bool) -> dict:
-  """`measure(what)` in a fresh process with NUM_DEVICES devices."""
+  """`measure(what)` in a fresh process, with NUM_DEVICES devices on the CPU."""
   xla_flags = os.environ.get("XLA_FLAGS", "")
   if "xla_force_host_platform_device_count" not in xla_flags:
     xla_flags += f" --xla_force_host_platform_device_count={NUM_DEVICES}"
   command = [sys.executable, os.path.abspath(__file__), f"--measure={what}"]
   command += ["--tiny"] if is_tiny else []
-  done = subprocess.run(command, capture_output=True, text=True, timeout=120 if is_tiny else 300,
+  done = subprocess.run(command, capture_output=True, text=True, timeout=120 if is_tiny else 600,
                         env=dict(os.environ, XLA_FLAGS=xla_flags.strip()))
   if done.returncode:
     raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -213,46 +268,57 @@ def run_in_subprocess(what: str, is_tiny: bool) -> dict:
 
 
 def run_all(whats: list[str], is_tiny: bool) -> dict[str, dict]:
-  with concurrent.futures.ThreadPoolExecutor(max_workers=2 if is_tiny else 1) as pool:
+  """Two subprocesses at a time only for --tiny on the CPU: an accelerator is never shared."""
+  on_cpu = os.environ.get("JAX_PLATFORMS", "") == "cpu"
+  with concurrent.futures.ThreadPoolExecutor(max_workers=2 if is_tiny and on_cpu else 1) as pool:
     results = pool.map(functools.partial(run_in_subprocess, is_tiny=is_tiny), whats)
     return dict(zip(whats, results, strict=True))
+
+
+def summarize_loop(runs: list[dict]) -> dict:
+  loop = {key: statistics.median(run[key] for run in runs) for key in (
+      "loop_examples_per_sec", "step_examples_per_sec", "efficiency", "host_us_per_step")}
+  return dict(loop, efficiencies=[run["efficiency"] for run in runs],
+              peak_host_mb=max(run["peak_host_mb"] for run in runs),
+              **{key: runs[0][key] for key in ("steps_per_dispatch", "image_shape", "features",
+                                                "dtype", "batch_size")})
 
 
 def benchmark(is_tiny: bool) -> dict:
   config_parallelism = get_config("digits", is_tiny).parallelism
   loop_paths = sorted(LOOP_PATHS, key=lambda path: path != config_parallelism)  # the config's first
   repeats = 1 if is_tiny else REPEATS
-  results = run_all([f"steps:{model}" for model in MODELS] +
+  loops = [(model, path, i) for i in range(repeats) for model, path in
+           [("digits", path) for path in loop_paths] + [("large", config_parallelism)]
+           if model == "digits" or i < max(repeats - 1, 1)]
+  results = run_all(["pipeline"] + [f"steps:{model}" for model in MODELS] +
                     [f"memory:{model}:{path}" for model in MODELS for path in PATHS] +
-                    [f"loop:{path}:{i}" for i in range(repeats) for path in loop_paths], is_tiny)
+                    [f"loop:{model}:{path}:{i}" for model, path, i in loops], is_tiny)
   models = {}
   for model in MODELS:
-    config = get_config(model, is_tiny)
-    paths = {path: dict(results[f"steps:{model}"][path],
+    measured = results[f"steps:{model}"]
+    paths = {path: dict(measured["paths"][path],
                         peak_host_mb=results[f"memory:{model}:{path}"]["peak_host_mb"])
              for path in PATHS}
     models[model] = dict(
-        image_shape=list(input_pipeline.get_datasets(config)[1].image_shape),
-        features=list(config.model.features), batch_size=config.batch_size,
-        timed_steps=config.rounds * config.turn_steps, paths=paths,
+        {key: measured[key] for key in ("image_shape", "features", "dtype", "batch_size",
+                                        "timed_steps")}, paths=paths,
         pmap_over_spmd_step_time=paths["pmap"]["step_ms"] / paths["spmd"]["step_ms"])
-  loop = {}
-  for path in loop_paths:
-    runs = [results[f"loop:{path}:{i}"] for i in range(repeats)]
-    loop[path] = {key: statistics.median(run[key] for run in runs) for key in (
-        "loop_examples_per_sec", "step_examples_per_sec", "efficiency")}
-    loop[path].update(efficiencies=[run["efficiency"] for run in runs],
-                      peak_host_mb=max(run["peak_host_mb"] for run in runs))
-  first = results[f"steps:{MODELS[0]}"]
+  loop = {f"{model}:{path}": summarize_loop([results[f"loop:{m}:{p}:{i}"]
+                                             for m, p, i in loops if (m, p) == (model, path)])
+          for model, path in dict.fromkeys((m, p) for m, p, _ in loops)}
+  first = results["steps:digits"]
   return dict(jax=jax.__version__, flax=flax.__version__, backend=first["backend"],
-              device_count=first["device_count"], tiny=is_tiny,
+              device_count=first["device_count"], device_kind=first["device_kind"], tiny=is_tiny,
               compile_time="ahead of time: step.lower(...).compile(), every path",
-              config_parallelism=config_parallelism, models=models, loop=loop)
+              config_parallelism=config_parallelism, models=models, loop=loop,
+              pipeline=results["pipeline"])
 
 
 def report(results: dict) -> str:
   lines = [f"jax {results['jax']}, flax {results['flax']}, {results['device_count']} "
-           f"{results['backend']} devices" + (" (tiny)" if results["tiny"] else ""),
+           f"{results['backend']} devices ({results['device_kind']})" +
+           (" (tiny)" if results["tiny"] else ""),
            f"{'model':<8}{'shape':>10}{'batch':>7}{'path':>8}{'compile s':>11}{'step ms':>10}"
            f"{'examples/s':>12}{'peak host MB':>14}"]
   for name, model in results["models"].items():
@@ -262,12 +328,21 @@ def report(results: dict) -> str:
                    f"{r['step_ms']:>10.2f}{r['examples_per_sec']:>12.0f}{r['peak_host_mb']:>14.0f}")
   for name, model in results["models"].items():
     lines.append(f"pmap/spmd step time: {model['pmap_over_spmd_step_time']:.2f} ({name})")
-  for path, loop in results["loop"].items():
+  for key, loop in results["loop"].items():
     pairs = " ".join(f"{e:.2f}" for e in loop["efficiencies"])
-    lines.append(f"loop ({path}): {loop['loop_examples_per_sec']:.0f} examples/s, the bare step "
-                 f"{loop['step_examples_per_sec']:.0f}; paired ratios {pairs}")
-  for path, loop in results["loop"].items():
-    label = "" if path == results["config_parallelism"] else f" ({path})"
+    shape = "x".join(map(str, loop["image_shape"]))
+    lines.append(f"loop ({key}, {shape}, batch {loop['batch_size']}, features "
+                 f"{tuple(loop['features'])}, {loop['dtype']}, k={loop['steps_per_dispatch']}): "
+                 f"{loop['loop_examples_per_sec']:.0f} examples/s, the bare single step "
+                 f"{loop['step_examples_per_sec']:.0f}; host {loop['host_us_per_step']:.0f} "
+                 f"us/step; paired ratios {pairs}")
+  pipeline = results["pipeline"]
+  lines.append(f"input pipeline ({'x'.join(map(str, pipeline['image_shape']))}, batch "
+               f"{pipeline['batch_size']}): {pipeline['images_per_sec']:.0f} images/s")
+  for key, loop in results["loop"].items():
+    model, path = key.split(":")
+    label = "" if model == "digits" else f" ({model})"
+    label = label if path == results["config_parallelism"] else f" ({path})"
     lines.append(f"loop efficiency{label}: {loop['efficiency']:.2f}")
   return "\n".join(lines)
 

@@ -1,16 +1,19 @@
 """Grain input pipeline: sources, a seeded shuffle, and padded-and-masked batches.
 
-Every batch is a dict of NumPy arrays holding this process's share of one global batch:
-  image [local_batch, H, W, C] float32, label [local_batch] int32, mask [local_batch] bool.
-`mask` is False on padding. A split is cut into exactly ceil(examples / global_batch) batches
-on every process, so all processes run the same number of steps and every real example is seen
-exactly once per epoch: nothing is dropped, nothing is counted twice.
+Every element is k = `config.steps_per_dispatch` batches stacked, each holding this process's
+share of one global batch, as NumPy arrays (see steps.py for what the device does with them):
+  image [k, local_batch, H, W, C] as stored (uint8 pixels stay uint8 up to the device),
+  label [k, local_batch] int32, mask [k, local_batch] bool (False on padding),
+  position [k, local_batch] uint32 (the example's place in the stream; keys its augmentation).
+A split is cut into exactly ceil(examples / global_batch) batches on every process, so all
+processes run the same number of steps and every real example is seen exactly once per epoch:
+nothing is dropped, nothing is counted twice.
 
-One Grain element is one batch, gathered with NumPy fancy indexing: Grain's per-example path
-costs tens of microseconds per example, more than a training step of a small model. Batch k
-holds the examples at positions [k * global_batch, (k + 1) * global_batch) of the stream
-(`num_epochs` passes, each a fresh seeded permutation); process p takes positions p, p + P, ...
-of it, so the global batch is the same whatever the number of processes P.
+One Grain element is gathered with NumPy fancy indexing: Grain's per-example path costs tens of
+microseconds per example, more than a training step of a small model. Batch b holds the
+examples at positions [b * global_batch, (b + 1) * global_batch) of the stream (`num_epochs`
+passes, each a fresh seeded permutation); process p takes positions p, p + P, ... of it, so the
+global batch is the same whatever the number of processes P.
 """
 
 import dataclasses
@@ -68,7 +71,7 @@ def _digits(config) -> dict[str, ArraySource]:
   from sklearn.model_selection import train_test_split
 
   digits = load_digits()
-  images = (digits.images / 16.0).astype(np.float32)[..., None]
+  images = np.round(digits.images * (255 / 16)).astype(np.uint8)[..., None]  # 0..16 -> 0..255
   labels = digits.target.astype(np.int32)
   train_x, eval_x, train_y, eval_y = train_test_split(
       images, labels, test_size=config.eval_fraction, random_state=0, stratify=labels)
@@ -81,7 +84,7 @@ def _synthetic(config) -> dict[str, ArraySource]:
   rng = np.random.default_rng(0)
 
   def split(n):
-    images = rng.random((n, *spec.image_shape), dtype=np.float32)
+    images = rng.integers(0, 256, (n, *spec.image_shape), dtype=np.uint8)
     return ArraySource(images, rng.integers(0, spec.num_classes, n, dtype=np.int32))
 
   return {"train": split(spec.num_train), "eval": split(spec.num_eval)}
@@ -115,97 +118,91 @@ def num_batches(num_examples: int, global_batch_size: int) -> int:
   return math.ceil(num_examples / global_batch_size)
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
-  """splitmix64: well-spread 64-bit hashes of integers, vectorised (wrapping arithmetic)."""
-  x = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
-  x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-  x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-  return x ^ (x >> np.uint64(31))
-
-
-def random_shift(images_BHWC: np.ndarray, max_shift: int, keys_B: np.ndarray) -> np.ndarray:
-  """Shifts each image by up to `max_shift` pixels each way (zero fill); the shift of an image
-  is a function of its key alone, so it does not depend on how examples are batched."""
-  batch, height, width, _ = images_BHWC.shape
-  size = 2 * max_shift + 1
-  bits = _mix(keys_B)
-  dy = (bits % np.uint64(size)).astype(int)
-  dx = (bits // np.uint64(size) % np.uint64(size)).astype(int)
-  padded = np.pad(images_BHWC, ((0, 0), (max_shift, max_shift), (max_shift, max_shift), (0, 0)))
-  rows = dy[:, None] + np.arange(height)  # [B, H]
-  cols = dx[:, None] + np.arange(width)  # [B, W]
-  return padded[np.arange(batch)[:, None, None], rows[:, :, None], cols[:, None, :]]
-
-
 @dataclasses.dataclass(frozen=True)
-class LoadBatch:
-  """Batch number -> this process's padded, masked batch (the map of the Grain pipeline)."""
+class LoadBatches:
+  """Element number j -> this process's share of batches [j * k, (j + 1) * k) of the stream,
+  padded, masked and stacked: `[k, local_batch, ...]` (the map of the Grain pipeline).
+
+  Batches past the end of the stream, and before `first_batch` (a resumed run), are all
+  padding: the steps skip them. Elements are aligned to multiples of k batches from the start
+  of the stream whatever `first_batch`, so the steps of a run are aligned too.
+  """
 
   source: ArraySource | RecordSource
   global_batch_size: int
   num_epochs: int = 1
   shuffle_seed: int | None = None  # None: the source's order
-  max_shift: int = 0  # random shifts (training augmentation); 0: none
+  steps_per_element: int = 1  # k
+  first_batch: int = 0
   process_index: int = 0
   process_count: int = 1
 
   def __len__(self) -> int:
-    return num_batches(self.num_epochs * len(self.source), self.global_batch_size)
+    return math.ceil(num_batches(self.num_epochs * len(self.source), self.global_batch_size)
+                     / self.steps_per_element)
 
-  @functools.lru_cache(maxsize=4)  # noqa: B019  (a batch spans at most two epochs)
+  @functools.lru_cache(maxsize=4)  # noqa: B019  (an element spans few epochs)
   def permutation(self, epoch: int) -> np.ndarray:
     return np.random.default_rng([self.shuffle_seed, epoch]).permutation(len(self.source))
 
-  def __call__(self, batch_number: int) -> dict[str, np.ndarray]:
-    local_batch_size = self.global_batch_size // self.process_count
-    start = batch_number * self.global_batch_size + self.process_index
-    positions = start + self.process_count * np.arange(local_batch_size)
-    mask = positions < self.num_epochs * len(self.source)
-    epoch, offset = np.divmod(np.where(mask, positions, 0), len(self.source))
-    indices = offset
+  def __call__(self, element: int) -> dict[str, np.ndarray]:
+    k, local_batch_size = self.steps_per_element, self.global_batch_size // self.process_count
+    batch_K1 = element * k + np.arange(k)[:, None]
+    positions_KB = (batch_K1 * self.global_batch_size + self.process_index
+                    + self.process_count * np.arange(local_batch_size))
+    mask_KB = (positions_KB < self.num_epochs * len(self.source)) & (batch_K1 >= self.first_batch)
+    epoch, indices = np.divmod(np.where(mask_KB, positions_KB, 0), len(self.source))
     if self.shuffle_seed is not None:
-      indices = np.empty_like(offset)
-      for e in range(epoch.min(), epoch.max() + 1):  # a batch may straddle two epochs
-        indices[epoch == e] = self.permutation(e)[offset[epoch == e]]
-    batch = self.source.take(indices)
-    image = batch["image"]
-    if np.issubdtype(image.dtype, np.integer):
-      image = image.astype(np.float32) / 255.0
-    if self.max_shift:
-      image = random_shift(image, self.max_shift, positions + (self.shuffle_seed or 0) * 2**40)
-    image = np.where(mask[:, None, None, None], image, 0).astype(np.float32)
-    label = np.where(mask, batch["label"], 0).astype(np.int32)
-    return {"image": image, "label": label, "mask": mask}
+      for e in np.unique(epoch[mask_KB]):  # an element may straddle epochs
+        indices[epoch == e] = self.permutation(e)[indices[epoch == e]]
+    taken = self.source.take(indices.reshape(-1))
+    image = taken["image"].reshape(k, local_batch_size, *taken["image"].shape[1:])
+    image[~mask_KB] = 0  # a fresh array: padding zeroed in place
+    label = np.where(mask_KB, taken["label"].reshape(k, local_batch_size), 0).astype(np.int32)
+    return {"image": image, "label": label, "mask": mask_KB,
+            "position": positions_KB.astype(np.uint32)}
 
 
-def train_batches(source, config, **process) -> grain.MapDataset:
-  """`num_epochs` passes over `source`, reshuffled every epoch, as one stream of batches.
+def train_batches(source, config, first_step: int = 0, **process) -> grain.MapDataset:
+  """`num_epochs` passes over `source`, reshuffled every epoch, as one stream of batches, from
+  the element holding batch `first_step` on (`first_step`: the steps already done).
 
   Only the very last batch can be partial; it is padded and masked.
   """
-  load = LoadBatch(source, config.batch_size, config.num_epochs, config.seed,
-                   config.augment_max_shift, **process)
-  return grain.MapDataset.range(len(load)).map(load)
+  k = config.steps_per_dispatch
+  load = LoadBatches(source, config.batch_size, config.num_epochs, config.seed, k, first_step,
+                     **process)
+  return grain.MapDataset.range(len(load)).map(load)[first_step // k:]
 
 
 def eval_batches(source, config, **process) -> grain.MapDataset:
-  load = LoadBatch(source, config.batch_size, **process)
+  """The split once, in its order, k batches a step (fewer when the split has fewer)."""
+  k = min(config.steps_per_dispatch, num_batches(len(source), config.batch_size))
+  load = LoadBatches(source, config.batch_size, steps_per_element=k, **process)
   return grain.MapDataset.range(len(load)).map(load)
 
 
-def as_iterator(batches: grain.MapDataset, config, start: int = 0,
-                put=None) -> grain.DatasetIterator:
-  """An iterator over `batches[start:]`, read with `config.num_workers` worker processes.
+def num_workers(config) -> int:
+  """`config.num_workers`, or when it is -1: none for datasets held in memory (a batch is one
+  NumPy gather, which workers would only copy again), else one per core but one, at most 8."""
+  if config.num_workers >= 0:
+    return config.num_workers
+  in_memory = config.dataset in ("digits", "synthetic")
+  return 0 if in_memory else min(max((os.cpu_count() or 1) - 1, 1), 8)
 
-  With `put` (a function placing a batch on the devices), batches are placed by a background
-  thread, `config.prefetch_to_device` ahead of the step. The iterator's state (for checkpoints)
-  is the position of the batch last taken from it, whatever was prefetched.
+
+def as_iterator(batches: grain.MapDataset, config, put=None) -> grain.DatasetIterator:
+  """An iterator over `batches`, read with `num_workers` worker processes.
+
+  With `put` (a function placing stacked batches on the devices), they are placed by a
+  background thread, `config.prefetch_to_device` elements ahead of the step.
   """
   read_options = grain.ReadOptions(num_threads=config.read_threads,
                                    prefetch_buffer_size=config.prefetch_batches)
-  dataset = batches[start:].to_iter_dataset(read_options)
-  if config.num_workers:
-    dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=config.num_workers))
+  dataset = batches.to_iter_dataset(read_options)
+  workers = num_workers(config)
+  if workers:
+    dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
   if put is not None:
     dataset = dataset.map(put)
     if config.prefetch_to_device:

@@ -1,7 +1,7 @@
 """Where arrays live: the device mesh and shardings (spmd), and pmap's replicated layout.
 
-spmd: one global array per leaf. The batch is split over the mesh axis 'data'; the model and
-  optimizer state are replicated (PartitionSpec()).
+spmd: one global array per leaf. Batches (stacked `[k, batch, ...]`, see steps.py) are split
+  over the mesh axis 'data'; the model and optimizer state are replicated (PartitionSpec()).
 pmap: every leaf has a leading axis of one entry per local device; `replicate` makes it,
   `unreplicate` takes it away, `shard_batch` splits a batch into per-device pieces.
 """
@@ -26,7 +26,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def data_sharded(mesh: Mesh) -> NamedSharding:
-  return NamedSharding(mesh, P(DATA_AXIS))
+  """Stacked batches `[k, batch, ...]`: each batch split over 'data'."""
+  return NamedSharding(mesh, P(None, DATA_AXIS))
 
 
 def to_global(tree, mesh: Mesh):
@@ -37,11 +38,12 @@ def to_global(tree, mesh: Mesh):
 
 
 def global_batch(local_batch, mesh: Mesh):
-  """This process's part of the batch -> global arrays split over 'data'."""
+  """This process's part of stacked batches `[k, local_batch, ...]` -> global arrays
+  `[k, batch, ...]`, each batch split over 'data'; every leaf placed in one call."""
   sharding = data_sharded(mesh)
   if jax.process_count() == 1:
-    return jax.device_put(local_batch, sharding)  # the whole batch in one call
-  return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local_batch)
+    return jax.device_put(local_batch, sharding)
+  return jax.make_array_from_process_local_data(sharding, local_batch)
 
 
 def local_devices_mesh() -> Mesh:
@@ -74,15 +76,19 @@ def unreplicate(tree):
   return jax.tree.map(first, tree)
 
 
-def shard_batch(batch, num_devices: int):
-  """`[global, ...]` -> `[num_devices, global // num_devices, ...]` for every leaf."""
+def shard_batch(batch, num_devices: int, axis: int = 0):
+  """`[global, ...]` -> `[num_devices, global // num_devices, ...]` for every leaf; with
+  `axis=1`, stacked batches `[k, global, ...]` -> `[num_devices, k, global // num_devices, ...]`.
+  NumPy views: no copy."""
 
   def split(x):
-    if x.shape[0] % num_devices:
-      raise ValueError(f"shard_batch: a batch of {x.shape[0]} examples does not split over "
+    size = x.shape[axis]
+    if size % num_devices:
+      raise ValueError(f"shard_batch: a batch of {size} examples does not split over "
                        f"{num_devices} devices; use a batch size that is a multiple of "
                        f"{num_devices}.")
-    return x.reshape(num_devices, x.shape[0] // num_devices, *x.shape[1:])
+    x = x.reshape(*x.shape[:axis], num_devices, size // num_devices, *x.shape[axis + 1:])
+    return np.moveaxis(x, axis, 0)
 
   return jax.tree.map(split, batch)
 
@@ -93,9 +99,11 @@ def unshard_batch(batch):
 
 
 def pmap_batch(local_batch):
-  """This process's batch split over its devices and placed there, for pmap."""
+  """This process's stacked batches `[k, local_batch, ...]` split over its devices and placed
+  there in one call, for pmap: `[local_devices, k, local_batch // local_devices, ...]`."""
   mesh = local_devices_mesh()
-  return jax.device_put(shard_batch(local_batch, mesh.size), NamedSharding(mesh, P(PMAP_AXIS)))
+  return jax.device_put(shard_batch(local_batch, mesh.size, axis=1),
+                        NamedSharding(mesh, P(PMAP_AXIS)))
 
 
 def describe(tree, name: str) -> str:

@@ -1,4 +1,4 @@
-"""Data-parallel training and evaluation.
+"""Data-parallel training and evaluation: the loop and its set-up (the steps are in steps.py).
 
   python train.py --config=configs/default.py --workdir=/tmp/run [--config.batch_size=256 ...]
 
@@ -11,79 +11,31 @@ import os
 import signal
 import threading
 import time
-from typing import NamedTuple
 
 # isort: split
 import writers  # first: lets CLU write TensorBoard files without TensorFlow
 
 # isort: split
 
-import flax
-import grain
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from absl import app, flags, logging
-from clu import metrics
 from flax import nnx
 from ml_collections import config_flags
 
 import input_pipeline
 import parallel
+import steps
 from model import create_model
 
-PARALLELISMS = ("spmd", "pmap")
 # Replicated arrays are written by one replica. (Orbax's default on CPU and TPU splits the
 # writing across replicas, which compiles slicing programs at the first save: seconds here.)
 ocp.type_handlers.register_type_handler(
     jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
 OPTIMIZERS = ("adam", "adamw", "sgd")
-
-
-@flax.struct.dataclass
-class Metrics(metrics.Collection):
-  """Sums over real examples only (padding is masked out), merged across steps and devices."""
-
-  loss: metrics.Average.from_output("loss")
-  accuracy: metrics.Accuracy
-
-
-@flax.struct.dataclass
-class NonFinite(metrics.Metric):
-  """Training steps with a non-finite loss or gradient (their updates were not applied): how
-  many of the merged steps, and the index among them of the first, or -1."""
-
-  steps: jax.Array
-  count: jax.Array
-  first: jax.Array
-
-  @classmethod
-  def empty(cls):
-    return cls(steps=jnp.array(0), count=jnp.array(0), first=jnp.array(-1))
-
-  @classmethod
-  def from_step(cls, finite):
-    return cls(steps=jnp.array(1), count=jnp.where(finite, 0, 1), first=jnp.where(finite, -1, 0))
-
-  def merge(self, other):
-    first = jnp.where(self.first >= 0, self.first,
-                      jnp.where(other.first >= 0, self.steps + other.first, -1))
-    return type(self)(self.steps + other.steps, self.count + other.count, first)
-
-  def compute(self):
-    return self.count
-
-
-@flax.struct.dataclass
-class TrainMetrics(metrics.Collection):
-  """Metrics, and the steps that were skipped. (CLU reads only a class's own fields.)"""
-
-  loss: metrics.Average.from_output("loss")
-  accuracy: metrics.Accuracy
-  nonfinite_steps: NonFinite
 
 
 class ConfigError(ValueError):
@@ -99,14 +51,23 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
 
   need(config.dataset in input_pipeline.DATASETS,
        f"config.dataset={config.dataset!r} is unknown; use one of {input_pipeline.DATASETS}.")
-  need(config.parallelism in PARALLELISMS,
-       f"config.parallelism={config.parallelism!r} is unknown; use one of {PARALLELISMS}.")
+  need(config.parallelism in steps.PARALLELISMS,
+       f"config.parallelism={config.parallelism!r} is unknown; use one of {steps.PARALLELISMS}.")
   need(config.optimizer in OPTIMIZERS,
        f"config.optimizer={config.optimizer!r} is unknown; use one of {OPTIMIZERS}.")
-  for key in ("batch_size", "grad_accum_steps", "num_epochs", "log_every_steps", "eval_every_steps",
-              "checkpoint_every_steps", "max_checkpoints_to_keep", "cpu_sync_every_steps"):
+  for key in ("batch_size", "grad_accum_steps", "num_epochs", "steps_per_dispatch",
+              "log_every_steps", "eval_every_steps", "checkpoint_every_steps",
+              "max_checkpoints_to_keep", "cpu_sync_every_steps"):
     need(isinstance(config[key], int) and config[key] > 0,
          f"config.{key}={config[key]!r} must be a positive integer.")
+  need(isinstance(config.num_workers, int) and config.num_workers >= -1,
+       f"config.num_workers={config.num_workers!r} must be -1 (chosen from the cores), 0 or more.")
+  k = config.steps_per_dispatch
+  for key in ("log_every_steps", "eval_every_steps", "checkpoint_every_steps"):
+    lower = max(config[key] // k, 1) * k
+    need(config[key] % k == 0,
+         f"config.{key}={config[key]} is not a multiple of config.steps_per_dispatch={k}; use "
+         f"{' or '.join(map(str, sorted({lower, lower + k})))}, or another steps_per_dispatch.")
   for key in ("learning_rate", "eval_fraction"):
     need(isinstance(config[key], (int, float)) and config[key] > 0,
          f"config.{key}={config[key]!r} must be a positive number.")
@@ -153,136 +114,6 @@ def create_optimizer(config, num_train_steps: int) -> optax.GradientTransformati
   return {"adam": optax.adam, "sgd": optax.sgd}[config.optimizer](schedule)
 
 
-def loss_and_metrics(model, batch):
-  """The SUM of the losses of the real examples (normalised later, by the global count)."""
-  logits_BK = model(batch["image"])
-  losses_B = optax.softmax_cross_entropy_with_integer_labels(logits_BK, batch["label"])
-  loss_sum = jnp.sum(jnp.where(batch["mask"], losses_B, 0.0))
-  step_metrics = Metrics.single_from_model_output(
-      loss=losses_B, logits=logits_BK, labels=batch["label"], mask=batch["mask"])
-  return loss_sum, step_metrics
-
-
-def micro_batches(batch, num: int):
-  """`[batch, ...]` -> `[num, batch // num, ...]`; micro-batch j holds examples j, j + num, ...,
-  so every device holds an equal share of every micro-batch."""
-  return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, num, *x.shape[1:]), 0, 1), batch)
-
-
-def summed_gradients(model, batch, num_micro_batches: int = 1):
-  """Gradient of the summed loss, and metrics, over `batch` in `num_micro_batches` sequential
-  pieces (gradient accumulation: the memory of one piece, the result of the whole batch)."""
-  grad_fn = nnx.grad(loss_and_metrics, has_aux=True)
-  if num_micro_batches == 1:
-    return grad_fn(model, batch)
-  micro = micro_batches(batch, num_micro_batches)
-  sums = grad_fn(model, jax.tree.map(lambda x: x[0], micro))
-  graphdef, state = nnx.split(model)
-
-  def add_micro_batch(carry, micro_batch):
-    state, sums = carry
-    model = nnx.merge(graphdef, state)
-    sums = jax.tree.map(jnp.add, sums, grad_fn(model, micro_batch))
-    return (nnx.state(model), sums), None
-
-  rest = jax.tree.map(lambda x: x[1:], micro)
-  (state, sums), _ = jax.lax.scan(add_micro_batch, (state, sums), rest)
-  nnx.update(model, state)
-  return sums
-
-
-def fold_in_device_index(model, axis_name):
-  """pmap gives every device the same RNG keys: fold in the device index so that dropout differs
-  between devices. Returns a function that puts the shared keys back (keeping the state
-  replicated; the streams' counters advance identically everywhere)."""
-  streams = [s for _, s in nnx.iter_graph(model) if isinstance(s, nnx.RngStream)]
-  keys = [stream.key[...] for stream in streams]
-  for stream in streams:
-    stream.key[...] = jax.random.fold_in(stream.key[...], jax.lax.axis_index(axis_name))
-
-  def restore():
-    for stream, key in zip(streams, keys, strict=True):
-      stream.key[...] = key
-
-  return restore
-
-
-def train_step(graphdef, state, running, batch, grad_accum_steps=1, axis_name=None):
-  """One optimizer step; `running` (TrainMetrics) comes back with this step's metrics merged in.
-  Under pmap (`axis_name` set) sums are reduced across devices.
-
-  The gradient is sum(gradients of the real examples' losses) / (number of real examples),
-  both summed globally: exact for any padding, on any number of devices and micro-batches.
-  Only gradients and metrics are reduced; the optimizer's counters are never averaged.
-  """
-  old_state = jax.tree.map(lambda x: x, state)  # kept for a step that is not finite
-  model, optimizer = nnx.merge(graphdef, state)
-  model.train()
-  if axis_name is not None:
-    restore_keys = fold_in_device_index(model, axis_name)
-  grads, step_metrics = summed_gradients(model, batch, grad_accum_steps)
-  if axis_name is not None:
-    restore_keys()
-    grads, step_metrics = jax.lax.psum((grads, step_metrics), axis_name)
-  count = jnp.maximum(step_metrics.loss.count, 1)
-  optimizer.update(model, jax.tree.map(lambda g: g / count, grads))
-  # A non-finite loss or gradient leaves the state as it was; the loop decides what to do.
-  finite = jnp.isfinite(step_metrics.loss.total) & jnp.all(
-      jnp.stack([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]))
-  new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
-                           nnx.state((model, optimizer)), old_state)
-  step_metrics = TrainMetrics(**vars(step_metrics), nonfinite_steps=NonFinite.from_step(finite))
-  return new_state, running.merge(step_metrics)
-
-
-def eval_step(graphdef, state, running, batch, axis_name=None):
-  model, _ = nnx.merge(graphdef, state)
-  model.eval()
-  _, step_metrics = loss_and_metrics(model, batch)
-  if axis_name is not None:
-    step_metrics = jax.lax.psum(step_metrics, axis_name)
-  return running.merge(step_metrics)
-
-
-class Steps(NamedTuple):
-  """The compiled steps of one parallelism, and how to move state and batches to them."""
-
-  train: callable  # (state, running TrainMetrics, batch) -> the two updated; donates both
-  eval: callable  # (state, running Metrics, batch) -> the metrics updated; donates them
-  put_state: callable  # checkpoint layout (replicated global arrays) -> the steps' layout
-  get_state: callable  # the steps' layout -> checkpoint layout
-  put_batch: callable  # this process's NumPy batch -> the steps' layout
-  empty: callable  # a metrics class -> its empty value, placed for the steps
-
-
-def make_steps(graphdef, config, mesh) -> Steps:
-  accum = config.grad_accum_steps
-  if config.parallelism == "pmap":
-    axis = parallel.PMAP_AXIS
-    # State and batch: one slice per device (axis 0). Metrics: one value, the same everywhere.
-    pmap = functools.partial(jax.pmap, axis_name=axis, in_axes=(0, None, 0))
-    local = parallel.replicated(parallel.local_devices_mesh())
-    return Steps(
-        train=pmap(functools.partial(train_step, graphdef, grad_accum_steps=accum,
-                                     axis_name=axis), out_axes=(0, None), donate_argnums=(0, 1)),
-        eval=pmap(functools.partial(eval_step, graphdef, axis_name=axis), out_axes=None,
-                  donate_argnums=1),
-        put_state=parallel.replicate,
-        get_state=lambda state: parallel.to_global(parallel.unreplicate(state), mesh),
-        put_batch=parallel.pmap_batch,
-        empty=lambda cls: jax.device_put(cls.empty(), local),
-    )
-  return Steps(
-      train=jax.jit(functools.partial(train_step, graphdef, grad_accum_steps=accum),
-                    donate_argnums=(0, 1)),
-      eval=jax.jit(functools.partial(eval_step, graphdef), donate_argnums=1),
-      put_state=lambda state: state,
-      get_state=lambda state: state,
-      put_batch=lambda batch: parallel.global_batch(batch, mesh),
-      empty=lambda cls: parallel.to_global(cls.empty(), mesh),
-  )
-
-
 def flatten(tree: dict, prefix: str = "") -> dict:
   flat = {}
   for key, value in tree.items():
@@ -293,7 +124,7 @@ def flatten(tree: dict, prefix: str = "") -> dict:
   return flat
 
 
-def summarize(running: Metrics) -> dict[str, float]:
+def summarize(running: steps.Metrics) -> dict[str, float]:
   """The running metrics, fetched in one transfer and computed on the host."""
   running = jax.device_get(running)
   return {**{name: float(value) for name, value in running.compute().items()},
@@ -301,17 +132,17 @@ def summarize(running: Metrics) -> dict[str, float]:
 
 
 def sync_every(config) -> int:
-  """How often the loops wait for a result: XLA:CPU collectives abort when hundreds of steps
-  are queued; other backends never need to wait (0)."""
+  """How often, in steps, the loops wait for a result: XLA:CPU collectives abort when hundreds
+  of calls are queued; other backends never need to wait (0)."""
   return config.cpu_sync_every_steps if jax.default_backend() == "cpu" else 0
 
 
-def evaluate(steps: Steps, state, eval_batches, config) -> dict[str, float]:
-  running, every = steps.empty(Metrics), sync_every(config)
+def evaluate(compiled: steps.Steps, state, eval_batches, config) -> dict[str, float]:
+  running, every = compiled.empty(steps.Metrics), sync_every(config)
   for i, batch in enumerate(input_pipeline.as_iterator(eval_batches, config,
-                                                         put=steps.put_batch), start=1):
-    running = steps.eval(state, running, batch)
-    if every and i % every == 0:
+                                                         put=compiled.put_batch), start=1):
+    running = compiled.eval(state, running, batch)
+    if every and i % max(every // config.steps_per_dispatch, 1) == 0:
       jax.block_until_ready(running)
   return summarize(running)
 
@@ -324,18 +155,24 @@ PEAK_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "B200": 2250e
 
 
 class Speed:
-  """FLOP/s and model FLOP utilisation (MFU), from XLA's cost analysis of the train step."""
+  """FLOP/s and model FLOP utilisation (MFU) from the FLOPs of the step's matrix products and
+  convolutions, counted in its jaxpr (the same on every backend)."""
 
-  def __init__(self, steps, state, host_batch, config):
-    cost = steps.train.lower(state, steps.empty(TrainMetrics),
-                             steps.put_batch(host_batch)).cost_analysis()
-    flops = (cost or {}).get("flops", 0.0)  # pmap's is of one device; spmd's, of all
-    self.flops_per_step = flops * (jax.device_count() if config.parallelism == "pmap" else 1)
+  def __init__(self, graphdef, state, image_shape, config):
+    step = functools.partial(steps.train_step, graphdef, grad_accum_steps=config.grad_accum_steps,
+                             max_shift=config.augment_max_shift, seed=config.seed)
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct((config.batch_size, *shape), dtype)  # noqa: E731
+    batch = {"image": spec(image_shape, jnp.uint8), "label": spec((), jnp.int32),
+             "mask": spec((), jnp.bool_), "position": spec((), jnp.uint32)}  # one global batch
+    self.flops_per_step = steps.model_flops(
+        step, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state),
+        steps.TrainMetrics.empty(), batch)
     kind = jax.devices()[0].device_kind
     peak = config.peak_flops_per_device or next(
         (f for name, f in PEAK_FLOPS.items() if name in kind), 0.0)
     self.peak = peak * jax.device_count()
-    logging.info("Train step: %.3g FLOPs; peak of the %d %s devices: %s", self.flops_per_step,
+    logging.info("Train step: %.4g FLOPs (matrix products and convolutions, forward and "
+                 "backward); peak of the %d %s devices: %s", self.flops_per_step,
                  jax.device_count(), kind, f"{self.peak:.3g} FLOP/s" if self.peak else "unknown")
 
   def report(self, steps_per_sec: float) -> dict[str, float]:
@@ -365,28 +202,38 @@ def stop_signals():
       signal.signal(sig, handler)
 
 
-def restore_or_init(checkpoints, state, train_batches, config, put, workdir: str):
-  """The latest complete checkpoint in `workdir` and the training iterator positioned after it,
-  or a fresh start. Returns (step, state, iterator of batches placed by `put`)."""
+def restore_or_init(checkpoints, state, workdir: str):
+  """The step and state of the latest complete checkpoint in `workdir`, or (0, `state`). The
+  data resume from the step: batch b is batch b whatever the steps per dispatch and the number
+  of processes."""
   step = checkpoints.latest_step()
   if step is None:
-    return 0, state, input_pipeline.as_iterator(train_batches, config, put=put)
+    return 0, state
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
   check_checkpoint_fits(checkpoints, step, abstract, workdir)
   state = checkpoints.restore(step, args=ocp.args.Composite(
       state=ocp.args.StandardRestore(abstract)))["state"]
-  saved_iterator = os.path.join(checkpoints.directory, str(step), "data_iter",
-                                f"process_{jax.process_index()}-of-{jax.process_count()}.json")
-  if os.path.exists(saved_iterator):
-    train_iter = input_pipeline.as_iterator(train_batches, config, put=put)
-    checkpoints.restore(step, args=ocp.args.Composite(
-        data_iter=grain.checkpoint.CheckpointRestore(train_iter)))
-  else:  # saved by another number of processes: batch k is still batch k, so start at `step`
-    logging.info("The data iterator was saved by another number of processes; batches resume "
-                 "from batch %d.", step)
-    train_iter = input_pipeline.as_iterator(train_batches, config, start=step, put=put)
   logging.info("Resumed from the checkpoint of step %d in %s", step, workdir)
-  return step, state, train_iter
+  return step, state
+
+
+class Profiler:
+  """A jax.profiler trace of steps [first, first + num) (whole dispatches) into the workdir."""
+
+  def __init__(self, config, workdir: str):
+    self.first = config.profile_first_step if jax.process_index() == 0 else 0
+    self.last, self.workdir, self.on = self.first + config.profile_num_steps - 1, workdir, False
+
+  def before(self, step: int, k: int):  # `step`: the steps done; the dispatch runs k more
+    if self.first and not self.on and step < self.first <= step + k:
+      jax.profiler.start_trace(self.workdir)
+      self.on = True
+
+  def after(self, step: int, running):
+    if self.on and step >= self.last:
+      jax.block_until_ready(running)
+      jax.profiler.stop_trace()
+      self.on, self.first = False, 0
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float] | None:
@@ -396,60 +243,54 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   workdir = os.path.abspath(workdir)
   process = dict(process_index=jax.process_index(), process_count=jax.process_count())
   splits, info = input_pipeline.get_datasets(config)
-  train_batches = input_pipeline.train_batches(splits["train"], config, **process)
-  eval_batches = input_pipeline.eval_batches(splits["eval"], config, **process)
-  num_train_steps = len(train_batches)
-  logging.info("%s: %s, %d train steps of %d examples over %d devices",
-               config.dataset, info, num_train_steps, config.batch_size, jax.device_count())
+  num_train_steps = input_pipeline.num_batches(
+      config.num_epochs * info.num_examples["train"], config.batch_size)
+  k = config.steps_per_dispatch
+  logging.info("%s: %s, %d train steps of %d examples over %d devices, %d steps per dispatch",
+               config.dataset, info, num_train_steps, config.batch_size, jax.device_count(), k)
 
   model = create_model(config, info.image_shape, info.num_classes, nnx.Rngs(config.seed))
   optimizer = nnx.Optimizer(model, create_optimizer(config, num_train_steps), wrt=nnx.Param)
   graphdef, state = nnx.split((model, optimizer))
   mesh = parallel.make_mesh()
-  steps = make_steps(graphdef, config, mesh)
+  compiled = steps.make(graphdef, config, mesh)
 
-  # One manager for the model and optimizer state and the position of the data iterator.
   # Orbax writes each checkpoint to a temporary directory and renames it when complete, so a
   # checkpoint cut short by a kill is never restored.
   checkpoints = ocp.CheckpointManager(
       os.path.join(workdir, "checkpoints"),
       options=ocp.CheckpointManagerOptions(max_to_keep=config.max_checkpoints_to_keep),
-      item_handlers=dict(state=ocp.StandardCheckpointHandler(),
-                         data_iter=grain.checkpoint.CheckpointHandler()))
-  first_step, state, train_iter = restore_or_init(
-      checkpoints, parallel.to_global(state, mesh), train_batches, config, steps.put_batch,
-      workdir)
-  state = steps.put_state(state)
-  local_batch_size = config.batch_size // jax.process_count()
-  zeros_batch = {"image": np.zeros((local_batch_size, *info.image_shape), np.float32),
-                 "label": np.zeros(local_batch_size, np.int32),
-                 "mask": np.zeros(local_batch_size, bool)}  # the shapes of every batch
+      item_handlers=dict(state=ocp.StandardCheckpointHandler()))
+  first_step, state = restore_or_init(checkpoints, parallel.to_global(state, mesh), workdir)
+  speed = Speed(graphdef, state, info.image_shape, config)
+  state = compiled.put_state(state)
+  train_iter = input_pipeline.as_iterator(
+      input_pipeline.train_batches(splits["train"], config, first_step, **process), config,
+      put=compiled.put_batch)
+  eval_batches = input_pipeline.eval_batches(splits["eval"], config, **process)
+  eval_example = compiled.put_batch(eval_batches[0])
   if config.print_shardings:
     logging.info("%s\n%s", parallel.describe(state, "state"),
-                 parallel.describe(steps.put_batch(zeros_batch), "batch"))
+                 parallel.describe(eval_example, "batches (the first eval call's)"))
 
   writer = writers.metric_writers.create_default_writer(
       workdir, just_logging=jax.process_index() > 0)
   if first_step == 0:
     writer.write_hparams(flatten(config.to_dict()))
+  log_steps = {*range(config.log_every_steps, num_train_steps, config.log_every_steps),
+               num_train_steps}
   report_progress = writers.periodic_actions.ReportProgress(
-      num_train_steps=num_train_steps, writer=writer, every_steps=config.log_every_steps)
+      num_train_steps=num_train_steps, writer=writer, on_steps=log_steps)
   # Compile the eval step now, not mid-training.
-  steps.eval(state, steps.empty(Metrics), steps.put_batch(zeros_batch))
-  hooks = [report_progress]
-  if config.profile_first_step and jax.process_index() == 0:
-    hooks.append(writers.periodic_actions.Profile(
-        logdir=workdir, first_profile=config.profile_first_step,
-        num_profile_steps=config.profile_num_steps, profile_duration_ms=None, every_secs=None))
-  speed = Speed(steps, state, zeros_batch, config)
+  compiled.eval(state, compiled.empty(steps.Metrics), eval_example)
+  profiler = Profiler(config, workdir)
 
   def save(step):
     with report_progress.timed("checkpoint"):
       checkpoints.save(step, force=True, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(steps.get_state(state)),
-          data_iter=grain.checkpoint.CheckpointSave(train_iter)))
+          state=ocp.args.StandardSave(compiled.get_state(state))))
 
-  def check_finite(nonfinite: NonFinite, since: int):
+  def check_finite(nonfinite: steps.NonFinite, since: int):
     """Raises if a step from `since` on was not finite, unless such steps may be skipped."""
     if nonfinite.count and not config.skip_nonfinite_steps:
       checkpoints.wait_until_finished()
@@ -459,41 +300,49 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           f"{checkpoints.directory}. Lower the learning rate, check the data, or set "
           "--config.skip_nonfinite_steps=True.")
 
-  # `running` merges the metrics of the training steps from `since` on, on the devices.
-  running, since, every = steps.empty(TrainMetrics), first_step + 1, sync_every(config)
+  # `running` merges the metrics of the training steps from `since` on, on the devices. Each
+  # dispatch runs the steps of one element: up to the next multiple of k (or the end).
+  running, since, every = compiled.empty(steps.TrainMetrics), first_step + 1, sync_every(config)
   last_log, eval_metrics, stopped_by = time.perf_counter(), None, None
+  step, loop_start = first_step, None
   with stop_signals() as received:
-    for step in range(first_step + 1, num_train_steps + 1):  # `step` counts finished updates
-      with jax.profiler.StepTraceAnnotation("train", step_num=step):
-        state, running = steps.train(state, running, next(train_iter))
-      for hook in hooks:
-        hook(step)
-      if step == first_step + 1:  # the loop's clock starts once the step is compiled
+    while step < num_train_steps:
+      profiler.before(step, k)
+      done = min((step // k + 1) * k, num_train_steps)  # `done` counts finished updates
+      with (jax.profiler.StepTraceAnnotation("train", step_num=done) if profiler.on
+            else contextlib.nullcontext()):
+        state, running = compiled.train(state, running, next(train_iter))
+      if every and done // every > step // every:
         jax.block_until_ready(running)
-        loop_start = time.perf_counter()
+      step = done
+      profiler.after(step, running)
+      if loop_start is None:  # the loop's clock starts once the first dispatch is compiled
+        jax.block_until_ready(running)
+        loop_start, loop_first_step, loop_cpu = time.perf_counter(), step, time.thread_time()
+        report_progress(step)  # its first call sets its clock
       is_last = step == num_train_steps
-      if every and step % every == 0:
-        jax.block_until_ready(running)
       stopped_by = received[0] if received else (
-          "a preemption notice" if checkpoints.reached_preemption(step) else None)
+          "a preemption notice" if jax.process_count() > 1 and checkpoints.reached_preemption(
+              -(-step // k)) else None)  # the dispatch number: the same on every process
       if step % config.log_every_steps == 0 or step % config.checkpoint_every_steps == 0 or (
           is_last or stopped_by):
         fetched = jax.device_get(running)  # one transfer, for the check and the summary
         check_finite(fetched.nonfinite_steps, since)
       if step % config.log_every_steps == 0 or is_last:
+        report_progress(step)
         summary = summarize(fetched)
         now = time.perf_counter()
         summary["examples_per_sec"] = summary["examples"] / (now - last_log)
         summary.update(speed.report((step - since + 1) / (now - last_log)))
-        writer.write_scalars(step, {f"train_{k}": v for k, v in summary.items()})
+        writer.write_scalars(step, {f"train_{name}": v for name, v in summary.items()})
         if summary["nonfinite_steps"]:
           logging.warning("Skipped %d of steps %d-%d: non-finite loss or gradient.",
                           int(summary["nonfinite_steps"]), since, step)
-        running, since, last_log = steps.empty(TrainMetrics), step + 1, now
+        running, since, last_log = compiled.empty(steps.TrainMetrics), step + 1, now
       if step % config.eval_every_steps == 0 or is_last:
         with report_progress.timed("eval"):
-          eval_metrics = evaluate(steps, state, eval_batches, config)
-        writer.write_scalars(step, {f"eval_{k}": v for k, v in eval_metrics.items()})
+          eval_metrics = evaluate(compiled, state, eval_batches, config)
+        writer.write_scalars(step, {f"eval_{name}": v for name, v in eval_metrics.items()})
       if step % config.checkpoint_every_steps == 0 or is_last or stopped_by:
         save(step)
       if stopped_by:
@@ -505,13 +354,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                     "command again to resume.", name, step, num_train_steps, step, workdir)
     writer.close()
     return None
-  if num_train_steps > first_step + 1:
+  if loop_start is not None and num_train_steps > loop_first_step:
     # Training throughput of the whole loop (input pipeline, logging, evaluation, checkpoints).
-    loop_rate = (num_train_steps - first_step - 1) * config.batch_size / (
-        time.perf_counter() - loop_start)
-    writer.write_scalars(num_train_steps, {"loop_examples_per_sec": loop_rate})
+    # And the main thread's CPU time per step: the host work that a step must hide.
+    loop_steps = num_train_steps - loop_first_step
+    writer.write_scalars(num_train_steps, {
+        "loop_examples_per_sec": loop_steps * config.batch_size / (
+            time.perf_counter() - loop_start),
+        "loop_host_us_per_step": 1e6 * (time.thread_time() - loop_cpu) / loop_steps})
   if eval_metrics is None:  # nothing left to train: report the restored state
-    eval_metrics = evaluate(steps, state, eval_batches, config)
+    eval_metrics = evaluate(compiled, state, eval_batches, config)
   writer.close()
   logging.info("Final eval: accuracy %.4f, loss %.4f, on %d examples", eval_metrics["accuracy"],
                eval_metrics["loss"], eval_metrics["examples"])

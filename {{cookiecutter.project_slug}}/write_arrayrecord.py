@@ -4,7 +4,9 @@
   python write_arrayrecord.py --out_dir=/data/digits                # the digits, as a demo
 
 The .npz holds `train_images`, `train_labels`, `eval_images`, `eval_labels` (images
-[N, H, W, C], uint8 or float32; labels [N], integers from 0). Each record is one example,
+[N, H, W, C]; labels [N], integers from 0). Store pixels as uint8, 0 to 255: they stay uint8 up
+to the device, which divides them by 255 (float images reach the model as they are, at 4x the
+bytes). The digits are written as uint8. Each record is one example,
 msgpack-encoded by flax.serialization; `metadata.json` records the image shape, the number of
 classes and the split sizes. Then train with --config.dataset=arrayrecord --config.data_dir=DIR.
 """

@@ -1,7 +1,12 @@
-"""Runs every test on 8 virtual CPU devices (unless XLA_FLAGS already asks for a count)."""
+"""Every test runs on the CPU backend with 8 virtual devices, on any host: JAX_PLATFORMS=cpu
+and the device count are set here, before JAX is imported, and inherited by subprocesses.
+tests/test_accelerator.py runs on the host's real accelerator instead, in subprocesses given
+the environment as it was before (`ACCELERATOR_ENV`)."""
 
 import os
 
+ACCELERATOR_ENV = dict(os.environ)
+os.environ["JAX_PLATFORMS"] = "cpu"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (
       os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()

@@ -22,7 +22,7 @@ def assert_positive_finite(numbers: dict, keys: tuple[str, ...], where: str):
 def test_tiny_benchmark_measures_every_model_and_path(tmp_path):
   out = tmp_path / "bench.json"
   done = subprocess.run([sys.executable, "benchmark.py", "--tiny", f"--out={out}"], cwd=PROJECT,
-                        capture_output=True, text=True, timeout=300)
+                        capture_output=True, text=True, timeout=400)
   assert done.returncode == 0, done.stderr[-3000:]
 
   results = json.loads(out.read_text())
@@ -34,14 +34,20 @@ def test_tiny_benchmark_measures_every_model_and_path(tmp_path):
       assert_positive_finite(numbers, ("compile_s", "step_ms", "examples_per_sec", "peak_host_mb"),
                              f"{name}:{path}")
     assert_positive_finite(model, ("pmap_over_spmd_step_time",), name)
-  assert set(results["loop"]) == set(benchmark.LOOP_PATHS)
-  for path, loop in results["loop"].items():
-    assert_positive_finite(loop, ("loop_examples_per_sec", "step_examples_per_sec", "efficiency"),
-                           f"loop:{path}")
+  ours = results["config_parallelism"]  # configs/default.py's
+  other = ({"spmd", "pmap"} - {ours}).pop()
+  assert set(results["loop"]) == {"digits:spmd", "digits:pmap", f"large:{ours}"}
+  for key, loop in results["loop"].items():
+    assert_positive_finite(loop, ("loop_examples_per_sec", "step_examples_per_sec", "efficiency",
+                                  "host_us_per_step"), f"loop:{key}")
     # --tiny runs one (bare step, loop) pair per path: the efficiency is that pair's ratio.
     assert loop["efficiencies"] == [loop["efficiency"]]
     assert loop["efficiency"] == pytest.approx(
         loop["loop_examples_per_sec"] / loop["step_examples_per_sec"], rel=1e-9)
+  assert results["loop"][f"digits:{ours}"]["steps_per_dispatch"] == 5  # configs/tiny.py's
+  assert_positive_finite(results["pipeline"], ("images_per_sec",), "pipeline")
 
-  assert re.search(r"^loop efficiency: \d\.\d\d$", done.stdout, re.MULTILINE), done.stdout
-  assert re.search(r"^pmap/spmd step time: \d+\.\d\d", done.stdout, re.MULTILINE), done.stdout
+  for line in (r"loop efficiency: \d+\.\d\d", r"loop efficiency \(large\): \d+\.\d\d",
+               rf"loop efficiency \({other}\): \d+\.\d\d", r"pmap/spmd step time: \d+\.\d\d",
+               r"input pipeline \(64x64x3, batch 1024\): \d+ images/s"):
+    assert re.search(f"^{line}", done.stdout, re.MULTILINE), (line, done.stdout)

@@ -7,9 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import input_pipeline
 import parallel
+import steps
 import train
 from model import create_model
 
@@ -22,7 +25,8 @@ def model_and_optimizer(config, image_shape=(8, 8, 1), num_classes=10):
 def digits_batch(n: int, padded_to: int):
   rng = np.random.default_rng(1)
   batch = {"image": np.zeros((padded_to, 8, 8, 1), np.float32),
-           "label": np.zeros((padded_to,), np.int32), "mask": np.zeros((padded_to,), bool)}
+           "label": np.zeros((padded_to,), np.int32), "mask": np.zeros((padded_to,), bool),
+           "position": np.arange(padded_to, dtype=np.uint32)}
   batch["image"][:n] = rng.random((n, 8, 8, 1), dtype=np.float32)
   batch["label"][:n] = rng.integers(0, 10, n)
   batch["mask"][:n] = True
@@ -50,12 +54,12 @@ def test_padded_gradient_equals_unpadded_gradient(tiny_config):
 
   @jax.jit
   def masked_grad(state, batch):
-    grads, metrics = nnx.grad(train.loss_and_metrics, has_aux=True)(
+    grads, metrics = nnx.grad(steps.loss_and_metrics, has_aux=True)(
         nnx.merge(graphdef, state), batch)
     return jax.tree.map(lambda g: g / metrics.loss.count, grads), metrics
 
   grads, metrics = masked_grad(jax.device_put(state, parallel.replicated(mesh)),
-                               parallel.global_batch(padded, mesh))
+                               jax.device_put(padded, NamedSharding(mesh, P(parallel.DATA_AXIS))))
   assert int(metrics.loss.count) == 77
   assert max_abs_diff(grads, expected) < 1e-6
   unmasked, _ = masked_grad(state, {**padded, "mask": np.ones(128, bool)})
@@ -67,32 +71,34 @@ def test_train_step_on_padded_batch_equals_step_on_real_examples(tiny_config):
   real = {k: v[:77] for k, v in padded.items()}
   graphdef, state = nnx.split(model_and_optimizer(tiny_config))
 
-  one_device = jax.jit(functools.partial(train.train_step, graphdef))
-  expected, expected_metrics = one_device(state, train.TrainMetrics.empty(), real)
+  one_device = jax.jit(functools.partial(steps.train_step, graphdef, max_shift=1, seed=0))
+  expected, expected_metrics = one_device(state, steps.TrainMetrics.empty(), real)
 
-  steps = train.make_steps(graphdef, tiny_config, parallel.make_mesh())
-  placed = steps.put_state(state)
-  new_state, metrics = steps.train(placed, steps.empty(train.TrainMetrics),
-                                   steps.put_batch(padded))
-  assert max_abs_diff(steps.get_state(new_state), expected) < 1e-6
+  tiny_config.augment_max_shift, tiny_config.seed = 1, 0  # shifts keyed by position: the same
+  compiled = steps.make(graphdef, tiny_config, parallel.make_mesh())
+  placed = compiled.put_state(state)
+  new_state, metrics = compiled.train(placed, compiled.empty(steps.TrainMetrics),
+                                      compiled.put_batch(jax.tree.map(lambda x: x[None], padded)))
+  assert max_abs_diff(compiled.get_state(new_state), expected) < 1e-6
   assert int(metrics.loss.count) == int(expected_metrics.loss.count) == 77
   assert abs(float(metrics.loss.compute()) - float(expected_metrics.loss.compute())) < 1e-6
 
 
 def test_eval_counts_every_example_once(tiny_config):
-  """1001 examples, batch 64 on 8 devices: 15 full batches and one with 41 real examples."""
+  """1001 examples, batch 64 on 8 devices: 15 full batches and one with 41 real examples, in
+  calls of 5 batches (the last call: one batch, then four of padding alone)."""
   tiny_config.dataset = "synthetic"
   tiny_config.synthetic.update(image_shape=(8, 8, 1), num_classes=10, num_eval=1001)
   splits, info = input_pipeline.get_datasets(tiny_config)
   model, optimizer = model_and_optimizer(tiny_config)
   graphdef, state = nnx.split((model, optimizer))
-  steps = train.make_steps(graphdef, tiny_config, parallel.make_mesh())
+  compiled = steps.make(graphdef, tiny_config, parallel.make_mesh())
   batches = input_pipeline.eval_batches(splits["eval"], tiny_config)
-  result = train.evaluate(steps, steps.put_state(state), batches, tiny_config)
+  result = train.evaluate(compiled, compiled.put_state(state), batches, tiny_config)
   assert result["examples"] == 1001
 
   examples = splits["eval"].take(np.arange(1001))
-  images, labels = examples["image"], examples["label"]
+  images, labels = examples["image"] / 255, examples["label"]  # stored as uint8
   logits = model(images)
   expected_loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
   expected_accuracy = (logits.argmax(-1) == labels).mean()

@@ -42,11 +42,12 @@ def assert_same_run(multi, single):
     assert multi["eval_loss"][step] == pytest.approx(single["eval_loss"][step], abs=1e-5), step
 
 
+@pytest.mark.parametrize("k", [1, 5])  # steps per dispatch
 @pytest.mark.parametrize("parallelism", ["spmd", "pmap"])
-def test_two_processes_train_like_one(tmp_path, parallelism):
-  override = f"--config.parallelism={parallelism}"
-  single = train(tmp_path / "one", 1, override)
-  multi = train(tmp_path / "two", 2, override)
+def test_two_processes_train_like_one(tmp_path, parallelism, k):
+  overrides = f"--config.parallelism={parallelism}", f"--config.steps_per_dispatch={k}"
+  single = train(tmp_path / "one", 1, *overrides)
+  multi = train(tmp_path / "two", 2, *overrides)
   assert_same_run(multi, single)
   assert set(single["eval_examples"].values()) == {360}
   # Only process 0 writes metrics: one events file.

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 import parallel
+import steps
 import train
 from model import create_model
 
@@ -26,35 +27,50 @@ def batches(num_real: list[int], size: int = 64):
   """One batch per entry, holding that many real examples followed by masked padding."""
   rng = np.random.default_rng(0)
   out = []
-  for n in num_real:
-    batch = {"image": np.zeros((size, 8, 8, 1), np.float32), "label": np.zeros(size, np.int32),
-             "mask": np.arange(size) < n}
-    batch["image"][:n] = rng.random((n, 8, 8, 1), dtype=np.float32)
+  for i, n in enumerate(num_real):
+    batch = {"image": np.zeros((size, 8, 8, 1), np.uint8), "label": np.zeros(size, np.int32),
+             "mask": np.arange(size) < n,
+             "position": np.arange(i * size, (i + 1) * size, dtype=np.uint32)}
+    batch["image"][:n] = rng.integers(0, 256, (n, 8, 8, 1))
     batch["label"][:n] = rng.integers(0, 10, n)
     out.append(batch)
   return out
 
 
-def run(config, parallelism, batch_list, graphdef=None, state=None):
-  """Three (or len(batch_list)) train steps on one device, or on 8 with spmd or pmap.
-  Returns the state and the summary of the steps' merged metrics."""
+def stacked(batch_list, k: int):
+  """The batches in groups of k, stacked `[k, batch, ...]`; the last group padded with batches
+  of padding alone, as the input pipeline pads the end of the stream."""
+  padding = {**jax.tree.map(np.zeros_like, batch_list[0])}
+  batch_list = batch_list + [padding] * (-len(batch_list) % k)
+  return [jax.tree.map(lambda *xs: np.stack(xs), *batch_list[i:i + k])
+          for i in range(0, len(batch_list), k)]
+
+
+def single_step(config, graphdef):
+  return jax.jit(functools.partial(
+      steps.train_step, graphdef, grad_accum_steps=config.grad_accum_steps,
+      max_shift=config.augment_max_shift, seed=config.seed))
+
+
+def run(config, parallelism, batch_list, graphdef=None, state=None, k=1):
+  """One train step per batch: on one device one call each, or on 8 devices with spmd or pmap,
+  k steps a call. Returns the state and the summary of the steps' merged metrics."""
   if graphdef is None:
     graphdef, state = initial_state(config)
   if parallelism == "single":
-    step = jax.jit(functools.partial(train.train_step, graphdef,
-                                     grad_accum_steps=config.grad_accum_steps))
-    state, running = jax.device_put((state, train.TrainMetrics.empty()), jax.devices()[0])
+    step = single_step(config, graphdef)
+    state, running = jax.device_put((state, steps.TrainMetrics.empty()), jax.devices()[0])
     for batch in batch_list:
       state, running = step(state, running, batch)
     return state, train.summarize(running)
-  config.parallelism = parallelism
-  steps = train.make_steps(graphdef, config, parallel.make_mesh())
-  state = steps.put_state(jax.device_put(state, parallel.replicated(parallel.make_mesh())))
-  running = steps.empty(train.TrainMetrics)
-  for batch in batch_list:
-    state, running = steps.train(state, running, steps.put_batch(batch))
+  config.parallelism, config.steps_per_dispatch = parallelism, k
+  compiled = steps.make(graphdef, config, parallel.make_mesh())
+  state = compiled.put_state(jax.device_put(state, parallel.replicated(parallel.make_mesh())))
+  running = compiled.empty(steps.TrainMetrics)
+  for group in stacked(batch_list, k):
+    state, running = compiled.train(state, running, compiled.put_batch(group))
     jax.block_until_ready(state)  # as the training loop does on the CPU: never queue collectives
-  return steps.get_state(state), train.summarize(running)
+  return compiled.get_state(state), train.summarize(running)
 
 
 def as_numpy(x):
@@ -72,11 +88,12 @@ def assert_trees_close(a, b, atol):
 # 20 real examples in a batch of 64 on 8 devices (8 per device): devices 0-1 full, device 2
 # holds 4, devices 3-7 hold none.
 @pytest.mark.parametrize("num_real", [[64, 64, 64], [64, 20, 64], [20, 37, 1]])
-def test_pmap_equals_spmd_equals_single_device(tiny_config, num_real):
+@pytest.mark.parametrize("k", [1, 2])  # steps per dispatch; k=2 pads the last call
+def test_pmap_equals_spmd_equals_single_device(tiny_config, num_real, k):
   data = batches(num_real)
   single, single_metrics = run(tiny_config, "single", data)
-  spmd, spmd_metrics = run(tiny_config, "spmd", data)
-  pmap, pmap_metrics = run(tiny_config, "pmap", data)
+  spmd, spmd_metrics = run(tiny_config, "spmd", data, k=k)
+  pmap, pmap_metrics = run(tiny_config, "pmap", data, k=k)
   assert_trees_close(spmd, single, atol=1e-6)
   assert_trees_close(pmap, single, atol=1e-6)
   for metrics in (single_metrics, spmd_metrics, pmap_metrics):  # merged over the three steps
@@ -135,20 +152,20 @@ class DropoutCNN(nnx.Module):
 def test_pmap_dropout_differs_across_devices_and_state_stays_replicated(tiny_config):
   graphdef, state = initial_state(tiny_config, DropoutCNN(nnx.Rngs(0)))
   tiny_config.parallelism = "pmap"
-  steps = train.make_steps(graphdef, tiny_config, parallel.make_mesh())
-  state = steps.put_state(state)
+  compiled = steps.make(graphdef, tiny_config, parallel.make_mesh())
+  state = compiled.put_state(state)
 
   @functools.partial(jax.pmap, axis_name=parallel.PMAP_AXIS)
   def dropout_masks(state, images):
     model, _ = nnx.merge(graphdef, state)
-    train.fold_in_device_index(model, parallel.PMAP_AXIS)
+    steps.fold_in_device_index(model, parallel.PMAP_AXIS)
     return model.dropout(images) != 0
 
   masks = np.asarray(dropout_masks(state, jnp.ones((NUM_DEVICES, 4, 64))))
   assert len({m.tobytes() for m in masks}) == NUM_DEVICES  # every device its own mask
 
-  state, _ = steps.train(state, steps.empty(train.TrainMetrics),
-                         steps.put_batch(batches([64])[0]))
+  state, _ = compiled.train(state, compiled.empty(steps.TrainMetrics),
+                            compiled.put_batch(stacked(batches([64]), 1)[0]))
   for leaf in jax.tree.leaves(state):
     per_device = as_numpy(leaf)
     assert (per_device == per_device[:1]).all()  # still identical on every device
@@ -177,3 +194,28 @@ def test_batchnorm_statistics_are_synchronised(tiny_config):
   assert_trees_close(pmap, single, atol=1e-5)
   running_mean = pmap[0]["norm"]["mean"][...]
   assert float(jnp.abs(running_mean).max()) > 0  # the statistics did move
+
+
+@pytest.mark.parametrize("parallelism", ["spmd", "pmap"])
+@pytest.mark.parametrize("variant", ["plain", "accumulation", "dropout", "nonfinite"])
+def test_k_steps_in_one_call_equal_k_single_calls(tiny_config, parallelism, variant):
+  """4 batches (two padded) as 2 calls of k=3 (the second padded with a batch of padding
+  alone) = 4 calls of k=1: the same state and merged metrics."""
+  data = batches([64, 20, 64, 37])
+  new_model = lambda: DropoutCNN(nnx.Rngs(0)) if variant == "dropout" else None  # noqa: E731
+  if variant == "accumulation":
+    tiny_config.grad_accum_steps = 2
+  if variant == "nonfinite":  # batch 1 holds a NaN: its update is skipped, and counted
+    data = [dict(b, image=b["image"].astype(np.float32) / 255) for b in data]
+    data[1]["image"][3] = np.nan
+  expected, expected_metrics = run(tiny_config, parallelism, data,
+                                   *initial_state(tiny_config, new_model()))
+  got, metrics = run(tiny_config, parallelism, data, *initial_state(tiny_config, new_model()), k=3)
+  assert_trees_close(got, expected, atol=1e-6)
+  assert metrics["examples"] == expected_metrics["examples"] == 64 + 20 + 64 + 37
+  # (a non-finite step's loss enters the merged metrics: NaN on both sides then)
+  assert metrics["loss"] == pytest.approx(expected_metrics["loss"], abs=1e-6, nan_ok=True)
+  assert metrics["accuracy"] == expected_metrics["accuracy"]
+  assert metrics["nonfinite_steps"] == expected_metrics["nonfinite_steps"] == (
+      1 if variant == "nonfinite" else 0)
+  assert int(got[1]["step"][...]) == (3 if variant == "nonfinite" else 4)

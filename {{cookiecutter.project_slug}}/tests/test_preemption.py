@@ -13,6 +13,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import input_pipeline
+import steps
 import train
 from write_arrayrecord import write_dataset
 
@@ -20,8 +21,8 @@ PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 
 # Runs train_and_evaluate on the tiny config (with JSON overrides) and records every training
-# batch the pipeline makes: its number and a hash of its contents. With no read-ahead
-# (read_threads=0) batches are made exactly when the loop takes them.
+# batch the pipeline makes that holds a real example: its number and a hash of its contents.
+# With no read-ahead (read_threads=0) batches are made exactly when the loop takes them.
 DRIVER = """
 import hashlib, json, sys
 from absl import flags, logging
@@ -33,14 +34,15 @@ workdir, overrides, record_path = sys.argv[1:]
 config = tiny.get_config()
 config.update(json.loads(overrides))
 record = open(record_path, "a")
-make_batch = input_pipeline.LoadBatch.__call__
-def recorded(self, number):
-  batch = make_batch(self, number)
-  if self.shuffle_seed is not None:  # training batches
-    digest = hashlib.sha1(b"".join(batch[k].tobytes() for k in sorted(batch))).hexdigest()
-    print(number, digest, file=record, flush=True)
-  return batch
-input_pipeline.LoadBatch.__call__ = recorded
+make_batches = input_pipeline.LoadBatches.__call__
+def recorded(self, element):
+  batches = make_batches(self, element)
+  for i in range(self.steps_per_element if self.shuffle_seed is not None else 0):  # training
+    if batches["mask"][i].any():
+      digest = hashlib.sha1(b"".join(batches[k][i].tobytes() for k in sorted(batches)))
+      print(element * self.steps_per_element + i, digest.hexdigest(), file=record, flush=True)
+  return batches
+input_pipeline.LoadBatches.__call__ = recorded
 result = train.train_and_evaluate(config, workdir)
 print("RESULT", json.dumps(result))
 sys.exit(0 if result is not None else 143)
@@ -86,9 +88,11 @@ def wait_for(condition, process, timeout=120):
 NO_READ_AHEAD = dict(read_threads=0, prefetch_batches=0, prefetch_to_device=0)
 
 
-@pytest.mark.parametrize("read_ahead", [False, True], ids=["no-read-ahead", "prefetching"])
-def test_sigterm_mid_epoch_then_resume_is_bitwise_identical(tmp_path, read_ahead):
-  overrides = dict(num_epochs=8, checkpoint_every_steps=50, **({} if read_ahead else NO_READ_AHEAD))
+@pytest.mark.parametrize("read_ahead, k", [(False, 1), (False, 5), (True, 5)],
+                         ids=["no-read-ahead-k1", "no-read-ahead-k5", "prefetching-k5"])
+def test_sigterm_mid_epoch_then_resume_is_bitwise_identical(tmp_path, read_ahead, k):
+  overrides = dict(num_epochs=8, checkpoint_every_steps=50, steps_per_dispatch=k,
+                   **({} if read_ahead else NO_READ_AHEAD))
   num_steps = -(-8 * 1437 // 64)  # 8 passes over the digits' 1437 training images
   straight = start(tmp_path / "straight", overrides, tmp_path / "straight.txt")
   code, stdout, stderr = finish(straight)
@@ -172,14 +176,15 @@ def test_same_config_and_seed_give_the_same_bits(tiny_config, tmp_path):
 def digits_with_a_nan(directory, tiny_config):
   """The digits as ArrayRecord files, with one training image made of NaNs."""
   sources, _ = input_pipeline.get_datasets(tiny_config)
-  images = sources["train"].images.copy()
+  images = sources["train"].images / np.float32(255)  # float pixels go to the model as they are
   images[100] = np.nan
   write_dataset(str(directory), {"train": (images, sources["train"].labels),
                                  "eval": (sources["eval"].images, sources["eval"].labels)})
   tiny_config.dataset, tiny_config.data_dir = "arrayrecord", str(directory)
-  batches = input_pipeline.train_batches(input_pipeline.get_datasets(tiny_config)[0]["train"],
-                                         tiny_config)
-  return next(k + 1 for k in range(len(batches)) if np.isnan(batches[k]["image"]).any())
+  elements = input_pipeline.train_batches(input_pipeline.get_datasets(tiny_config)[0]["train"],
+                                          tiny_config)
+  images = np.concatenate([element["image"] for element in elements])  # [batches, ...]
+  return next(b + 1 for b in range(len(images)) if np.isnan(images[b]).any())
 
 
 def test_nonfinite_loss_stops_naming_the_step_and_the_last_good_checkpoint(tiny_config, tmp_path):
@@ -205,15 +210,17 @@ def test_nonfinite_steps_can_be_skipped(tiny_config, tmp_path):
 
 def test_nonfinite_steps_are_counted_and_the_first_found_however_merged():
   finite = [True, True, False, True, False, True]  # steps 0-5; 2 and 4 not finite
-  flags = [train.NonFinite.from_step(jax.numpy.array(ok)) for ok in finite]
-  one_by_one = train.NonFinite.empty()
+  flags = [steps.NonFinite.from_step(jax.numpy.array(ok)) for ok in finite]
+  one_by_one = steps.NonFinite.empty()
   for flag in flags:
     one_by_one = one_by_one.merge(flag)
   halves = flags[0].merge(flags[1]).merge(flags[2]).merge(
       flags[3].merge(flags[4]).merge(flags[5]))  # merged in two windows, then together
-  late = train.NonFinite.empty().merge(flags[3]).merge(flags[4])  # a window from step 3 on
+  late = steps.NonFinite.empty().merge(flags[3]).merge(flags[4])  # a window from step 3 on
   for merged in (one_by_one, halves):
     assert (int(merged.steps), int(merged.count), int(merged.first)) == (6, 2, 2)
   assert (int(late.count), int(late.first)) == (1, 1)
-  clean = train.NonFinite.empty().merge(flags[0]).merge(flags[1])
+  padding_first = steps.NonFinite.from_step(jax.numpy.array(True), real=False).merge(flags[2])
+  assert (int(padding_first.steps), int(padding_first.count), int(padding_first.first)) == (1, 1, 0)
+  clean = steps.NonFinite.empty().merge(flags[0]).merge(flags[1])
   assert (int(clean.count), int(clean.first)) == (0, -1)

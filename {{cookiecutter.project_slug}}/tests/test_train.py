@@ -11,6 +11,7 @@ import orbax.checkpoint as ocp
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
+import steps
 import train
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,9 +87,9 @@ def two_epochs(parallelism):
 
 @pytest.fixture(scope="module")
 def straight_runs(tmp_path_factory):
-  """Two epochs (46 steps) on each path, uninterrupted: {parallelism: (workdir, result)}."""
+  """Two epochs (45 steps) on each path, uninterrupted: {parallelism: (workdir, result)}."""
   runs = {}
-  for parallelism in train.PARALLELISMS:
+  for parallelism in steps.PARALLELISMS:
     workdir = tmp_path_factory.mktemp(parallelism)
     runs[parallelism] = workdir, train.train_and_evaluate(two_epochs(parallelism), str(workdir))
   return runs
@@ -116,6 +117,26 @@ def test_resume_from_a_checkpoint_of_either_path(straight_runs, tmp_path, first,
     assert resumed["accuracy"] == pytest.approx(expected["accuracy"], abs=1e-9)
 
 
+@pytest.mark.parametrize("parallelism", ["spmd", "pmap"])
+def test_resume_with_another_steps_per_dispatch(straight_runs, tmp_path, parallelism):
+  """The step-20 checkpoint of a k=5 run resumed with k=3 (step 20 falls inside a call of 3:
+  its first two batches are padding alone) and with k=1 ends like the uninterrupted run."""
+  first_workdir, expected = straight_runs[parallelism]
+  for k in (3, 1):
+    workdir = tmp_path / str(k)
+    shutil.copytree(first_workdir / "checkpoints" / "20", workdir / "checkpoints" / "20")
+    config = two_epochs(parallelism)
+    config.steps_per_dispatch = config.log_every_steps = k
+    config.eval_every_steps = config.checkpoint_every_steps = 2 * k
+    resumed = train.train_and_evaluate(config, str(workdir))
+    assert resumed["examples"] == expected["examples"]
+    assert resumed["loss"] == pytest.approx(expected["loss"], abs=1e-5), k
+    assert resumed["accuracy"] == pytest.approx(expected["accuracy"], abs=1e-9), k
+    trained = read_scalars(str(workdir))["train_examples"]
+    assert min(trained) == 21 and sum(trained.values()) == 2 * 1437 - 20 * 64  # 21: the next
+    # multiple of 3, and of 1
+
+
 def run_cli(workdir, *overrides, config="configs/tiny.py"):
   start = time.perf_counter()
   out = subprocess.run(
@@ -136,6 +157,11 @@ def run_cli(workdir, *overrides, config="configs/tiny.py"):
     ("--config.eval_every_steps=0", "config.eval_every_steps=0 must be a positive integer."),
     ("--config.learning_rate=0", "config.learning_rate=0.0 must be a positive number."),
     ("--config.dataset=arrayrecord", "config.data_dir='' holds no train-*.array_record files"),
+    ("--config.log_every_steps=7", "config.log_every_steps=7 is not a multiple of "
+                                   "config.steps_per_dispatch=5; use 5 or 10, or another "
+                                   "steps_per_dispatch."),
+    ("--config.steps_per_dispatch=0", "config.steps_per_dispatch=0 must be a positive integer."),
+    ("--config.num_workers=-2", "config.num_workers=-2 must be -1 (chosen from the cores), 0 or"),
 ])
 def test_bad_config_stops_with_one_line_before_compiling(tmp_path, override, message):
   workdir = tmp_path / "run"

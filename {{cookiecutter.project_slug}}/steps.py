@@ -1,0 +1,288 @@
+"""The train and eval steps, the metrics they merge, and how each parallelism compiles them.
+
+Every compiled call runs k = `config.steps_per_dispatch` steps (`lax.scan`) over k batches
+stacked on a leading axis, so the host dispatches once per k steps:
+  image [k, B, H, W, C] in its stored dtype (uint8 pixels are divided by 255 on the device),
+  label [k, B] int32, mask [k, B] bool (False on padding), position [k, B] uint32 (each
+  example's place in the stream: it keys the augmentation, so that any batching, any number
+  of processes and any resume give the same shifts).
+A step whose batch holds no real example (padding at the end of training, or before the first
+batch of a resumed run) changes nothing, so k steps in one call equal k single calls.
+"""
+
+import functools
+import math
+from typing import NamedTuple
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+from clu import metrics
+from flax import nnx
+from jax.extend import core as jex
+
+import parallel
+
+PARALLELISMS = ("spmd", "pmap")
+
+
+@flax.struct.dataclass
+class Metrics(metrics.Collection):
+  """Sums over real examples only (padding is masked out), merged across steps and devices."""
+
+  loss: metrics.Average.from_output("loss")
+  accuracy: metrics.Accuracy
+
+
+@flax.struct.dataclass
+class NonFinite(metrics.Metric):
+  """Training steps with a non-finite loss or gradient (their updates were not applied): how
+  many of the merged steps, and the index among them of the first, or -1. Steps without a
+  real example are not counted."""
+
+  steps: jax.Array
+  count: jax.Array
+  first: jax.Array
+
+  @classmethod
+  def empty(cls):
+    return cls(steps=jnp.array(0), count=jnp.array(0), first=jnp.array(-1))
+
+  @classmethod
+  def from_step(cls, finite, real=True):
+    bad = real & ~finite
+    return cls(steps=jnp.where(real, 1, 0), count=jnp.where(bad, 1, 0),
+               first=jnp.where(bad, 0, -1))
+
+  def merge(self, other):
+    first = jnp.where(self.first >= 0, self.first,
+                      jnp.where(other.first >= 0, self.steps + other.first, -1))
+    return type(self)(self.steps + other.steps, self.count + other.count, first)
+
+  def compute(self):
+    return self.count
+
+
+@flax.struct.dataclass
+class TrainMetrics(metrics.Collection):
+  """Metrics, and the steps that were skipped. (CLU reads only a class's own fields.)"""
+
+  loss: metrics.Average.from_output("loss")
+  accuracy: metrics.Accuracy
+  nonfinite_steps: NonFinite
+
+
+def prepare_images(batch, max_shift: int = 0, seed: int = 0) -> jax.Array:
+  """Stored pixels -> float32 model input, on the device. Integer pixels are divided by 255.
+  With `max_shift`, each image is shifted by up to that many pixels each way (zero fill); the
+  shift is a function of `seed` and the example's stream position alone."""
+  images_BHWC = batch["image"].astype(jnp.float32)
+  if jnp.issubdtype(batch["image"].dtype, jnp.integer):
+    images_BHWC = images_BHWC / 255.0
+  if not max_shift:
+    return images_BHWC
+  _, height, width, channels = images_BHWC.shape
+  key = jax.random.key(seed)
+  shifts_B2 = jax.vmap(lambda position: jax.random.randint(
+      jax.random.fold_in(key, position), (2,), 0, 2 * max_shift + 1))(batch["position"])
+  padded = jnp.pad(images_BHWC, ((0, 0), (max_shift,) * 2, (max_shift,) * 2, (0, 0)))
+  return jax.vmap(lambda image, shift: jax.lax.dynamic_slice(
+      image, (shift[0], shift[1], 0), (height, width, channels)))(padded, shifts_B2)
+
+
+def loss_and_metrics(model, batch):
+  """The SUM of the losses of the real examples (normalised later, by the global count).
+  `batch["image"]` is the model's input (see `prepare_images`)."""
+  logits_BK = model(batch["image"])
+  losses_B = optax.softmax_cross_entropy_with_integer_labels(logits_BK, batch["label"])
+  loss_sum = jnp.sum(jnp.where(batch["mask"], losses_B, 0.0))
+  step_metrics = Metrics.single_from_model_output(
+      loss=losses_B, logits=logits_BK, labels=batch["label"], mask=batch["mask"])
+  return loss_sum, step_metrics
+
+
+def micro_batches(batch, num: int):
+  """`[batch, ...]` -> `[num, batch // num, ...]`; micro-batch j holds examples j, j + num, ...,
+  so every device holds an equal share of every micro-batch."""
+  return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, num, *x.shape[1:]), 0, 1), batch)
+
+
+def summed_gradients(model, batch, num_micro_batches: int = 1):
+  """Gradient of the summed loss, and metrics, over `batch` in `num_micro_batches` sequential
+  pieces (gradient accumulation: the memory of one piece, the result of the whole batch)."""
+  grad_fn = nnx.grad(loss_and_metrics, has_aux=True)
+  if num_micro_batches == 1:
+    return grad_fn(model, batch)
+  micro = micro_batches(batch, num_micro_batches)
+  sums = grad_fn(model, jax.tree.map(lambda x: x[0], micro))
+  graphdef, state = nnx.split(model)
+
+  def add_micro_batch(carry, micro_batch):
+    state, sums = carry
+    model = nnx.merge(graphdef, state)
+    sums = jax.tree.map(jnp.add, sums, grad_fn(model, micro_batch))
+    return (nnx.state(model), sums), None
+
+  rest = jax.tree.map(lambda x: x[1:], micro)
+  (state, sums), _ = jax.lax.scan(add_micro_batch, (state, sums), rest)
+  nnx.update(model, state)
+  return sums
+
+
+def fold_in_device_index(model, axis_name):
+  """pmap gives every device the same RNG keys: fold in the device index so that dropout differs
+  between devices. Returns a function that puts the shared keys back (keeping the state
+  replicated; the streams' counters advance identically everywhere)."""
+  streams = [s for _, s in nnx.iter_graph(model) if isinstance(s, nnx.RngStream)]
+  keys = [stream.key[...] for stream in streams]
+  for stream in streams:
+    stream.key[...] = jax.random.fold_in(stream.key[...], jax.lax.axis_index(axis_name))
+
+  def restore():
+    for stream, key in zip(streams, keys, strict=True):
+      stream.key[...] = key
+
+  return restore
+
+
+def train_step(graphdef, state, running, batch, *, grad_accum_steps=1, max_shift=0, seed=0,
+               axis_name=None):
+  """One optimizer step on one batch (no leading k axis); `running` (TrainMetrics) comes back
+  with this step's metrics merged in. Under pmap (`axis_name` set) sums are reduced across
+  devices.
+
+  The gradient is sum(gradients of the real examples' losses) / (number of real examples),
+  both summed globally: exact for any padding, on any number of devices and micro-batches.
+  Only gradients and metrics are reduced; the optimizer's counters are never averaged.
+  """
+  old_state = jax.tree.map(lambda x: x, state)  # kept for a step that changes nothing
+  model, optimizer = nnx.merge(graphdef, state)
+  model.train()
+  batch = dict(batch, image=prepare_images(batch, max_shift, seed))
+  if axis_name is not None:
+    restore_keys = fold_in_device_index(model, axis_name)
+  grads, step_metrics = summed_gradients(model, batch, grad_accum_steps)
+  if axis_name is not None:
+    restore_keys()
+    grads, step_metrics = jax.lax.psum((grads, step_metrics), axis_name)
+  count = step_metrics.loss.count
+  optimizer.update(model, jax.tree.map(lambda g: g / jnp.maximum(count, 1), grads))
+  # A non-finite loss or gradient leaves the state as it was; the loop decides what to do.
+  # So does a batch of padding alone (no real example).
+  finite = jnp.isfinite(step_metrics.loss.total) & jnp.all(
+      jnp.stack([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]))
+  real = count > 0
+  new_state = jax.tree.map(lambda new, old: jnp.where(finite & real, new, old),
+                           nnx.state((model, optimizer)), old_state)
+  step_metrics = TrainMetrics(**vars(step_metrics),
+                              nonfinite_steps=NonFinite.from_step(finite, real))
+  return new_state, running.merge(step_metrics)
+
+
+def eval_step(graphdef, state, running, batch, axis_name=None):
+  model, _ = nnx.merge(graphdef, state)
+  model.eval()
+  _, step_metrics = loss_and_metrics(model, dict(batch, image=prepare_images(batch)))
+  if axis_name is not None:
+    step_metrics = jax.lax.psum(step_metrics, axis_name)
+  return running.merge(step_metrics)
+
+
+def scanned(step, unroll: bool = False):
+  """`step(state, running, batch)` -> `(state, running)`, made to run one step per batch of
+  batches stacked on a leading axis (`lax.scan`; `unroll`: as straight-line code)."""
+
+  def run(state, running, batches):
+    if jax.tree.leaves(batches)[0].shape[0] == 1:
+      return step(state, running, jax.tree.map(lambda x: x[0], batches))
+    body = lambda carry, batch: (step(*carry, batch), None)  # noqa: E731
+    return jax.lax.scan(body, (state, running), batches, unroll=unroll)[0]
+
+  return run
+
+
+def scanned_eval(step, unroll: bool = False):
+  """`step(state, running, batch)` -> `running`, over stacked batches (the state is read only)."""
+  run = scanned(lambda state, running, batch: (state, step(state, running, batch)), unroll)
+  return lambda state, running, batches: run(state, running, batches)[1]
+
+
+class Steps(NamedTuple):
+  """The compiled steps of one parallelism, and how to move state and batches to them."""
+
+  train: callable  # (state, running TrainMetrics, k batches) -> the two updated; donates both
+  eval: callable  # (state, running Metrics, k batches) -> the metrics updated; donates them
+  put_state: callable  # checkpoint layout (replicated global arrays) -> the steps' layout
+  get_state: callable  # the steps' layout -> checkpoint layout
+  put_batch: callable  # this process's stacked NumPy batches -> the steps' layout
+  empty: callable  # a metrics class -> its empty value, placed for the steps
+
+
+def make(graphdef, config, mesh) -> Steps:
+  """The train and eval steps of `config.parallelism`, each running stacked batches."""
+  options = dict(grad_accum_steps=config.grad_accum_steps, max_shift=config.augment_max_shift,
+                 seed=config.seed)
+  # XLA:CPU runs convolution gradients ~100x slower inside a loop: unroll the k steps there.
+  # Elsewhere a rolled loop compiles once, whatever k.
+  unroll = jax.default_backend() == "cpu"
+  if config.parallelism == "pmap":
+    axis = parallel.PMAP_AXIS
+    # State and batch: one slice per device (axis 0). Metrics: one value, the same everywhere.
+    pmap = functools.partial(jax.pmap, axis_name=axis, in_axes=(0, None, 0))
+    local = parallel.replicated(parallel.local_devices_mesh())
+    return Steps(
+        train=pmap(scanned(functools.partial(train_step, graphdef, axis_name=axis, **options),
+                           unroll), out_axes=(0, None), donate_argnums=(0, 1)),
+        eval=pmap(scanned_eval(functools.partial(eval_step, graphdef, axis_name=axis), unroll),
+                  out_axes=None, donate_argnums=1),
+        put_state=parallel.replicate,
+        get_state=lambda state: parallel.to_global(parallel.unreplicate(state), mesh),
+        put_batch=parallel.pmap_batch,
+        empty=lambda cls: jax.device_put(cls.empty(), local),
+    )
+  return Steps(
+      train=jax.jit(scanned(functools.partial(train_step, graphdef, **options), unroll),
+                    donate_argnums=(0, 1)),
+      eval=jax.jit(scanned_eval(functools.partial(eval_step, graphdef), unroll),
+                   donate_argnums=1),
+      put_state=lambda state: state,
+      get_state=lambda state: state,
+      put_batch=lambda batch: parallel.global_batch(batch, mesh),
+      empty=lambda cls: parallel.to_global(cls.empty(), mesh),
+  )
+
+
+def _inner_jaxprs(params):
+  for value in params.values():
+    for v in value if isinstance(value, tuple) else (value,):
+      if isinstance(v, (jex.ClosedJaxpr, jex.Jaxpr)):
+        yield v.jaxpr if isinstance(v, jex.ClosedJaxpr) else v
+
+
+def _flops(jaxpr) -> int:
+  """Multiply-adds x 2 of every dot_general and conv_general_dilated in `jaxpr`, counting
+  nested jaxprs (a scan's body once per iteration, the largest branch of a cond)."""
+  total = 0
+  for eqn in jaxpr.eqns:
+    out = eqn.outvars[0].aval.shape
+    if eqn.primitive.name == "dot_general":
+      (contracting, _), _ = eqn.params["dimension_numbers"]
+      lhs = eqn.invars[0].aval.shape
+      total += 2 * math.prod(out) * math.prod(lhs[d] for d in contracting)
+    elif eqn.primitive.name == "conv_general_dilated":
+      rhs = eqn.invars[1].aval.shape
+      _, rhs_spec, _ = eqn.params["dimension_numbers"]  # rhs: out feature, in feature, spatial
+      total += 2 * math.prod(out) * math.prod(rhs[d] for d in rhs_spec[1:])
+    inner = [_flops(sub) for sub in _inner_jaxprs(eqn.params)]
+    if eqn.primitive.name == "cond":
+      total += max(inner, default=0)
+    else:
+      total += sum(inner) * eqn.params.get("length", 1)  # scan: its length; others: once
+  return total
+
+
+def model_flops(fn, *args) -> int:
+  """FLOPs of the matrix products and convolutions of `fn(*args)` (forward and backward), from
+  its jaxpr: the same on every backend, whatever the compiler fuses or hands to a library."""
+  return _flops(jax.make_jaxpr(fn)(*args).jaxpr)
