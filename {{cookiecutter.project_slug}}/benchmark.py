@@ -82,7 +82,7 @@ def get_config(model: str, is_tiny: bool) -> ml_collections.ConfigDict:
     config.model.features = (16, 32) if is_tiny or not accelerator else (128, 256)
     config.model.dtype = "bfloat16" if accelerator else "float32"
     config.batch_size = 64 if is_tiny else PIPELINE["batch_size"] if accelerator else 256
-    loop_steps = 15 if is_tiny else 100 if accelerator else 20
+    loop_steps = 15 if is_tiny else 100 if accelerator else 40
     config.synthetic.num_train = loop_steps * config.batch_size
     config.synthetic.num_eval = 2 * config.batch_size
     config.num_epochs = 1
