@@ -182,7 +182,7 @@ def eval_batches(source, config, **process) -> grain.MapDataset:
   return grain.MapDataset.range(len(load)).map(load)
 
 
-def num_workers(config) -> int:
+def default_workers(config) -> int:
   """`config.num_workers`, or when it is -1: none for datasets held in memory (a batch is one
   NumPy gather, which workers would only copy again), else one per core but one, at most 8."""
   if config.num_workers >= 0:
@@ -191,8 +191,10 @@ def num_workers(config) -> int:
   return 0 if in_memory else min(max((os.cpu_count() or 1) - 1, 1), 8)
 
 
-def as_iterator(batches: grain.MapDataset, config, put=None) -> grain.DatasetIterator:
-  """An iterator over `batches`, read with `num_workers` worker processes.
+def as_iterator(batches: grain.MapDataset, config, put=None,
+                num_workers: int | None = None) -> grain.DatasetIterator:
+  """An iterator over `batches`, read with `num_workers` worker processes (default: chosen by
+  `default_workers(config)`). Close it when done: that stops the workers.
 
   With `put` (a function placing stacked batches on the devices), they are placed by a
   background thread, `config.prefetch_to_device` elements ahead of the step.
@@ -200,7 +202,7 @@ def as_iterator(batches: grain.MapDataset, config, put=None) -> grain.DatasetIte
   read_options = grain.ReadOptions(num_threads=config.read_threads,
                                    prefetch_buffer_size=config.prefetch_batches)
   dataset = batches.to_iter_dataset(read_options)
-  workers = num_workers(config)
+  workers = default_workers(config) if num_workers is None else num_workers
   if workers:
     dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
   if put is not None:

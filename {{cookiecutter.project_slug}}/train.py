@@ -138,12 +138,15 @@ def sync_every(config) -> int:
 
 
 def evaluate(compiled: steps.Steps, state, eval_batches, config) -> dict[str, float]:
+  """The eval split once, read in this process (worker processes would start at every eval)."""
   running, every = compiled.empty(steps.Metrics), sync_every(config)
-  for i, batch in enumerate(input_pipeline.as_iterator(eval_batches, config,
-                                                         put=compiled.put_batch), start=1):
-    running = compiled.eval(state, running, batch)
-    if every and i % max(every // config.steps_per_dispatch, 1) == 0:
-      jax.block_until_ready(running)
+  iterator = input_pipeline.as_iterator(eval_batches, config, put=compiled.put_batch,
+                                        num_workers=0)
+  with contextlib.closing(iterator):
+    for i, batch in enumerate(iterator, start=1):
+      running = compiled.eval(state, running, batch)
+      if every and i % max(every // config.steps_per_dispatch, 1) == 0:
+        jax.block_until_ready(running)
   return summarize(running)
 
 
@@ -305,7 +308,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   running, since, every = compiled.empty(steps.TrainMetrics), first_step + 1, sync_every(config)
   last_log, eval_metrics, stopped_by = time.perf_counter(), None, None
   step, loop_start = first_step, None
-  with stop_signals() as received:
+  with stop_signals() as received, contextlib.closing(train_iter):  # closed: workers stopped
     while step < num_train_steps:
       profiler.before(step, k)
       done = min((step // k + 1) * k, num_train_steps)  # `done` counts finished updates

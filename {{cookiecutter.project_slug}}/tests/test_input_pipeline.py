@@ -151,6 +151,6 @@ def test_workers_chosen_from_the_cores(tiny_config, monkeypatch, dataset, cores,
   monkeypatch.setattr(input_pipeline.os, "cpu_count", lambda: cores)
   tiny_config.dataset = dataset
   assert tiny_config.num_workers == -1  # the default: chosen
-  assert input_pipeline.num_workers(tiny_config) == expected
+  assert input_pipeline.default_workers(tiny_config) == expected
   tiny_config.num_workers = 2
-  assert input_pipeline.num_workers(tiny_config) == 2
+  assert input_pipeline.default_workers(tiny_config) == 2
