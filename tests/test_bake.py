@@ -37,6 +37,7 @@ EXPECTED_FILES = [
     "tests/conftest.py",
     "tests/test_accelerator.py",
     "tests/test_benchmark.py",
+    "tests/test_image_folder.py",
     "tests/test_input_pipeline.py",
     "tests/test_masking.py",
     "tests/test_model.py",

@@ -13,6 +13,8 @@ of a model run in one process, taking turns of a few steps, so that a machine wh
 
 Input pipeline: images/s of the Grain iterator alone, as the loop reads it (64x64x3 uint8
 images, batch 1024, `steps_per_dispatch` batches an element, each placed on the devices).
+Image decoding: the same for 64x64 JPEG files stored as they are (`write_arrayrecord.py
+--keep_encoded`), decoded by the config's Grain worker processes (one per core but one).
 
 Loop efficiency: `train_and_evaluate`'s `loop_examples_per_sec` (input pipeline, metrics,
 logging, evaluation, checkpoints; `steps_per_dispatch` steps a call) over the examples/s of the
@@ -45,13 +47,16 @@ import time
 import flax
 import jax
 import ml_collections
+import numpy as np
 from absl import app, flags
 from flax import nnx
+from PIL import Image
 from tensorboard.backend.event_processing import event_accumulator
 
 import input_pipeline
 import parallel
 import steps
+import write_arrayrecord
 from configs import default, tiny
 from model import create_model
 
@@ -62,12 +67,13 @@ LOOP_PATHS = ("spmd", "pmap")
 WARMUP_STEPS = 2  # untimed calls of each compiled step before the timed ones
 REPEATS = 3  # paired (bare step, loop) runs per path: the median of their ratios is reported
 PIPELINE = dict(image_shape=(64, 64, 3), batch_size=1024)
+DECODING = dict(image_shape=(64, 64, 3), batch_size=256, num_images=2048)
 
 _OUT = flags.DEFINE_string("out", "bench.json", "Where the JSON results go.")
 _TINY = flags.DEFINE_bool("tiny", False, "A smoke run of every code path in seconds (CI).")
 _MEASURE = flags.DEFINE_string("measure", None, "Internal: 'steps:MODEL', 'memory:MODEL:PATH', "
-                               "'loop:MODEL:PATH:RUN' or 'pipeline', measured in this process, "
-                               "printed as JSON.")
+                               "'loop:MODEL:PATH:RUN', 'pipeline' or 'decoding', measured in this "
+                               "process, printed as JSON.")
 
 
 def get_config(model: str, is_tiny: bool) -> ml_collections.ConfigDict:
@@ -228,6 +234,38 @@ def measure_pipeline(is_tiny: bool, seconds: float = 3.0) -> dict:
               steps_per_dispatch=config.steps_per_dispatch, **PIPELINE)
 
 
+def write_jpeg_folder(folder: str, num_images: int, size: int, num_classes: int = 4):
+  """Smooth random RGB images (a JPEG's usual content), one subfolder per class."""
+  rng = np.random.default_rng(0)
+  for i in range(num_images):
+    os.makedirs(directory := os.path.join(folder, f"class{i % num_classes}"), exist_ok=True)
+    coarse = Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))
+    coarse.resize((size, size), Image.Resampling.BICUBIC).save(f"{directory}/{i:05d}.jpg")
+
+
+def measure_decoding(is_tiny: bool, seconds: float = 3.0) -> dict:
+  """Images/s of the Grain iterator over JPEG files kept encoded, decoded by its workers."""
+  config = get_config("digits", is_tiny)
+  config.dataset, config.batch_size = "arrayrecord", DECODING["batch_size"]
+  config.num_epochs = 1000  # never runs out
+  num_images = DECODING["num_images"] // (8 if is_tiny else 1)
+  with tempfile.TemporaryDirectory() as root:
+    write_jpeg_folder(f"{root}/jpeg", num_images, DECODING["image_shape"][0])
+    write_arrayrecord.write_image_folder(f"{root}/data", f"{root}/jpeg", keep_encoded=True)
+    config.data_dir = f"{root}/data"
+    splits, _ = input_pipeline.get_datasets(config)
+    iterator = input_pipeline.as_iterator(
+        input_pipeline.train_batches(splits["train"], config), config)
+    next(iterator)  # workers started, first element read
+    start, images = time.perf_counter(), 0
+    while time.perf_counter() - start < (0.3 if is_tiny else seconds):
+      images += next(iterator)["mask"].size
+    images_per_sec = images / (time.perf_counter() - start)
+    iterator.close()
+  return dict(images_per_sec=images_per_sec, workers=input_pipeline.default_workers(config),
+              **DECODING)
+
+
 def describe(config) -> dict:
   return dict(image_shape=list(input_pipeline.get_datasets(config)[1].image_shape),
               features=list(config.model.features), dtype=config.model.dtype,
@@ -245,6 +283,8 @@ def measure(what: str, is_tiny: bool) -> dict:
     result = {}
   elif kind == "pipeline":
     result = measure_pipeline(is_tiny)
+  elif kind == "decoding":
+    result = measure_decoding(is_tiny)
   else:  # loop:MODEL:PATH:RUN
     config = get_config(rest[0], is_tiny)
     result = dict(measure_loop(config, rest[1], loop_first=int(rest[2]) % 2 == 1),
@@ -291,7 +331,7 @@ def benchmark(is_tiny: bool) -> dict:
   loops = [(model, path, i) for i in range(repeats) for model, path in
            [("digits", path) for path in loop_paths] + [("large", config_parallelism)]
            if model == "digits" or i < max(repeats - 1, 1)]
-  results = run_all(["pipeline"] + [f"steps:{model}" for model in MODELS] +
+  results = run_all(["pipeline", "decoding"] + [f"steps:{model}" for model in MODELS] +
                     [f"memory:{model}:{path}" for model in MODELS for path in PATHS] +
                     [f"loop:{model}:{path}:{i}" for model, path, i in loops], is_tiny)
   models = {}
@@ -312,7 +352,7 @@ def benchmark(is_tiny: bool) -> dict:
               device_count=first["device_count"], device_kind=first["device_kind"], tiny=is_tiny,
               compile_time="ahead of time: step.lower(...).compile(), every path",
               config_parallelism=config_parallelism, models=models, loop=loop,
-              pipeline=results["pipeline"])
+              pipeline=results["pipeline"], decoding=results["decoding"])
 
 
 def report(results: dict) -> str:
@@ -339,6 +379,9 @@ def report(results: dict) -> str:
   pipeline = results["pipeline"]
   lines.append(f"input pipeline ({'x'.join(map(str, pipeline['image_shape']))}, batch "
                f"{pipeline['batch_size']}): {pipeline['images_per_sec']:.0f} images/s")
+  decoding = results["decoding"]
+  lines.append(f"image decoding (JPEG {decoding['image_shape'][0]}x{decoding['image_shape'][1]}, "
+               f"{decoding['workers']} workers): {decoding['images_per_sec']:.0f} images/s")
   for key, loop in results["loop"].items():
     model, path = key.split(":")
     label = "" if model == "digits" else f" ({model})"

@@ -19,6 +19,7 @@ global batch is the same whatever the number of processes P.
 import dataclasses
 import functools
 import glob
+import io
 import json
 import math
 import os
@@ -26,6 +27,7 @@ import os
 import grain
 import numpy as np
 from flax import serialization
+from PIL import Image, ImageOps
 
 DATASETS = ("digits", "arrayrecord", "synthetic")
 
@@ -35,6 +37,7 @@ class DatasetInfo:
   image_shape: tuple[int, int, int]  # (height, width, channels)
   num_classes: int
   num_examples: dict[str, int]  # split name -> number of examples
+  class_names: tuple[str, ...] = ()  # when the data name them (write_arrayrecord --image_folder)
 
 
 class ArraySource:
@@ -50,18 +53,34 @@ class ArraySource:
     return {"image": self.images[indices], "label": self.labels[indices]}
 
 
-class RecordSource:
-  """Examples in ArrayRecord files, one msgpack-encoded example per record."""
+def decode_image(data: bytes, image_shape: tuple[int, int, int]) -> np.ndarray:
+  """An encoded image (JPEG, PNG, ...) as uint8 [H, W, C] of `image_shape`: gray (C = 1) or
+  RGB (C = 3), scaled until it covers H x W and center-cropped (unchanged if already H x W)."""
+  height, width, channels = image_shape
+  with Image.open(io.BytesIO(data)) as image:
+    image = image.convert("L" if channels == 1 else "RGB")
+    if image.size != (width, height):
+      image = ImageOps.fit(image, (width, height), Image.Resampling.BILINEAR)
+    return np.asarray(image).reshape(height, width, channels)
 
-  def __init__(self, paths: list[str]):
+
+class RecordSource:
+  """Examples in ArrayRecord files, one msgpack-encoded example per record. Images stored
+  encoded (`write_arrayrecord.py --keep_encoded`) are decoded here, to `image_shape`: in the
+  Grain worker processes, or Grain's threads, that read the batches."""
+
+  def __init__(self, paths: list[str], image_shape: tuple[int, int, int]):
     self.records = grain.sources.ArrayRecordDataSource(paths)
+    self.image_shape = tuple(image_shape)
 
   def __len__(self) -> int:
     return len(self.records)
 
   def take(self, indices: np.ndarray) -> dict[str, np.ndarray]:
     examples = [serialization.msgpack_restore(self.records[int(i)]) for i in indices]
-    return {"image": np.stack([ex["image"] for ex in examples]),
+    images = [decode_image(ex["image"], self.image_shape) if isinstance(ex["image"], bytes)
+              else ex["image"] for ex in examples]
+    return {"image": np.stack(images),
             "label": np.array([ex["label"] for ex in examples], np.int32)}
 
 
@@ -99,18 +118,19 @@ def get_datasets(config) -> tuple[dict[str, ArraySource | RecordSource], Dataset
   if config.dataset == "arrayrecord":
     with open(os.path.join(config.data_dir, "metadata.json")) as f:
       meta = json.load(f)
-    sources = {split: RecordSource(arrayrecord_paths(config.data_dir, split))
-               for split in ("train", "eval")}
     image_shape, num_classes = meta["image_shape"], meta["num_classes"]
+    sources = {split: RecordSource(arrayrecord_paths(config.data_dir, split), image_shape)
+               for split in ("train", "eval")}
+    class_names = meta.get("class_names", ())
   elif config.dataset == "synthetic":
-    sources = _synthetic(config)
+    sources, class_names = _synthetic(config), ()
     image_shape, num_classes = config.synthetic.image_shape, config.synthetic.num_classes
   else:
-    sources = _digits(config)
+    sources, class_names = _digits(config), ()
     image_shape = sources["train"].images.shape[1:]
     num_classes = int(sources["train"].labels.max()) + 1
   info = DatasetInfo(tuple(image_shape), int(num_classes),
-                     {split: len(source) for split, source in sources.items()})
+                     {split: len(source) for split, source in sources.items()}, tuple(class_names))
   return sources, info
 
 

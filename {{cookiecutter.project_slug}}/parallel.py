@@ -9,11 +9,12 @@ pmap: every leaf has a leading axis of one entry per local device; `replicate` m
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 DATA_AXIS = "data"  # the spmd mesh axis
-PMAP_AXIS = "devices"  # the pmap axis name (use it for nnx.BatchNorm(axis_name=...))
+PMAP_AXIS = "devices"  # the pmap axis name (use it for BatchNorm(axis_name=...))
 
 
 def make_mesh() -> Mesh:
@@ -115,3 +116,36 @@ def describe(tree, name: str) -> str:
       where = f"{where.spec} over mesh {dict(where.mesh.shape)}"
     lines.append(f"  {jax.tree_util.keystr(path)} {x.dtype}{list(x.shape)}: {where}")
   return "\n".join(lines)
+
+
+class BatchNorm(nnx.BatchNorm):
+  """nnx.BatchNorm whose batch statistics are those of the real examples of the global batch on
+  every path: give `mask` (`[batch]`, False on padding) and, under pmap, `axis_name=PMAP_AXIS`.
+  Features on the last axis.
+
+  Under jit the batch is one global array and nnx.BatchNorm's masked mean is already exact. Under
+  pmap nnx.BatchNorm averages each device's masked mean: wrong when devices hold different
+  numbers of real examples, NaN on a device that holds none. Here sums and counts are summed
+  over the devices instead (E[x] and E[x^2], as nnx.BatchNorm's fast variance).
+  """
+
+  def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
+    if use_running_average is None:
+      use_running_average = self.use_running_average
+    if mask is not None:  # [batch] -> [batch, 1, ...]: one flag per example
+      mask = mask.reshape(-1, *[1] * (x.ndim - 1))
+    if self.axis_name is None or mask is None or use_running_average:
+      return super().__call__(x, use_running_average, mask=mask)
+    axes = tuple(range(x.ndim - 1))  # statistics per feature (the last axis)
+    weight = jnp.broadcast_to(mask, x.shape).astype(jnp.float32)
+    x32 = x.astype(jnp.float32)
+    count, total, squares = jax.lax.psum(
+        (weight.sum(axes), (weight * x32).sum(axes), (weight * x32 * x32).sum(axes)),
+        self.axis_name)
+    mean = total / jnp.maximum(count, 1)
+    var = jnp.maximum(squares / jnp.maximum(count, 1) - mean * mean, 0.0)
+    self.mean[...] = self.momentum * self.mean[...] + (1 - self.momentum) * mean
+    self.var[...] = self.momentum * self.var[...] + (1 - self.momentum) * var
+    scale = jax.lax.rsqrt(var + self.epsilon) * (self.scale[...] if self.use_scale else 1)
+    y = (x32 - mean) * scale + (self.bias[...] if self.use_bias else 0)
+    return y.astype(self.dtype or x.dtype)

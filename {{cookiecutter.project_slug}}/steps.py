@@ -11,6 +11,7 @@ batch of a resumed run) changes nothing, so k steps in one call equal k single c
 """
 
 import functools
+import inspect
 import math
 from typing import NamedTuple
 
@@ -93,8 +94,10 @@ def prepare_images(batch, max_shift: int = 0, seed: int = 0) -> jax.Array:
 
 def loss_and_metrics(model, batch):
   """The SUM of the losses of the real examples (normalised later, by the global count).
-  `batch["image"]` is the model's input (see `prepare_images`)."""
-  logits_BK = model(batch["image"])
+  `batch["image"]` is the model's input (see `prepare_images`); a model whose `__call__` has a
+  `mask` parameter gets `batch["mask"]` too (BatchNorm must leave the padding out)."""
+  takes_mask = "mask" in inspect.signature(model.__call__).parameters
+  logits_BK = model(batch["image"], **({"mask": batch["mask"]} if takes_mask else {}))
   losses_B = optax.softmax_cross_entropy_with_integer_labels(logits_BK, batch["label"])
   loss_sum = jnp.sum(jnp.where(batch["mask"], losses_B, 0.0))
   step_metrics = Metrics.single_from_model_output(
@@ -282,7 +285,8 @@ def _flops(jaxpr) -> int:
   return total
 
 
-def model_flops(fn, *args) -> int:
+def model_flops(fn, *args, axis_env=None) -> int:
   """FLOPs of the matrix products and convolutions of `fn(*args)` (forward and backward), from
-  its jaxpr: the same on every backend, whatever the compiler fuses or hands to a library."""
-  return _flops(jax.make_jaxpr(fn)(*args).jaxpr)
+  its jaxpr: the same on every backend, whatever the compiler fuses or hands to a library.
+  `axis_env`: the named axes that `fn`'s collectives use, with their sizes (pmap's)."""
+  return _flops(jax.make_jaxpr(fn, axis_env=axis_env)(*args).jaxpr)

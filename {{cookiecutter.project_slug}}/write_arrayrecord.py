@@ -1,76 +1,301 @@
 """Writes a dataset as ArrayRecord shards that `config.dataset = 'arrayrecord'` reads.
 
-  python write_arrayrecord.py --out_dir=/data/mine --npz=mine.npz  # your arrays
-  python write_arrayrecord.py --out_dir=/data/digits                # the digits, as a demo
+  python write_arrayrecord.py --out_dir=data/mine --image_folder=photos  # photos/CLASS/*.jpg
+  python write_arrayrecord.py --out_dir=data/mine --npz=mine.npz         # your arrays
+  python write_arrayrecord.py --out_dir=data/digits                      # the digits, a demo
+
+--image_folder: one subfolder per class, named after it (labels 0, 1, ... follow the names'
+sorted order), holding JPEG or PNG files (in subfolders too). With `train/` and `val/` inside,
+those are the two splits; otherwise `--eval_fraction` of each class is held out (seeded).
+Images are decoded to uint8 and, with `--image_size=H[,W]` (needed when their sizes differ),
+scaled and center-cropped to it; they keep 1 channel if all are gray, else they are RGB.
+`--keep_encoded` stores each file's bytes as they are (smaller on disk): the Grain workers then
+decode, and resize, them while training. An unreadable image is reported by its path and
+skipped; the class names go into `metadata.json`.
 
 The .npz holds `train_images`, `train_labels`, `eval_images`, `eval_labels` (images
 [N, H, W, C]; labels [N], integers from 0). Store pixels as uint8, 0 to 255: they stay uint8 up
 to the device, which divides them by 255 (float images reach the model as they are, at 4x the
-bytes). The digits are written as uint8. Each record is one example,
-msgpack-encoded by flax.serialization; `metadata.json` records the image shape, the number of
-classes and the split sizes. Then train with --config.dataset=arrayrecord --config.data_dir=DIR.
+bytes). Other integer pixels are written as uint8 if they fit; pixels that stay far below 255
+(0..16, say) get a warning. Without --npz or --image_folder: the digits, as uint8.
+
+Each record is one example, msgpack-encoded by flax.serialization; `metadata.json` records the
+image shape, the number of classes (and their names) and the split sizes. Then train with
+--config.dataset=arrayrecord --config.data_dir=OUT_DIR.
 """
 
+import concurrent.futures
+import glob
 import json
 import os
+import sys
+from collections.abc import Iterable
 
 import numpy as np
 from absl import app, flags
 from array_record.python.array_record_module import ArrayRecordWriter
 from flax import serialization
+from PIL import Image
 
 import input_pipeline
+import writers
+
+KEYS = ("train_images", "train_labels", "eval_images", "eval_labels")
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+GRAY_MODES = ("1", "L", "LA", "I", "I;16", "F")
 
 
-def write_split(out_dir: str, split: str, images: np.ndarray, labels: np.ndarray,
-                num_shards: int) -> list[str]:
-  """Writes `{split}-NNNNN-of-NNNNN.array_record` shards of consecutive examples, so that
-  reading the shards in name order gives the examples in their original order."""
-  if len(images) != len(labels):
-    raise ValueError(f"{split}: {len(images)} images but {len(labels)} labels.")
-  paths = [os.path.join(out_dir, f"{split}-{i:05d}-of-{num_shards:05d}.array_record")
-           for i in range(num_shards)]
-  for path, indices in zip(paths, np.array_split(np.arange(len(labels)), num_shards), strict=True):
-    writer = ArrayRecordWriter(path, "group_size:1")
-    for index in indices:
-      writer.write(serialization.msgpack_serialize(
-          {"image": np.asarray(images[index]), "label": np.asarray(labels[index], np.int32)}))
-    writer.close()
-  return paths
+def as_pixels(split: str, images: np.ndarray) -> np.ndarray:
+  """Integer images as uint8 (refused if they do not fit 0..255); float images as they are.
+  A warning when uint8 pixels stay far below 255: the step divides them by 255."""
+  if images.dtype.kind in "iu" and images.dtype != np.uint8:
+    low, high = int(images.min()), int(images.max())
+    if low < 0 or high > 255:
+      raise ValueError(f"{split}_images hold integers from {low} to {high}, which do not fit "
+                       "uint8; scale them to 0..255 (or store floats, given to the model as "
+                       "they are).")
+    images = images.astype(np.uint8)
+  if images.dtype == np.uint8 and images.max() < 64:
+    print(f"warning: {split}_images are at most {images.max()} of 255; the step divides uint8 "
+          f"pixels by 255, so the model sees 0 to {images.max() / 255:.2f}. Rescale them to "
+          "0..255 unless that is what you mean.", file=sys.stderr)
+  return images
 
 
-def write_dataset(out_dir: str, splits: dict[str, tuple[np.ndarray, np.ndarray]],
-                  num_shards: int = 4) -> None:
-  os.makedirs(out_dir, exist_ok=True)
-  for split, (images, labels) in splits.items():
-    write_split(out_dir, split, images, labels, num_shards)
-  images, _ = splits["train"]
-  metadata = dict(
-      image_shape=list(images.shape[1:]),
-      num_classes=int(max(labels.max() for _, labels in splits.values())) + 1,
-      num_examples={split: len(labels) for split, (_, labels) in splits.items()},
-  )
+def encode(image: np.ndarray | bytes, label: int) -> bytes:
+  """One record: the image (an array, or a file's encoded bytes) and its label."""
+  image = image if isinstance(image, bytes) else np.asarray(image)
+  return serialization.msgpack_serialize({"image": image, "label": np.asarray(label, np.int32)})
+
+
+def write_records(out_dir: str, split: str, records: Iterable[tuple[int, bytes]], count: int,
+                  num_shards: int) -> int:
+  """Writes `{split}-NNNNN-of-NNNNN.array_record` shards: record number i of `count` (those
+  missing from `records` are skipped) goes to the i-th part of `num_shards` consecutive parts,
+  so that reading the shards in name order gives the records in order. Returns how many."""
+  ends = np.cumsum([len(part) for part in np.array_split(np.arange(count), num_shards)])
+  shards = [ArrayRecordWriter(os.path.join(out_dir, f"{split}-{i:05d}-of-{num_shards:05d}"
+                                           ".array_record"), "group_size:1")
+            for i in range(num_shards)]
+  written = 0
+  for index, record in records:
+    shards[int(np.searchsorted(ends, index, side="right"))].write(record)
+    written += 1
+  for shard in shards:
+    shard.close()
+  return written
+
+
+def write_metadata(out_dir: str, image_shape, num_classes: int, num_examples: dict[str, int],
+                   **extra) -> None:
+  metadata = dict(image_shape=[int(d) for d in image_shape], num_classes=int(num_classes),
+                  num_examples=num_examples, **extra)
   with open(os.path.join(out_dir, "metadata.json"), "w") as f:
     json.dump(metadata, f, indent=2)
 
 
+def write_dataset(out_dir: str, splits: dict[str, tuple[np.ndarray, np.ndarray]],
+                  num_shards: int = 4) -> None:
+  """Arrays: {split: (images [N, H, W, C], labels [N])} for 'train' and 'eval'."""
+  splits = {split: (as_pixels(split, np.asarray(images)), np.asarray(labels))
+            for split, (images, labels) in splits.items()}
+  for split, (images, labels) in splits.items():
+    if len(images) != len(labels):
+      raise ValueError(f"{split}: {len(images)} images but {len(labels)} labels.")
+  os.makedirs(out_dir, exist_ok=True)
+  for split, (images, labels) in splits.items():
+    records = ((i, encode(images[i], labels[i])) for i in range(len(labels)))
+    write_records(out_dir, split, records, len(labels), num_shards)
+  write_metadata(out_dir, splits["train"][0].shape[1:],
+                 max(labels.max() for _, labels in splits.values()) + 1,
+                 {split: len(labels) for split, (_, labels) in splits.items()})
+
+
+def list_image_folder(folder: str, eval_fraction: float,
+                      ) -> tuple[list[str], dict[str, list[tuple[str, int]]]]:
+  """The class names and, for 'train' and 'eval', the (path, label) of every image file.
+  Raises ValueError, naming the folder, for a tree that holds no class or an empty class."""
+  def images_in(directory: str) -> list[str]:
+    paths = glob.glob(os.path.join(glob.escape(directory), "**", "*"), recursive=True)
+    return sorted(p for p in paths if p.lower().endswith(IMAGE_SUFFIXES) and os.path.isfile(p))
+
+  def classes_in(directory: str) -> list[str]:
+    return sorted(entry.name for entry in os.scandir(directory) if entry.is_dir())
+
+  if not os.path.isdir(folder):
+    raise ValueError(f"--image_folder={folder!r} is not a directory.")
+  split_dirs = {"train": os.path.join(folder, "train"), "eval": os.path.join(folder, "val")}
+  has_splits = all(os.path.isdir(d) for d in split_dirs.values())
+  root = split_dirs["train"] if has_splits else folder
+  classes = classes_in(root)
+  if not classes:
+    raise ValueError(f"{root} has no class folders: put each class's images (.jpg, .jpeg, .png) "
+                     f"in {os.path.join(root, 'CLASS_NAME')}/.")
+  files = {name: images_in(os.path.join(root, name)) for name in classes}
+  for name, paths in files.items():
+    if not paths:
+      raise ValueError(f"class folder {os.path.join(root, name)} holds no .jpg, .jpeg or .png "
+                       "file; add its images or remove the folder.")
+  if has_splits:
+    unknown = sorted(set(classes_in(split_dirs["eval"])) - set(classes))
+    if unknown:
+      raise ValueError(f"{split_dirs['eval']} has classes that train/ lacks: "
+                       f"{', '.join(unknown)}.")
+    examples = {
+        "train": [(p, label) for label, name in enumerate(classes) for p in files[name]],
+        "eval": [(p, label) for label, name in enumerate(classes)
+                 for p in images_in(os.path.join(split_dirs["eval"], name))]}
+  else:
+    if not 0 < eval_fraction < 1:
+      raise ValueError(f"--eval_fraction={eval_fraction} must be between 0 and 1 (or put the "
+                       "images in train/ and val/ folders).")
+    rng, examples = np.random.default_rng(0), {"train": [], "eval": []}
+    for label, name in enumerate(classes):
+      held_out = set(rng.permutation(len(files[name]))[:round(eval_fraction * len(files[name]))])
+      for i, path in enumerate(files[name]):
+        examples["eval" if i in held_out else "train"].append((path, label))
+  if not examples["eval"]:
+    raise ValueError(f"no image was held out for evaluation from {folder}; raise "
+                     "--eval_fraction or add images to val/.")
+  return classes, examples
+
+
+def read_header(path: str) -> tuple[tuple[int, int], str] | str:
+  """((width, height), mode) from the file's header, or why it could not be read."""
+  try:
+    with Image.open(path) as image:
+      return image.size, image.mode
+  except Exception as e:  # noqa: BLE001  (any unreadable file is reported and skipped)
+    return f"{type(e).__name__}: {e}"
+
+
+def read_image(path: str, image_shape, keep_encoded: bool) -> np.ndarray | bytes | str:
+  """The image decoded to `image_shape` (or, with keep_encoded, the file's bytes once they
+  decode), or why it could not be."""
+  try:
+    with open(path, "rb") as f:
+      data = f.read()
+    image = input_pipeline.decode_image(data, image_shape)
+    return data if keep_encoded else image
+  except Exception as e:  # noqa: BLE001
+    return f"{type(e).__name__}: {e}"
+
+
+def write_image_folder(out_dir: str, folder: str, image_size: tuple[int, int] | None = None,
+                       keep_encoded: bool = False, eval_fraction: float = 0.2,
+                       num_shards: int = 4, num_threads: int | None = None) -> list[str]:
+  """Writes the images of `folder` (see the module's docstring); returns the skipped paths.
+  Checks the whole tree (file names and image headers) before writing anything."""
+  classes, examples = list_image_folder(folder, eval_fraction)
+  num_threads = num_threads or os.cpu_count() or 1
+  skipped = []
+  with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:  # PIL releases the GIL
+    for split, pairs in examples.items():
+      headers = list(pool.map(read_header, [path for path, _ in pairs], chunksize=64))
+      skipped += [(path, h) for (path, _), h in zip(pairs, headers, strict=True)
+                  if isinstance(h, str)]
+      examples[split] = [(p, label, h) for (p, label), h in zip(pairs, headers, strict=True)
+                         if not isinstance(h, str)]
+    headers = [h for pairs in examples.values() for _, _, h in pairs]
+    if image_size is None:
+      sizes = sorted({size for size, _ in headers})
+      if len(sizes) > 1:
+        raise ValueError(f"the images have {len(sizes)} sizes ({sizes[0][1]}x{sizes[0][0]}, "
+                         f"{sizes[1][1]}x{sizes[1][0]}, ...); give --image_size=H,W to scale and "
+                         "crop them to one.")
+      image_size = sizes[0][::-1]
+    channels = 1 if all(mode in GRAY_MODES for _, mode in headers) else 3
+    image_shape = (*image_size, channels)
+    os.makedirs(out_dir, exist_ok=True)
+    num_examples = {}
+    for split, triples in examples.items():
+      def records(split=split, triples=triples):
+        chunk = 1024  # decoded a chunk at a time, in order, by the threads
+        for start in range(0, len(triples), chunk):
+          part = triples[start:start + chunk]
+          images = pool.map(read_image, [p for p, _, _ in part], [image_shape] * len(part),
+                            [keep_encoded] * len(part))
+          for i, ((path, label, _), image) in enumerate(zip(part, images, strict=True)):
+            if isinstance(image, str):
+              skipped.append((path, image))
+              continue
+            yield start + i, encode(image, label)
+            if sys.stderr.isatty() and (start + i) % 64 == 0:
+              writers.draw_bar(start + i + 1, len(triples), split)
+      num_examples[split] = write_records(out_dir, split, records(), len(triples), num_shards)
+      if sys.stderr.isatty():
+        writers.draw_bar(len(triples), len(triples), split)
+        sys.stderr.write("\n")
+  for path, reason in skipped:
+    print(f"skipped {path}: {reason}", file=sys.stderr)
+  for split, count in num_examples.items():
+    if not count:
+      raise ValueError(f"no {split} image of {folder} could be read.")
+  write_metadata(out_dir, image_shape, len(classes), num_examples, class_names=classes,
+                 encoded=keep_encoded)
+  return [path for path, _ in skipped]
+
+
+def parse_size(text: str) -> tuple[int, int]:
+  """'64' -> (64, 64); '48,64' -> (48, 64)."""
+  try:
+    size = tuple(int(x) for x in text.split(","))
+  except ValueError:
+    size = ()
+  if len(size) not in (1, 2) or min(size) < 1:
+    raise ValueError(f"--image_size={text!r} must be H or H,W: positive integers.")
+  return size * (3 - len(size))
+
+
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Where the shards go.", required=True)
-_NPZ = flags.DEFINE_string("npz", None, "Arrays to write; default: the digits dataset.")
+_NPZ = flags.DEFINE_string("npz", None, "Arrays to write.")
+_IMAGE_FOLDER = flags.DEFINE_string("image_folder", None, "A folder of JPEG/PNG files, one "
+                                    "subfolder per class (and train/, val/ folders, if split).")
+_IMAGE_SIZE = flags.DEFINE_string("image_size", None, "H or H,W: scale and center-crop to it.")
+_KEEP_ENCODED = flags.DEFINE_bool("keep_encoded", False, "Store the image files' bytes; the "
+                                  "training pipeline decodes them.")
+_EVAL_FRACTION = flags.DEFINE_float("eval_fraction", 0.2, "--image_folder without train/ and "
+                                    "val/: the share of each class held out.")
 _NUM_SHARDS = flags.DEFINE_integer("num_shards", 4, "Files per split.")
 
 
 def main(argv):
   del argv
-  if _NPZ.value:
-    arrays = np.load(_NPZ.value)
-    splits = {s: (arrays[f"{s}_images"], arrays[f"{s}_labels"]) for s in ("train", "eval")}
-  else:
-    from configs import default
+  out_dir = _OUT_DIR.value
+  if glob.glob(os.path.join(glob.escape(out_dir), "*.array_record")):
+    raise SystemExit(f"error: {out_dir} already holds a dataset; give another --out_dir (or "
+                     "delete it): new shards would mix with the old.")
+  if _NPZ.value and _IMAGE_FOLDER.value:
+    raise SystemExit("error: give --npz or --image_folder, not both.")
+  try:
+    if _IMAGE_FOLDER.value:
+      size = _IMAGE_SIZE.value and parse_size(_IMAGE_SIZE.value)
+      skipped = write_image_folder(out_dir, _IMAGE_FOLDER.value, size or None,
+                                   _KEEP_ENCODED.value, _EVAL_FRACTION.value, _NUM_SHARDS.value)
+      with open(os.path.join(out_dir, "metadata.json")) as f:
+        meta = json.load(f)
+      print(f"wrote {', '.join(f'{s}: {n}' for s, n in meta['num_examples'].items())} images "
+            f"of {'x'.join(map(str, meta['image_shape']))} in {meta['num_classes']} classes to "
+            f"{out_dir}; skipped {len(skipped)} unreadable file{'s' * (len(skipped) != 1)}")
+      return
+    if _NPZ.value:
+      if not os.path.isfile(_NPZ.value):
+        raise SystemExit(f"error: --npz={_NPZ.value!r} does not exist.")
+      arrays = np.load(_NPZ.value)
+      missing = [key for key in KEYS if key not in arrays]
+      if missing:
+        raise SystemExit(f"error: {_NPZ.value} has no {', '.join(missing)}; it must hold "
+                         f"{', '.join(KEYS)}.")
+      splits = {s: (arrays[f"{s}_images"], arrays[f"{s}_labels"]) for s in ("train", "eval")}
+    else:
+      from configs import default
 
-    sources, _ = input_pipeline.get_datasets(default.get_config())
-    splits = {split: (source.images, source.labels) for split, source in sources.items()}
-  write_dataset(_OUT_DIR.value, splits, _NUM_SHARDS.value)
-  print(f"wrote {', '.join(f'{s}: {len(y)}' for s, (_, y) in splits.items())} to {_OUT_DIR.value}")
+      sources, _ = input_pipeline.get_datasets(default.get_config())
+      splits = {split: (source.images, source.labels) for split, source in sources.items()}
+    write_dataset(out_dir, splits, _NUM_SHARDS.value)
+  except ValueError as e:
+    raise SystemExit(f"error: {e}") from None
+  print(f"wrote {', '.join(f'{s}: {len(y)}' for s, (_, y) in splits.items())} to {out_dir}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""CLU metric writers, with or without TensorFlow.
+"""CLU metric writers, with or without TensorFlow, and the progress a person reads.
 
 CLU 0.0.12 imports TensorFlow when `clu.metric_writers` (and so `clu.periodic_actions`) is
 imported, only to define its TensorBoard `SummaryWriter`. When TensorFlow is not installed, this
@@ -9,7 +9,10 @@ Import this module before anything that imports `clu.metric_writers`.
 
 import importlib.util
 import sys
+import time
 import types
+
+from absl import logging
 
 
 def _tensorboardx_summary_writer(interface):
@@ -82,6 +85,75 @@ def _install():
 
 _install()
 
-from clu import metric_writers, periodic_actions  # noqa: E402  (after the shim, on purpose)
+from clu import metric_writers  # noqa: E402  (after the shim, on purpose)
 
-__all__ = ["metric_writers", "periodic_actions"]
+
+def create_writer(workdir: str, write: bool = True) -> metric_writers.MetricWriter:
+  """TensorBoard event files in `workdir`, written by a background thread; nothing when
+  `write` is False (processes other than 0). The log gets `Progress`'s lines instead."""
+  if not write:
+    return metric_writers.MultiWriter([])
+  return metric_writers.AsyncMultiWriter([metric_writers.SummaryWriter(workdir)])
+
+
+def _minutes(seconds: float) -> str:
+  return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
+
+
+def draw_bar(done: int, total: int, text: str = "", width: int = 30):
+  """`[=====     ] done/total text` on stderr (a terminal), over the one drawn before."""
+  full = width * done // max(total, 1)
+  sys.stderr.write(f"\r[{'=' * full}{' ' * (width - full)}] {done}/{total} {text}\033[K")
+  sys.stderr.flush()
+
+
+class Progress:
+  """One log line per log interval (step, loss, accuracy, examples/s, ETA) and, when stderr is a
+  terminal, a progress bar between them, redrawn at most 4 times a second. TensorBoard gets
+  `steps_per_sec` and `uptime`."""
+
+  def __init__(self, num_steps: int, writer: metric_writers.MetricWriter, show: bool = True):
+    self.num_steps, self.writer = num_steps, writer
+    self.bar = show and sys.stderr.isatty()
+    self.t0, self.drawn = time.perf_counter(), 0.0
+    self.start(0)
+
+  def start(self, step: int):
+    """Starts the clock that the ETA and steps/s read (after the first call has compiled)."""
+    self.first_step = self.last_step = step
+    self.first_time = self.last_time = time.perf_counter()
+
+  def eta(self, step: int, now: float) -> str:
+    rate = (step - self.first_step) / max(now - self.first_time, 1e-9)
+    return _minutes((self.num_steps - step) / rate) if rate else "?"
+
+  def update(self, step: int):
+    """After every call: one clock read, unless the bar is due."""
+    if self.bar and (now := time.perf_counter()) - self.drawn > 0.25:
+      self.drawn = now
+      draw_bar(step, self.num_steps, f"ETA {self.eta(step, now)}")
+
+  def log(self, message: str, *args, level: int = logging.INFO):
+    """A log line, printed above the bar."""
+    self.close()
+    logging.log(level, message, *args)
+
+  def close(self):
+    """Clears the bar (it is drawn again at the next update)."""
+    if self.bar:
+      sys.stderr.write("\r\033[K")
+      sys.stderr.flush()
+
+  def report(self, step: int, summary: dict[str, float]):
+    now = time.perf_counter()
+    self.writer.write_scalars(step, {
+        "steps_per_sec": (step - self.last_step) / max(now - self.last_time, 1e-9),
+        "uptime": now - self.t0})
+    self.last_step, self.last_time = step, now
+    rate = summary.get("examples_per_sec")  # none for the compiling call alone
+    self.log("step %d/%d  loss %.4f  accuracy %.4f  %s examples/s  ETA %s", step, self.num_steps,
+             summary["loss"], summary["accuracy"], "?" if rate is None else f"{rate:.0f}",
+             self.eta(step, now))
+
+
+__all__ = ["metric_writers", "create_writer", "draw_bar", "Progress"]

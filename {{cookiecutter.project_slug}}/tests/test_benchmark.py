@@ -46,8 +46,10 @@ def test_tiny_benchmark_measures_every_model_and_path(tmp_path):
         loop["loop_examples_per_sec"] / loop["step_examples_per_sec"], rel=1e-9)
   assert results["loop"][f"digits:{ours}"]["steps_per_dispatch"] == 5  # configs/tiny.py's
   assert_positive_finite(results["pipeline"], ("images_per_sec",), "pipeline")
+  assert_positive_finite(results["decoding"], ("images_per_sec", "workers"), "decoding")
 
   for line in (r"loop efficiency: \d+\.\d\d", r"loop efficiency \(large\): \d+\.\d\d",
                rf"loop efficiency \({other}\): \d+\.\d\d", r"pmap/spmd step time: \d+\.\d\d",
-               r"input pipeline \(64x64x3, batch 1024\): \d+ images/s"):
+               r"input pipeline \(64x64x3, batch 1024\): \d+ images/s",
+               r"image decoding \(JPEG 64x64, \d+ workers\): \d+ images/s"):
     assert re.search(f"^{line}", done.stdout, re.MULTILINE), (line, done.stdout)

@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import ml_collections
 import numpy as np
 import pytest
@@ -142,6 +146,48 @@ def test_arrayrecord_round_trip(tmp_path, tiny_config):
     np.testing.assert_array_equal(read["label"], labels)
   batch = unstacked(input_pipeline.eval_batches(splits["eval"], tiny_config))[0]
   np.testing.assert_array_equal(batch["image"][:11], arrays["eval"][0])  # still uint8
+
+
+PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("case", ["int64", "dark", "too_large", "missing_key"])
+def test_write_arrayrecord_checks_the_pixels(tmp_path, case):
+  """Integer pixels that fit 0..255 are written as uint8; pixels far below 255 (the digits'
+  raw 0..16) get a warning; others, and an .npz without a key, stop with one line."""
+  rng = np.random.default_rng(0)
+  high = {"int64": 256, "dark": 17, "too_large": 300, "missing_key": 256}[case]
+  arrays = {}
+  for split, n in (("train", 20), ("eval", 6)):
+    arrays[f"{split}_images"] = rng.integers(0, high, (n, 4, 4, 1)).astype(
+        np.uint8 if case == "dark" else np.int64)
+    arrays[f"{split}_labels"] = rng.integers(0, 3, n)
+  if case == "missing_key":
+    del arrays["eval_labels"]
+  np.savez(tmp_path / "mine.npz", **arrays)
+  out = subprocess.run([sys.executable, "write_arrayrecord.py", f"--out_dir={tmp_path / 'data'}",
+                        f"--npz={tmp_path / 'mine.npz'}"], cwd=PROJECT, capture_output=True,
+                       text=True, timeout=120)
+  lines = out.stderr.strip().splitlines()
+  if case in ("too_large", "missing_key"):
+    assert out.returncode == 1 and len(lines) == 1, out.stderr
+    assert lines[0] == ("error: train_images hold integers from 0 to 299, which do not fit "
+                        "uint8; scale them to 0..255 (or store floats, given to the model as "
+                        "they are)." if case == "too_large" else
+                        f"error: {tmp_path / 'mine.npz'} has no eval_labels; it must hold "
+                        "train_images, train_labels, eval_images, eval_labels.")
+    assert not (tmp_path / "data").exists()
+    return
+  assert out.returncode == 0, out.stderr
+  warned = [line for line in lines if line.startswith("warning: ")]
+  assert len(warned) == (2 if case == "dark" else 0), out.stderr
+  if case == "dark":
+    assert warned[0].startswith("warning: train_images are at most 16 of 255; the step divides")
+  config = ml_collections.ConfigDict(dict(dataset="arrayrecord", data_dir=str(tmp_path / "data")))
+  splits, _ = input_pipeline.get_datasets(config)
+  read = splits["train"].take(np.arange(20))["image"]
+  assert read.dtype == np.uint8
+  np.testing.assert_array_equal(read, arrays["train_images"])
 
 
 @pytest.mark.parametrize("dataset, cores, expected", [

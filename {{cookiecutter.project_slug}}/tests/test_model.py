@@ -20,7 +20,7 @@ def test_bfloat16_compute_with_float32_params(tiny_config):
   param_dtypes = {p.dtype for p in jax.tree.leaves(nnx.state(model, nnx.Param))}
   assert param_dtypes == {jnp.dtype(jnp.float32)}
   images = jax.random.uniform(jax.random.key(0), (4, 8, 8, 1))
-  assert model.conv1(images).dtype == jnp.bfloat16
+  assert model.convs[0](images).dtype == jnp.bfloat16
   logits = model(images)
   assert logits.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(logits)))
   tiny_config.model.dtype = "float32"

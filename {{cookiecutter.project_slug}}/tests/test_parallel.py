@@ -174,26 +174,45 @@ def test_pmap_dropout_differs_across_devices_and_state_stays_replicated(tiny_con
 class BatchNormCNN(nnx.Module):
   def __init__(self, axis_name, rngs):
     self.conv = nnx.Conv(1, 4, kernel_size=(3, 3), use_bias=False, rngs=rngs)  # BN has one
-    self.norm = nnx.BatchNorm(4, axis_name=axis_name, rngs=rngs)
+    self.norm = parallel.BatchNorm(4, momentum=0.9, axis_name=axis_name, rngs=rngs)
     self.dense = nnx.Linear(8 * 8 * 4, 10, rngs=rngs)
 
-  def __call__(self, images):
-    x = nnx.relu(self.norm(self.conv(images)))
+  def __call__(self, images, mask=None):  # a `mask` parameter: the steps pass the batch's
+    x = nnx.relu(self.norm(self.conv(images), mask=mask))
     return self.dense(x.reshape(x.shape[0], -1))
 
 
+def batchnorm_state(parallelism, optimizer=None):
+  model = BatchNormCNN(parallel.PMAP_AXIS if parallelism == "pmap" else None, nnx.Rngs(0))
+  return nnx.split((model, nnx.Optimizer(model, optimizer or optax.adam(1e-2), wrt=nnx.Param)))
+
+
 def test_batchnorm_statistics_are_synchronised(tiny_config):
-  """pmap with nnx.BatchNorm(axis_name=...) gives the statistics of the global batch."""
+  """pmap with BatchNorm(axis_name=...) gives the statistics of the global batch."""
   data = batches([64, 64])
-  graphdef, state = initial_state(tiny_config, BatchNormCNN(None, nnx.Rngs(0)))
-  single, _ = run(tiny_config, "single", data, graphdef, state)
-  spmd, _ = run(tiny_config, "spmd", data, graphdef, state)
-  graphdef, state = initial_state(tiny_config, BatchNormCNN(parallel.PMAP_AXIS, nnx.Rngs(0)))
-  pmap, _ = run(tiny_config, "pmap", data, graphdef, state)
+  single, _ = run(tiny_config, "single", data, *batchnorm_state("single"))
+  spmd, _ = run(tiny_config, "spmd", data, *batchnorm_state("spmd"))
+  pmap, _ = run(tiny_config, "pmap", data, *batchnorm_state("pmap"))
   assert_trees_close(spmd, single, atol=1e-5)
   assert_trees_close(pmap, single, atol=1e-5)
   running_mean = pmap[0]["norm"]["mean"][...]
   assert float(jnp.abs(running_mean).max()) > 0  # the statistics did move
+
+
+@pytest.mark.parametrize("parallelism", ["spmd", "pmap"])
+def test_batchnorm_leaves_the_padding_out(tiny_config, parallelism):
+  """Padded batches give the BatchNorm statistics and gradients of their real examples alone,
+  on one device: the same running statistics and the same parameters after 3 SGD steps. (With
+  20 real examples of 64 on 8 devices, pmap's devices 3-7 hold none.)"""
+  num_real = [64, 20, 37]
+  data = batches(num_real)
+  real_only = [jax.tree.map(lambda x, n=n: x[:n], batch)
+               for batch, n in zip(data, num_real, strict=True)]
+  expected, _ = run(tiny_config, "single", real_only, *batchnorm_state("single", optax.sgd(0.1)))
+  got, metrics = run(tiny_config, parallelism, data, *batchnorm_state(parallelism, optax.sgd(0.1)))
+  assert metrics["nonfinite_steps"] == 0 and metrics["examples"] == sum(num_real)
+  assert_trees_close(got, expected, atol=1e-6)
+  assert float(jnp.abs(got[0]["norm"]["mean"][...]).max()) > 0
 
 
 @pytest.mark.parametrize("parallelism", ["spmd", "pmap"])

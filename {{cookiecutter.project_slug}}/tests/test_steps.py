@@ -11,6 +11,7 @@ from flax import nnx
 
 import input_pipeline
 import steps
+import train
 from configs import default
 from model import create_model
 
@@ -66,3 +67,16 @@ def test_flops_of_the_default_cnn_step_equal_the_analytic_count():
   k_steps = steps.scanned(step)
   stacked = jax.tree.map(lambda x: jnp.stack([x] * 3), batch)
   assert steps.model_flops(k_steps, state, steps.TrainMetrics.empty(), stacked) == 3 * expected
+
+
+def test_flops_counted_under_pmap_for_a_model_that_reduces_over_its_axis(tiny_config):
+  """A BatchNorm synchronised over pmap's axis: its step is traced with that axis bound, and
+  counts what the same model counts without it."""
+  from test_parallel import batchnorm_state
+
+  counts = {}
+  for parallelism in ("spmd", "pmap"):
+    tiny_config.parallelism = parallelism
+    graphdef, state = batchnorm_state(parallelism)
+    counts[parallelism] = train.Speed(graphdef, state, (8, 8, 1), tiny_config).flops_per_step
+  assert counts["pmap"] == counts["spmd"] > 0

@@ -1,7 +1,10 @@
 """End to end: train_and_evaluate on the tiny config writes metrics, checkpoints and resumes."""
 
+import contextlib
 import glob
 import os
+import pty
+import re
 import shutil
 import subprocess
 import sys
@@ -48,6 +51,8 @@ def test_train_and_evaluate_writes_metrics_and_checkpoints(tiny_config, tmp_path
   assert scalars["eval_loss"][last_step] == pytest.approx(result["loss"], rel=1e-6)
   assert sum(scalars["train_examples"].values()) == 1437  # every training example, once
   assert len(glob.glob(os.path.join(workdir, "events.out.tfevents.*"))) == 1
+  # Rates from the second interval on: the first holds only the compiling call.
+  assert sorted(scalars["train_flops_per_sec"]) == [10, 15, 20, last_step]
   assert all(v > 0 for v in scalars["train_flops_per_sec"].values())
   assert "train_mfu" not in scalars  # the peak FLOP/s of a CPU is not known
   assert not (tmp_path / "plugins").exists()  # no profile unless asked for
@@ -146,6 +151,47 @@ def run_cli(workdir, *overrides, config="configs/tiny.py"):
   return out, time.perf_counter() - start
 
 
+def write_digits(data_dir) -> list[str]:
+  """The digits as ArrayRecord files, by write_arrayrecord.py; the overrides that read them."""
+  subprocess.run([sys.executable, "write_arrayrecord.py", f"--out_dir={data_dir}"], cwd=PROJECT,
+                 check=True, capture_output=True, timeout=120)
+  return ["--config.dataset=arrayrecord", f"--config.data_dir={data_dir}"]
+
+
+@pytest.mark.parametrize("data", ["digits", "arrayrecord_with_workers"])
+def test_the_log_is_quiet_one_short_line_per_interval(tmp_path, data):
+  """No warning that the project causes itself (Orbax's handler registry, Grain workers'
+  leaked shared memory), one line per log interval, none over 160 characters."""
+  overrides = [] if data == "digits" else [*write_digits(tmp_path / "data"),
+                                           "--config.num_workers=2"]
+  out, _ = run_cli(tmp_path / "run", *overrides)
+  assert out.returncode == 0, out.stderr[-3000:]
+  lines = (out.stdout + out.stderr).splitlines()
+  noisy = [line for line in lines if "WARNING" in line or "leaked" in line or len(line) > 160]
+  assert not noisy, "\n".join(noisy)
+  steps_logged = [int(m[1]) for line in lines if (m := re.search(r"\] step (\d+)/23  loss", line))]
+  assert steps_logged == [5, 10, 15, 20, 23]
+  assert len(lines) <= 3 + 5 + 3 + 1, out.stderr  # start, intervals, evals, final
+
+
+def test_a_progress_bar_on_a_terminal(tmp_path):
+  parent, child = pty.openpty()
+  process = subprocess.Popen(
+      [sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={tmp_path}"],
+      cwd=PROJECT, stdin=subprocess.DEVNULL, stdout=child, stderr=child,
+      env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+  os.close(child)
+  output = b""
+  with contextlib.suppress(OSError):  # EIO once the process has closed the terminal
+    while chunk := os.read(parent, 65536):
+      output += chunk
+  os.close(parent)
+  assert process.wait(timeout=300) == 0, output[-3000:]
+  bars = re.findall(rb"\r\[[= ]{30}\] (\d+)/23 ETA", output)
+  assert bars and all(int(step) <= 23 for step in bars), output[-3000:]
+  assert b"Final eval" in output
+
+
 @pytest.mark.parametrize("override, message", [
     ("--config.batch_size=100", "config.batch_size=100 does not divide over 8 devices; use a "
                                 "multiple of 8, e.g. 96."),
@@ -156,7 +202,23 @@ def run_cli(workdir, *overrides, config="configs/tiny.py"):
     ("--config.num_epochs=-1", "config.num_epochs=-1 must be a positive integer."),
     ("--config.eval_every_steps=0", "config.eval_every_steps=0 must be a positive integer."),
     ("--config.learning_rate=0", "config.learning_rate=0.0 must be a positive number."),
-    ("--config.dataset=arrayrecord", "config.data_dir='' holds no train-*.array_record files"),
+    ("--config.dataset=arrayrecord", "config.data_dir is empty; give the directory that "
+                                     "write_arrayrecord.py wrote"),
+    ("--config.dataset=arrayrecord --config.data_dir=/no/such/dir",
+     "config.data_dir='/no/such/dir' does not exist; give the directory that write_arrayrecord"),
+    ("--config.dataset=arrayrecord --config.data_dir=configs",
+     "config.data_dir='configs' holds no train-*.array_record files"),
+    ("--config.model.dtype=float17", "config.model.dtype='float17' is not a floating-point dtype; "
+                                     "use float32, bfloat16 or float16."),
+    ("--config.model.param_dtype=int8", "config.model.param_dtype='int8' is not a floating-point"),
+    ("--config.model.features=(8,0)", "config.model.features=(8, 0) must be a tuple of positive "
+                                      "integers"),
+    ("--config.augment_max_shift=-1", "config.augment_max_shift=-1 must be an integer >= 0."),
+    ("--config.prefetch_to_device=-1", "config.prefetch_to_device=-1 must be an integer >= 0."),
+    ("--config.synthetic.num_train=0 --config.dataset=synthetic",
+     "config.synthetic.num_train=0 must be a positive integer."),
+    ("--config.bogus_key=1", "the config has no key 'bogus_key'; its keys are in "
+                             "configs/default.py"),
     ("--config.log_every_steps=7", "config.log_every_steps=7 is not a multiple of "
                                    "config.steps_per_dispatch=5; use 5 or 10, or another "
                                    "steps_per_dispatch."),
@@ -165,12 +227,26 @@ def run_cli(workdir, *overrides, config="configs/tiny.py"):
 ])
 def test_bad_config_stops_with_one_line_before_compiling(tmp_path, override, message):
   workdir = tmp_path / "run"
-  out, elapsed = run_cli(workdir, override)
+  out, elapsed = run_cli(workdir, *override.split())
   assert out.returncode == 1
-  last_line = out.stderr.strip().splitlines()[-1]
-  assert last_line.startswith("error: ") and message in last_line, out.stderr[-2000:]
+  lines = out.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.stderr
   assert not workdir.exists()  # nothing read, written or compiled
-  print(f"{override}: refused in {elapsed:.1f}s: {last_line}")
+  print(f"{override}: refused in {elapsed:.1f}s: {lines[0]}")
+
+
+@pytest.mark.parametrize("where", ["file", "under_a_file"])
+def test_a_workdir_that_is_a_file_is_refused_and_kept(tmp_path, where):
+  a_file = tmp_path / "notes.txt"
+  a_file.write_text("keep me")
+  workdir = a_file if where == "file" else a_file / "run"
+  out, _ = run_cli(workdir)
+  assert out.returncode == 1
+  lines = out.stderr.strip().splitlines()
+  expected = (f"error: --workdir='{workdir}' is a file, not a directory" if where == "file" else
+              f"error: --workdir='{workdir}' cannot be written here ('{a_file}' is a file)")
+  assert len(lines) == 1 and lines[0].startswith(expected), out.stderr
+  assert a_file.read_text() == "keep me"
 
 
 def test_a_checkpoint_of_another_model_is_refused_and_kept(tmp_path):
@@ -182,7 +258,7 @@ def test_a_checkpoint_of_another_model_is_refused_and_kept(tmp_path):
   assert out.returncode == 1
   last_line = out.stderr.strip().splitlines()[-1]
   assert last_line.startswith(f"error: workdir '{workdir}' holds a checkpoint (step 23) of a "
-                              "different model: 0/conv2/bias/value is (16,) there and (32,) in "
+                              "different model: 0/convs/1/bias/value is (16,) there and (32,) in "
                               "this config"), last_line
   assert {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()} == before
   print(f"other model: refused in {elapsed:.1f}s: {last_line}")
