@@ -262,8 +262,8 @@ def measure_decoding(is_tiny: bool, seconds: float = 3.0) -> dict:
       images += next(iterator)["mask"].size
     images_per_sec = images / (time.perf_counter() - start)
     iterator.close()
-  return dict(images_per_sec=images_per_sec, workers=input_pipeline.default_workers(config),
-              **DECODING)
+  return dict(DECODING, images_per_sec=images_per_sec, num_images=num_images,
+              workers=input_pipeline.default_workers(config))
 
 
 def describe(config) -> dict:

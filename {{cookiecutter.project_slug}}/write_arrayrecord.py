@@ -247,7 +247,7 @@ def parse_size(text: str) -> tuple[int, int]:
   return size * (3 - len(size))
 
 
-_OUT_DIR = flags.DEFINE_string("out_dir", None, "Where the shards go.", required=True)
+_OUT_DIR = flags.DEFINE_string("out_dir", None, "Where the shards go (required).")
 _NPZ = flags.DEFINE_string("npz", None, "Arrays to write.")
 _IMAGE_FOLDER = flags.DEFINE_string("image_folder", None, "A folder of JPEG/PNG files, one "
                                     "subfolder per class (and train/, val/ folders, if split).")
@@ -299,4 +299,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  flags.mark_flag_as_required("out_dir")  # here: benchmark.py imports this module
   app.run(main)
