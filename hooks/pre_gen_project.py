@@ -17,7 +17,7 @@ ANSWERS = {
 CHOICES = {
     "license": ["Apache-2.0", "MIT", "BSD-3-Clause"],
     "python_min": ["3.11", "3.12", "3.13"],
-    "parallelism": ["spmd", "pmap"],
+    "parallelism": ["spmd", "pmap", "fsdp"],
 }
 
 SLUG_RE = re.compile(r"[a-z][a-z0-9_]*[a-z0-9]")

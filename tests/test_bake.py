@@ -120,7 +120,7 @@ def test_bake_files(cookies, license_id, github_actions):
 
 
 @pytest.mark.parametrize(
-    "python_min, parallelism", list(itertools.product(["3.11", "3.12", "3.13"], ["spmd", "pmap"]))
+    "python_min, parallelism", list(itertools.product(["3.11", "3.12", "3.13"], ["spmd", "pmap", "fsdp"]))
 )
 def test_bake_python_and_parallelism(cookies, python_min, parallelism):
   project = bake_ok(cookies, python_min=python_min, parallelism=parallelism)
@@ -161,7 +161,7 @@ BAD_INPUTS = [
     ({"project_slug": "My-Project"}, ["project_slug", "lowercase", "'my_project'"]),
     ({"project_slug": "1abc"}, ["project_slug", "start with a lowercase letter", "'abc'"]),
     ({"project_slug": "jax"}, ["project_slug", "shadow", "'jax'"]),
-    ({"parallelism": "dp"}, ["parallelism", "'dp'", "choices: spmd, pmap"]),
+    ({"parallelism": "dp"}, ["parallelism", "'dp'", "choices: spmd, pmap, fsdp"]),
     ({"python_min": "3.9"}, ["python_min", "'3.9'", "choices: 3.11, 3.12, 3.13"]),
     ({"project_name": "", "project_slug": "no_name"}, ["project_name must not be empty"]),
     ({"author": "  "}, ["author must not be empty"]),

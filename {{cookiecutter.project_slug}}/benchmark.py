@@ -1,4 +1,4 @@
-"""Benchmarks the train step on one device, on every device with spmd and with pmap, the input
+"""Benchmarks the train step on one device, on every device with spmd, pmap and fsdp, the input
 pipeline, and the training loop.
 
   python benchmark.py --out=bench.json [--tiny]
@@ -6,9 +6,10 @@ pipeline, and the training loop.
 Steps: for two models (the config's CNN on the digits; a wider CNN on synthetic 64x64x3 images)
 and each path, the compile time (ahead of time, `step.lower(...).compile()`), the median time of
 the compiled single step (k = 1) on a batch already on the devices (each step waited for, the
-donated state threaded through), examples/s from it, and the peak host memory. The three paths
-of a model run in one process, taking turns of a few steps, so that a machine whose speed drifts
-(shared or throttled cores) slows them alike and their ratios are fair; the peak memory
+donated state threaded through), examples/s from it, the peak host memory and the model and
+optimizer state's bytes on one device (fsdp splits it). The paths of a model run in one
+process, taking turns of a few steps, so that a machine whose speed drifts (shared or
+throttled cores) slows them alike and their ratios are fair; the peak memory
 (ru_maxrss) of each path comes from a short run of that path alone in its own process.
 
 Input pipeline: images/s of the Grain iterator alone, as the loop reads it (64x64x3 uint8
@@ -62,7 +63,7 @@ from model import create_model
 
 NUM_DEVICES = 8
 MODELS = ("digits", "large")  # the config's CNN on the digits; a wider CNN on bigger images
-PATHS = ("single", "spmd", "pmap")
+PATHS = ("single", "spmd", "pmap", "fsdp")
 LOOP_PATHS = ("spmd", "pmap")
 WARMUP_STEPS = 2  # untimed calls of each compiled step before the timed ones
 REPEATS = 3  # paired (bare step, loop) runs per path: the median of their ratios is reported
@@ -117,9 +118,9 @@ def step_state_batch(config, path: str):
     one_batch = jax.tree.map(lambda x: x[0], batch)
     return step, *jax.device_put((state, steps.TrainMetrics.empty(), one_batch), device)
   config.parallelism = path
-  mesh = parallel.make_mesh()
+  mesh = parallel.make_mesh(config)
   compiled = steps.make(graphdef, config, mesh)
-  state = compiled.put_state(jax.device_put(state, parallel.replicated(mesh)))
+  state = compiled.put_state(parallel.place_state(state, mesh, config.fsdp_min_size))
   return compiled.train, state, compiled.empty(steps.TrainMetrics), compiled.put_batch(batch)
 
 
@@ -136,6 +137,7 @@ class Runner:
     start = time.perf_counter()
     self.step = step.lower(self.state, self.running, self.batch).compile()
     self.compile_s = time.perf_counter() - start
+    self.state_mb = parallel.bytes_per_device(self.state) / 1e6  # model and optimizer state
     self.times(WARMUP_STEPS)
 
   def times(self, num_steps: int) -> list[float]:
@@ -170,7 +172,8 @@ def measure_steps(config) -> dict:
   for path, runner in runners.items():
     step_s = statistics.median(seconds[path])
     results[path] = dict(compile_s=runner.compile_s, step_ms=1e3 * step_s,
-                         examples_per_sec=config.batch_size / step_s)
+                         examples_per_sec=config.batch_size / step_s,
+                         state_mb_per_device=runner.state_mb)
   return results
 
 
@@ -360,12 +363,13 @@ def report(results: dict) -> str:
            f"{results['backend']} devices ({results['device_kind']})" +
            (" (tiny)" if results["tiny"] else ""),
            f"{'model':<8}{'shape':>10}{'batch':>7}{'path':>8}{'compile s':>11}{'step ms':>10}"
-           f"{'examples/s':>12}{'peak host MB':>14}"]
+           f"{'examples/s':>12}{'peak host MB':>14}{'state MB/device':>17}"]
   for name, model in results["models"].items():
     shape = "x".join(map(str, model["image_shape"]))
     for path, r in model["paths"].items():
       lines.append(f"{name:<8}{shape:>10}{model['batch_size']:>7}{path:>8}{r['compile_s']:>11.2f}"
-                   f"{r['step_ms']:>10.2f}{r['examples_per_sec']:>12.0f}{r['peak_host_mb']:>14.0f}")
+                   f"{r['step_ms']:>10.2f}{r['examples_per_sec']:>12.0f}{r['peak_host_mb']:>14.0f}"
+                   f"{r['state_mb_per_device']:>17.3f}")
   for name, model in results["models"].items():
     lines.append(f"pmap/spmd step time: {model['pmap_over_spmd_step_time']:.2f} ({name})")
   for key, loop in results["loop"].items():

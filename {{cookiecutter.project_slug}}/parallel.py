@@ -2,9 +2,15 @@
 
 spmd: one global array per leaf. Batches (stacked `[k, batch, ...]`, see steps.py) are split
   over the mesh axis 'data'; the model and optimizer state are replicated (PartitionSpec()).
+fsdp: the same over a mesh ('data', 'fsdp') of (devices // fsdp_devices, fsdp_devices). Batches
+  are split over both axes; each large leaf of the state is split over 'fsdp' along its largest
+  dimension that 'fsdp' divides (ZeRO-3: XLA gathers the parameters for the forward and
+  backward passes and reduce-scatters the gradients), and copied over 'data'.
 pmap: every leaf has a leading axis of one entry per local device; `replicate` makes it,
   `unreplicate` takes it away, `shard_batch` splits a batch into per-device pieces.
 """
+
+import collections
 
 import jax
 import jax.numpy as jnp
@@ -14,12 +20,28 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 DATA_AXIS = "data"  # the spmd mesh axis
+FSDP_AXIS = "fsdp"  # fsdp: the mesh axis that the state is split over
 PMAP_AXIS = "devices"  # the pmap axis name (use it for BatchNorm(axis_name=...))
 
 
-def make_mesh() -> Mesh:
-  """A 1-D mesh over every device of every process. Auto axes: XLA inserts the all-reduces."""
-  return jax.make_mesh((jax.device_count(),), (DATA_AXIS,), axis_types=(AxisType.Auto,))
+def make_mesh(config=None) -> Mesh:
+  """A 1-D mesh ('data') over every device of every process; for `config.parallelism='fsdp'`,
+  ('data', 'fsdp') of (devices // f, f), f = `config.fsdp_devices` (0: all of them).
+  Auto axes: XLA inserts the collectives."""
+  if config is None or config.parallelism != "fsdp":
+    return jax.make_mesh((jax.device_count(),), (DATA_AXIS,), axis_types=(AxisType.Auto,))
+  f = config.fsdp_devices or jax.device_count()
+  return jax.make_mesh((jax.device_count() // f, f), (DATA_AXIS, FSDP_AXIS),
+                       axis_types=(AxisType.Auto,) * 2)
+
+
+def host_device() -> jax.Device | None:
+  """This host's CPU as a JAX device, where the initial state can be built whatever its size
+  (None where JAX runs without its CPU backend: the default device then)."""
+  try:
+    return jax.local_devices(backend="cpu")[0]
+  except RuntimeError:
+    return None
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -27,8 +49,47 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def data_sharded(mesh: Mesh) -> NamedSharding:
-  """Stacked batches `[k, batch, ...]`: each batch split over 'data'."""
-  return NamedSharding(mesh, P(None, DATA_AXIS))
+  """Stacked batches `[k, batch, ...]`: each batch split over every mesh axis."""
+  return NamedSharding(mesh, P(None, mesh.axis_names))
+
+
+def state_shardings(state, mesh: Mesh, min_size: int = 0):
+  """Where each leaf of the model and optimizer state lives: replicated, or, on a mesh with an
+  'fsdp' axis, split along its largest dimension that the axis divides (leaves of at least
+  `min_size` elements: `config.fsdp_min_size`). Shapes are all it reads: it works on traced
+  and abstract values."""
+  size = dict(mesh.shape).get(FSDP_AXIS, 1)
+
+  def where(x):
+    if size > 1 and x.size >= min_size:
+      for dim in sorted(range(x.ndim), key=lambda d: -x.shape[d]):
+        if x.shape[dim] % size == 0:
+          return NamedSharding(mesh, P(*[None] * dim, FSDP_AXIS))
+    return replicated(mesh)
+
+  return jax.tree.map(where, state)
+
+
+def place_state(state, mesh: Mesh, min_size: int = 0):
+  """A state that every process holds in full (the same values everywhere) -> global arrays
+  placed as `state_shardings` says: each device receives only its own slice."""
+
+  def place(x, sharding):
+    if sharding.spec == P():
+      return jax.make_array_from_process_local_data(sharding, x)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+  return jax.tree.map(place, state, state_shardings(state, mesh, min_size))
+
+
+def bytes_per_device(tree) -> int:
+  """The most bytes that the arrays of `tree` hold on one of this process's devices."""
+  held = collections.Counter()
+  for x in jax.tree.leaves(tree):
+    for shard in x.addressable_shards:
+      held[shard.device] += shard.data.nbytes
+  return max(held.values())
 
 
 def to_global(tree, mesh: Mesh):

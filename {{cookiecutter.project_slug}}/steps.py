@@ -25,7 +25,7 @@ from jax.extend import core as jex
 
 import parallel
 
-PARALLELISMS = ("spmd", "pmap")
+PARALLELISMS = ("spmd", "pmap", "fsdp")
 
 
 @flax.struct.dataclass
@@ -216,7 +216,7 @@ class Steps(NamedTuple):
 
   train: callable  # (state, running TrainMetrics, k batches) -> the two updated; donates both
   eval: callable  # (state, running Metrics, k batches) -> the metrics updated; donates them
-  put_state: callable  # checkpoint layout (replicated global arrays) -> the steps' layout
+  put_state: callable  # checkpoint layout (`parallel.place_state`'s global arrays) -> the steps'
   get_state: callable  # the steps' layout -> checkpoint layout
   put_batch: callable  # this process's stacked NumPy batches -> the steps' layout
   empty: callable  # a metrics class -> its empty value, placed for the steps
@@ -244,9 +244,15 @@ def make(graphdef, config, mesh) -> Steps:
         put_batch=parallel.pmap_batch,
         empty=lambda cls: jax.device_put(cls.empty(), local),
     )
+  train = scanned(functools.partial(train_step, graphdef, **options), unroll)
+
+  def train_in_place(state, running, batches):  # the new state where the old one was (fsdp)
+    state, running = train(state, running, batches)
+    where = parallel.state_shardings(state, mesh, config.fsdp_min_size)
+    return jax.lax.with_sharding_constraint(state, where), running
+
   return Steps(
-      train=jax.jit(scanned(functools.partial(train_step, graphdef, **options), unroll),
-                    donate_argnums=(0, 1)),
+      train=jax.jit(train_in_place, donate_argnums=(0, 1)),
       eval=jax.jit(scanned_eval(functools.partial(eval_step, graphdef), unroll),
                    donate_argnums=1),
       put_state=lambda state: state,

@@ -68,6 +68,12 @@ def validate_config(config: ml_collections.ConfigDict, workdir: str | None = Non
   for key in ("augment_max_shift", "read_threads", "prefetch_batches", "prefetch_to_device",
               "profile_first_step", "seed"):
     need(is_int(config[key], 0), f"config.{key}={config[key]!r} must be an integer >= 0.")
+  devices = jax.device_count()
+  need(is_int(config.fsdp_devices, 0) and devices % max(config.fsdp_devices, 1) == 0,
+       f"config.fsdp_devices={config.fsdp_devices!r} does not divide the {devices} devices; use "
+       f"one of {[d for d in range(1, devices + 1) if devices % d == 0]} (0: all of them).")
+  need(is_int(config.fsdp_min_size, 0),
+       f"config.fsdp_min_size={config.fsdp_min_size!r} must be an integer >= 0.")
   need(is_int(config.num_workers, -1),
        f"config.num_workers={config.num_workers!r} must be -1 (chosen from the cores), 0 or more.")
   model = config.model  # (keys that your own model.py may drop)
@@ -306,10 +312,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                info.num_examples["train"], info.num_examples["eval"],
                "x".join(map(str, info.image_shape)), info.num_classes, names and f" ({names})")
 
-  model = create_model(config, info.image_shape, info.num_classes, nnx.Rngs(config.seed))
-  optimizer = nnx.Optimizer(model, create_optimizer(config, num_train_steps), wrt=nnx.Param)
-  graphdef, state = nnx.split((model, optimizer))
-  mesh = parallel.make_mesh()
+  with jax.default_device(parallel.host_device()):  # built in host memory, then placed
+    model = create_model(config, info.image_shape, info.num_classes, nnx.Rngs(config.seed))
+    optimizer = nnx.Optimizer(model, create_optimizer(config, num_train_steps), wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+  mesh = parallel.make_mesh(config)
   compiled = steps.make(graphdef, config, mesh)
 
   # Orbax writes each checkpoint to a temporary directory and renames it when complete, so a
@@ -318,12 +325,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       os.path.join(workdir, "checkpoints"),
       options=ocp.CheckpointManagerOptions(max_to_keep=config.max_checkpoints_to_keep),
       item_handlers=dict(state=ocp.PyTreeCheckpointHandler(type_handler_registry=ARRAY_HANDLERS)))
-  first_step, state = restore_or_init(checkpoints, parallel.to_global(state, mesh), workdir)
+  state = parallel.place_state(state, mesh, config.fsdp_min_size)  # the checkpoint layout
+  first_step, state = restore_or_init(checkpoints, state, workdir)
+  whole = sum(x.nbytes for x in jax.tree.leaves(state))
   speed = Speed(graphdef, state, info.image_shape, config)
-  logging.info("%d steps of %d examples, %d per call; %.3g FLOPs a step, peak %s",
-               num_train_steps, config.batch_size, k, speed.flops_per_step,
-               f"{speed.peak:.3g} FLOP/s" if speed.peak else "unknown")
   state = compiled.put_state(state)
+  logging.info("%d steps of %d examples, %d per call; %.3g FLOPs a step, peak %s; state %.3g MB "
+               "a device (a whole copy: %.3g MB)", num_train_steps, config.batch_size, k,
+               speed.flops_per_step, f"{speed.peak:.3g} FLOP/s" if speed.peak else "unknown",
+               parallel.bytes_per_device(state) / 1e6, whole / 1e6)
   train_iter = input_pipeline.as_iterator(
       input_pipeline.train_batches(splits["train"], config, first_step, **process), config,
       put=compiled.put_batch)

@@ -36,8 +36,14 @@ def get_config() -> ml_collections.ConfigDict:
   config.num_epochs = 50
   config.seed = 0
 
-  # Parallelism: 'spmd' (jax.jit over a device mesh) or 'pmap' (the legacy jax.pmap).
+  # Parallelism: 'spmd' (jax.jit over a device mesh), 'pmap' (the legacy jax.pmap) or 'fsdp'
+  # (spmd with the model and optimizer state split over the devices: for models larger than
+  # one device's memory).
   config.parallelism = "{{ cookiecutter.parallelism }}"
+  config.fsdp_devices = 0  # fsdp: split the state over groups of this many devices; 0: all
+  # fsdp: leaves with fewer elements stay replicated (biases, scales, counters): gathering them
+  # would cost more time than the memory it saves. 16384 float32 elements: 64 KiB.
+  config.fsdp_min_size = 16384
   config.print_shardings = False  # log where the state and the first batch live, at start-up
 
   # Performance reports. MFU needs the peak FLOP/s of one device: looked up from the device

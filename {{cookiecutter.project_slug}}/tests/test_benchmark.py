@@ -31,8 +31,8 @@ def test_tiny_benchmark_measures_every_model_and_path(tmp_path):
   for name, model in results["models"].items():
     assert set(model["paths"]) == set(benchmark.PATHS), name
     for path, numbers in model["paths"].items():
-      assert_positive_finite(numbers, ("compile_s", "step_ms", "examples_per_sec", "peak_host_mb"),
-                             f"{name}:{path}")
+      assert_positive_finite(numbers, ("compile_s", "step_ms", "examples_per_sec", "peak_host_mb",
+                                       "state_mb_per_device"), f"{name}:{path}")
     assert_positive_finite(model, ("pmap_over_spmd_step_time",), name)
   ours = results["config_parallelism"]  # configs/default.py's
   other = ({"spmd", "pmap"} - {ours}).pop()

@@ -54,6 +54,17 @@ def test_two_processes_train_like_one(tmp_path, parallelism, k):
   assert len(list((tmp_path / "two").glob("events.out.tfevents.*"))) == 1
 
 
+@pytest.mark.parametrize("fsdp_devices", [4, 8])
+def test_two_processes_train_like_one_under_fsdp(tmp_path, fsdp_devices):
+  """The state split over each process's 4 devices (a 2 x 4 mesh: hybrid sharding, replicated
+  across the processes), or over all 8 (each shard on one process; Orbax writes both)."""
+  overrides = ("--config.parallelism=fsdp", f"--config.fsdp_devices={fsdp_devices}",
+               "--config.fsdp_min_size=0")
+  single = train(tmp_path / "one", 1, *overrides)
+  multi = train(tmp_path / "two", 2, *overrides)
+  assert_same_run(multi, single)
+
+
 def test_uneven_eval_split_counts_every_example_once(tmp_path):
   """1001 eval examples over 2 processes of batch 32: 501 and 500 real ones, same step count."""
   overrides = ["--config.dataset=synthetic", "--config.synthetic.image_shape=(8,8,1)",

@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import parallel
 import steps
@@ -53,8 +54,8 @@ def single_step(config, graphdef):
 
 
 def run(config, parallelism, batch_list, graphdef=None, state=None, k=1):
-  """One train step per batch: on one device one call each, or on 8 devices with spmd or pmap,
-  k steps a call. Returns the state and the summary of the steps' merged metrics."""
+  """One train step per batch: on one device one call each, or on 8 devices with spmd, pmap or
+  fsdp, k steps a call. Returns the state and the summary of the steps' merged metrics."""
   if graphdef is None:
     graphdef, state = initial_state(config)
   if parallelism == "single":
@@ -64,8 +65,9 @@ def run(config, parallelism, batch_list, graphdef=None, state=None, k=1):
       state, running = step(state, running, batch)
     return state, train.summarize(running)
   config.parallelism, config.steps_per_dispatch = parallelism, k
-  compiled = steps.make(graphdef, config, parallel.make_mesh())
-  state = compiled.put_state(jax.device_put(state, parallel.replicated(parallel.make_mesh())))
+  mesh = parallel.make_mesh(config)
+  compiled = steps.make(graphdef, config, mesh)
+  state = compiled.put_state(parallel.place_state(state, mesh, config.fsdp_min_size))
   running = compiled.empty(steps.TrainMetrics)
   for group in stacked(batch_list, k):
     state, running = compiled.train(state, running, compiled.put_batch(group))
@@ -102,6 +104,46 @@ def test_pmap_equals_spmd_equals_single_device(tiny_config, num_real, k):
     assert metrics["accuracy"] == single_metrics["accuracy"]
   step_counter = pmap[1]["step"][...]
   assert step_counter.dtype == jnp.uint32 and int(step_counter) == 3  # never averaged
+
+
+@pytest.mark.parametrize("fsdp_devices", [2, 4, 8])
+def test_fsdp_equals_spmd_equals_single_device(tiny_config, fsdp_devices):
+  """The state split over groups of 2, 4 or 8 devices (a 4 x 2, 2 x 4 or 1 x 8 mesh), a padded
+  batch among the three, two steps a call: the same state as one device and as spmd."""
+  tiny_config.fsdp_devices, tiny_config.fsdp_min_size = fsdp_devices, 0  # split every leaf
+  data = batches([64, 20, 64])
+  single, single_metrics = run(tiny_config, "single", data)
+  spmd, _ = run(tiny_config, "spmd", data, k=2)
+  fsdp, fsdp_metrics = run(tiny_config, "fsdp", data, k=2)
+  assert_trees_close(fsdp, single, atol=1e-6)
+  assert_trees_close(fsdp, spmd, atol=1e-6)
+  assert fsdp_metrics["examples"] == 148 and fsdp_metrics["accuracy"] == single_metrics["accuracy"]
+  assert fsdp_metrics["loss"] == pytest.approx(single_metrics["loss"], abs=1e-6)
+  split = 0
+  for path, x in jax.tree_util.tree_leaves_with_path(fsdp):  # each leaf where it should be
+    divisible = any(d % fsdp_devices == 0 for d in x.shape)
+    assert (x.sharding.spec != P()) == divisible, jax.tree_util.keystr(path)
+    if divisible:
+      assert x.addressable_shards[0].data.size == x.size // fsdp_devices
+      split += 1
+  # Every kernel and bias (and their Adam mu and nu) but, over 4 or 8, the dense bias [10].
+  assert split == 3 * (6 if fsdp_devices == 2 else 5)
+
+
+def test_fsdp_keeps_one_share_of_a_large_state_per_device(tiny_config):
+  """A CNN whose parameters and Adam moments take 113 MB: on each of 8 devices, 1/8 of it."""
+  tiny_config.parallelism, tiny_config.model.features = "fsdp", (1024, 1024)
+  _, state = initial_state(tiny_config, create_model(tiny_config, (8, 8, 1), 10, nnx.Rngs(0)))
+  whole = sum(x.nbytes for x in jax.tree.leaves(state))
+  assert whole >= 100e6
+  for fsdp_devices in (8, 4):
+    tiny_config.fsdp_devices = fsdp_devices
+    placed = parallel.place_state(state, parallel.make_mesh(tiny_config),
+                                  tiny_config.fsdp_min_size)
+    per_device = parallel.bytes_per_device(placed)
+    print(f"fsdp over {fsdp_devices}: {per_device / 1e6:.2f} MB a device of {whole / 1e6:.2f} MB")
+    assert per_device <= whole * (1 / fsdp_devices + 0.05)
+    assert per_device >= whole / fsdp_devices  # nothing lost: the shards hold it all
 
 
 @pytest.mark.parametrize("parallelism", ["single", "spmd", "pmap"])

@@ -87,6 +87,7 @@ def two_epochs(parallelism):
 
   config = tiny.get_config()
   config.num_epochs, config.max_checkpoints_to_keep, config.parallelism = 2, 10, parallelism
+  config.fsdp_min_size = 0  # fsdp: split every leaf of the tiny CNN that divides over 8
   return config
 
 
@@ -100,15 +101,32 @@ def straight_runs(tmp_path_factory):
   return runs
 
 
-def test_pmap_and_spmd_runs_end_with_the_same_eval_metrics(straight_runs):
-  spmd, pmap = straight_runs["spmd"][1], straight_runs["pmap"][1]
-  assert spmd["examples"] == pmap["examples"] == 360
-  assert pmap["loss"] == pytest.approx(spmd["loss"], abs=1e-5)
-  assert pmap["accuracy"] == pytest.approx(spmd["accuracy"], abs=1e-9)
+@pytest.mark.parametrize("parallelism", ["pmap", "fsdp"])
+def test_every_path_ends_with_the_same_eval_metrics_as_spmd(straight_runs, parallelism):
+  spmd, other = straight_runs["spmd"][1], straight_runs[parallelism][1]
+  assert spmd["examples"] == other["examples"] == 360
+  assert other["loss"] == pytest.approx(spmd["loss"], abs=1e-5)
+  assert other["accuracy"] == pytest.approx(spmd["accuracy"], abs=1e-9)
 
 
-@pytest.mark.parametrize("first, second", [("spmd", "spmd"), ("pmap", "pmap"),
-                                           ("spmd", "pmap"), ("pmap", "spmd")])
+def test_a_default_fsdp_run_ends_like_spmd(tmp_path):
+  """Three epochs of the default config (its second convolution's kernel, and Adam's moments
+  of it, split over the 8 devices): the eval metrics of spmd."""
+  from configs import default
+
+  results = {}
+  for parallelism in ("spmd", "fsdp"):
+    config = default.get_config()
+    config.num_epochs, config.parallelism = 3, parallelism
+    results[parallelism] = train.train_and_evaluate(config, str(tmp_path / parallelism))
+  assert results["fsdp"]["examples"] == results["spmd"]["examples"] == 360
+  assert results["fsdp"]["loss"] == pytest.approx(results["spmd"]["loss"], abs=1e-5)
+  assert results["fsdp"]["accuracy"] == pytest.approx(results["spmd"]["accuracy"], abs=1e-9)
+
+
+@pytest.mark.parametrize("first, second", [("spmd", "spmd"), ("pmap", "pmap"), ("fsdp", "fsdp"),
+                                           ("spmd", "pmap"), ("pmap", "spmd"),
+                                           ("spmd", "fsdp"), ("fsdp", "pmap")])
 def test_resume_from_a_checkpoint_of_either_path(straight_runs, tmp_path, first, second):
   """A workdir holding only the step-20 checkpoint of a `first` run, resumed by `second`."""
   first_workdir, expected = straight_runs[first]
@@ -120,6 +138,21 @@ def test_resume_from_a_checkpoint_of_either_path(straight_runs, tmp_path, first,
     assert resumed["examples"] == expected["examples"]
     assert resumed["loss"] == pytest.approx(expected["loss"], abs=1e-5)
     assert resumed["accuracy"] == pytest.approx(expected["accuracy"], abs=1e-9)
+
+
+def test_resume_across_spmd_fsdp_and_pmap(straight_runs, tmp_path):
+  """spmd's step-20 checkpoint resumed under fsdp, whose own step-40 checkpoint is resumed under
+  pmap: the end of the uninterrupted spmd run."""
+  spmd_workdir, expected = straight_runs["spmd"]
+  shutil.copytree(spmd_workdir / "checkpoints" / "20", tmp_path / "fsdp" / "checkpoints" / "20")
+  train.train_and_evaluate(two_epochs("fsdp"), str(tmp_path / "fsdp"))
+  shutil.copytree(tmp_path / "fsdp" / "checkpoints" / "40",
+                  tmp_path / "pmap" / "checkpoints" / "40")
+  resumed = train.train_and_evaluate(two_epochs("pmap"), str(tmp_path / "pmap"))
+  assert read_scalars(str(tmp_path / "pmap"))["train_examples"] == {45: 2 * 1437 - 40 * 64}
+  assert resumed["examples"] == expected["examples"]
+  assert resumed["loss"] == pytest.approx(expected["loss"], abs=1e-5)
+  assert resumed["accuracy"] == pytest.approx(expected["accuracy"], abs=1e-9)
 
 
 @pytest.mark.parametrize("parallelism", ["spmd", "pmap"])
@@ -224,6 +257,9 @@ def test_a_progress_bar_on_a_terminal(tmp_path):
                                    "steps_per_dispatch."),
     ("--config.steps_per_dispatch=0", "config.steps_per_dispatch=0 must be a positive integer."),
     ("--config.num_workers=-2", "config.num_workers=-2 must be -1 (chosen from the cores), 0 or"),
+    ("--config.parallelism=fsdp --config.fsdp_devices=3", "config.fsdp_devices=3 does not "
+                                                          "divide the 8 devices; use one of "
+                                                          "[1, 2, 4, 8] (0: all of them)."),
 ])
 def test_bad_config_stops_with_one_line_before_compiling(tmp_path, override, message):
   workdir = tmp_path / "run"
