@@ -224,6 +224,10 @@ def as_iterator(batches: grain.MapDataset, config, put=None,
   dataset = batches.to_iter_dataset(read_options)
   workers = default_workers(config) if num_workers is None else num_workers
   if workers:
+    # Elements come back from the workers pickled, not in shared memory: Grain releases shared
+    # memory from a background thread, and releases still queued at exit were reported as leaks.
+    no_shm = grain.experimental.DatasetOptions(min_shm_size=2**62)
+    dataset = grain.experimental.WithOptionsIterDataset(dataset, no_shm)
     dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
   if put is not None:
     dataset = dataset.map(put)

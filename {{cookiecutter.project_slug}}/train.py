@@ -330,10 +330,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   whole = sum(x.nbytes for x in jax.tree.leaves(state))
   speed = Speed(graphdef, state, info.image_shape, config)
   state = compiled.put_state(state)
-  logging.info("%d steps of %d examples, %d per call; %.3g FLOPs a step, peak %s; state %.3g MB "
-               "a device (a whole copy: %.3g MB)", num_train_steps, config.batch_size, k,
-               speed.flops_per_step, f"{speed.peak:.3g} FLOP/s" if speed.peak else "unknown",
-               parallel.bytes_per_device(state) / 1e6, whole / 1e6)
+  logging.info("%d steps of %d examples, %d per call; %.3g FLOPs a step, peak %s",
+               num_train_steps, config.batch_size, k, speed.flops_per_step,
+               f"{speed.peak:.3g} FLOP/s" if speed.peak else "unknown")
+  logging.info("model and optimizer state: %.3g MB a device (%s; a whole copy: %.3g MB)",
+               parallel.bytes_per_device(state) / 1e6, config.parallelism, whole / 1e6)
   train_iter = input_pipeline.as_iterator(
       input_pipeline.train_batches(splits["train"], config, first_step, **process), config,
       put=compiled.put_batch)

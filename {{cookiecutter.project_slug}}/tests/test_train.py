@@ -204,7 +204,7 @@ def test_the_log_is_quiet_one_short_line_per_interval(tmp_path, data):
   assert not noisy, "\n".join(noisy)
   steps_logged = [int(m[1]) for line in lines if (m := re.search(r"\] step (\d+)/23  loss", line))]
   assert steps_logged == [5, 10, 15, 20, 23]
-  assert len(lines) <= 3 + 5 + 3 + 1, out.stderr  # start, intervals, evals, final
+  assert len(lines) <= 4 + 5 + 3 + 1, out.stderr  # start, intervals, evals, final
 
 
 def test_a_progress_bar_on_a_terminal(tmp_path):
