@@ -244,7 +244,7 @@ def test_baked_suite_default(cookies):
   """The default project's own test suite passes with the interpreter running this test."""
   project = bake_ok(cookies)
   env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-  proc = run([sys.executable, "-m", "pytest", "-q", "-x"], cwd=project, timeout=1500, env=env)
+  proc = run([sys.executable, "-m", "pytest", "-q", "-x"], cwd=project, timeout=2700, env=env)
   output = proc.stdout + proc.stderr
   summary = output.strip().splitlines()[-1] if output.strip() else ""
   assert proc.returncode == 0, output[-5000:]

@@ -54,15 +54,15 @@ def test_two_processes_train_like_one(tmp_path, parallelism, k):
   assert len(list((tmp_path / "two").glob("events.out.tfevents.*"))) == 1
 
 
-@pytest.mark.parametrize("fsdp_devices", [4, 8])
-def test_two_processes_train_like_one_under_fsdp(tmp_path, fsdp_devices):
+def test_two_processes_train_like_one_under_fsdp(tmp_path):
   """The state split over each process's 4 devices (a 2 x 4 mesh: hybrid sharding, replicated
-  across the processes), or over all 8 (each shard on one process; Orbax writes both)."""
-  overrides = ("--config.parallelism=fsdp", f"--config.fsdp_devices={fsdp_devices}",
-               "--config.fsdp_min_size=0")
-  single = train(tmp_path / "one", 1, *overrides)
-  multi = train(tmp_path / "two", 2, *overrides)
-  assert_same_run(multi, single)
+  across the processes), or over all 8 (each shard on one process; Orbax writes both): the
+  run of one process with the state split over its 8 devices."""
+  fsdp = ("--config.parallelism=fsdp", "--config.fsdp_min_size=0")
+  single = train(tmp_path / "one", 1, *fsdp)
+  for fsdp_devices in (4, 8):
+    multi = train(tmp_path / str(fsdp_devices), 2, *fsdp, f"--config.fsdp_devices={fsdp_devices}")
+    assert_same_run(multi, single)
 
 
 def test_uneven_eval_split_counts_every_example_once(tmp_path):
