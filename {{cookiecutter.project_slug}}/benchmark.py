@@ -38,6 +38,7 @@ import functools
 import glob
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -82,6 +83,8 @@ def get_config(model: str, is_tiny: bool) -> ml_collections.ConfigDict:
   the module's docstring). Steps are timed in `rounds` turns of `turn_steps` steps per path."""
   config = (tiny if is_tiny else default).get_config()
   config.rounds, config.turn_steps = (1, 3) if is_tiny else (10, 20)
+  # The loop as a GPU or TPU runs it (on the CPU, runs choose k = 1: see measure_default_run).
+  config.steps_per_dispatch = 5 if is_tiny else steps.ACCELERATOR_STEPS_PER_DISPATCH
   if model == "large":
     accelerator = jax.default_backend() != "cpu"
     config.dataset = "synthetic"
@@ -133,12 +136,15 @@ class Runner:
   """A compiled step with its state, running metrics and batch: times steps and streams."""
 
   def __init__(self, config, path: str):
+    begin = time.perf_counter()
     step, self.state, self.running, self.batch = step_state_batch(config, path)
     start = time.perf_counter()
     self.step = step.lower(self.state, self.running, self.batch).compile()
     self.compile_s = time.perf_counter() - start
     self.state_mb = parallel.bytes_per_device(self.state) / 1e6  # model and optimizer state
-    self.times(WARMUP_STEPS)
+    self.times(1)
+    self.first_step_s = time.perf_counter() - begin  # state built, placed, compiled, one step
+    self.times(WARMUP_STEPS - 1)
 
   def times(self, num_steps: int) -> list[float]:
     """Seconds of each of `num_steps` steps, each waited for."""
@@ -171,7 +177,8 @@ def measure_steps(config) -> dict:
   results = {}
   for path, runner in runners.items():
     step_s = statistics.median(seconds[path])
-    results[path] = dict(compile_s=runner.compile_s, step_ms=1e3 * step_s,
+    results[path] = dict(compile_s=runner.compile_s, first_step_s=runner.first_step_s,
+                         step_ms=1e3 * step_s,
                          examples_per_sec=config.batch_size / step_s,
                          state_mb_per_device=runner.state_mb)
   return results
@@ -269,6 +276,37 @@ def measure_decoding(is_tiny: bool, seconds: float = 3.0) -> dict:
               workers=input_pipeline.default_workers(config))
 
 
+def measure_default_run(is_tiny: bool) -> dict:
+  """`python train.py --config=configs/default.py` (tiny.py with --tiny) as a whole process,
+  cold: no persistent compilation cache. Its wall time, what its log says of it, and the time
+  from the start to its first-calls line (the start-up: imports, data, state, compiling)."""
+  name = "tiny" if is_tiny else "default"
+  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
+                      f"{NUM_DEVICES}").strip()
+  with tempfile.TemporaryDirectory() as workdir:
+    start = time.perf_counter()
+    process = subprocess.Popen(
+        [sys.executable, "train.py", f"--config=configs/{name}.py", f"--workdir={workdir}",
+         "--config.compilation_cache_dir="], cwd=os.path.dirname(os.path.abspath(__file__)),
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log, startup_s = [], None
+    for line in process.stderr:  # the log, as it comes
+      log.append(line)
+      if startup_s is None and "first calls (" in line:
+        startup_s = time.perf_counter() - start
+    wall_s = time.perf_counter() - start
+  if process.wait(timeout=600):
+    raise RuntimeError(f"the {name} run failed:\n{''.join(log)[-3000:]}")
+  log = "".join(log)
+  train_s, eval_s = map(float, re.search(r"first calls .*: train ([\d.]+) s, eval ([\d.]+) s",
+                                         log).groups())
+  return dict(config=f"configs/{name}.py", wall_s=wall_s, startup_s=startup_s,
+              first_train_call_s=train_s, first_eval_call_s=eval_s,
+              steps_per_dispatch=int(re.search(r"examples, (\d+) per call", log)[1]),
+              accuracy=float(re.findall(r"Final eval: accuracy ([\d.]+)", log)[-1]))
+
+
 def describe(config) -> dict:
   return dict(image_shape=list(input_pipeline.get_datasets(config)[1].image_shape),
               features=list(config.model.features), dtype=config.model.dtype,
@@ -337,6 +375,7 @@ def benchmark(is_tiny: bool) -> dict:
   results = run_all(["pipeline", "decoding"] + [f"steps:{model}" for model in MODELS] +
                     [f"memory:{model}:{path}" for model in MODELS for path in PATHS] +
                     [f"loop:{model}:{path}:{i}" for model, path, i in loops], is_tiny)
+  default_run = measure_default_run(is_tiny)  # alone: nothing else runs beside it
   models = {}
   for model in MODELS:
     measured = results[f"steps:{model}"]
@@ -355,20 +394,21 @@ def benchmark(is_tiny: bool) -> dict:
               device_count=first["device_count"], device_kind=first["device_kind"], tiny=is_tiny,
               compile_time="ahead of time: step.lower(...).compile(), every path",
               config_parallelism=config_parallelism, models=models, loop=loop,
-              pipeline=results["pipeline"], decoding=results["decoding"])
+              pipeline=results["pipeline"], decoding=results["decoding"], default_run=default_run)
 
 
 def report(results: dict) -> str:
   lines = [f"jax {results['jax']}, flax {results['flax']}, {results['device_count']} "
            f"{results['backend']} devices ({results['device_kind']})" +
            (" (tiny)" if results["tiny"] else ""),
-           f"{'model':<8}{'shape':>10}{'batch':>7}{'path':>8}{'compile s':>11}{'step ms':>10}"
-           f"{'examples/s':>12}{'peak host MB':>14}{'state MB/device':>17}"]
+           f"{'model':<8}{'shape':>10}{'batch':>7}{'path':>8}{'compile s':>11}"
+           f"{'first step s':>14}{'step ms':>10}{'examples/s':>12}{'peak host MB':>14}"
+           f"{'state MB/device':>17}"]
   for name, model in results["models"].items():
     shape = "x".join(map(str, model["image_shape"]))
     for path, r in model["paths"].items():
       lines.append(f"{name:<8}{shape:>10}{model['batch_size']:>7}{path:>8}{r['compile_s']:>11.2f}"
-                   f"{r['step_ms']:>10.2f}{r['examples_per_sec']:>12.0f}{r['peak_host_mb']:>14.0f}"
+                   f"{r['first_step_s']:>14.2f}{r['step_ms']:>10.2f}{r['examples_per_sec']:>12.0f}{r['peak_host_mb']:>14.0f}"
                    f"{r['state_mb_per_device']:>17.3f}")
   for name, model in results["models"].items():
     lines.append(f"pmap/spmd step time: {model['pmap_over_spmd_step_time']:.2f} ({name})")
@@ -386,6 +426,11 @@ def report(results: dict) -> str:
   decoding = results["decoding"]
   lines.append(f"image decoding (JPEG {decoding['image_shape'][0]}x{decoding['image_shape'][1]}, "
                f"{decoding['workers']} workers): {decoding['images_per_sec']:.0f} images/s")
+  run = results["default_run"]
+  lines.append(f"default run ({run['config']}, k={run['steps_per_dispatch']}, no compilation "
+               f"cache): {run['wall_s']:.1f} s as a whole process, {run['startup_s']:.1f} s to "
+               f"its first step (first calls: train {run['first_train_call_s']:.2f} s, eval "
+               f"{run['first_eval_call_s']:.2f} s); accuracy {run['accuracy']:.4f}")
   for key, loop in results["loop"].items():
     model, path = key.split(":")
     label = "" if model == "digits" else f" ({model})"

@@ -11,6 +11,7 @@ stopped; every process is bounded by --timeout. On a real cluster use its launch
 """
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -30,7 +31,8 @@ def launch(train_args: list[str], num_processes: int, devices_per_process: int |
   env = dict(os.environ)
   if devices_per_process:
     env["JAX_PLATFORMS"] = "cpu"
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
+    others = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = f"{others} --xla_force_host_platform_device_count={devices_per_process}"
   address = f"127.0.0.1:{portpicker.pick_unused_port()}"
   processes = [
       subprocess.Popen([sys.executable, script, *train_args, f"--coordinator_address={address}",

@@ -26,6 +26,17 @@ from jax.extend import core as jex
 import parallel
 
 PARALLELISMS = ("spmd", "pmap", "fsdp")
+# k when `config.steps_per_dispatch` is 0, on a GPU or TPU: enough steps a call to hide the
+# host's ~1.5 ms of work per call behind the default CNN's 0.4 ms steps (an H100); the rolled
+# loop compiles once whatever k. On the CPU k is 1: its steps are long, the k steps are unrolled
+# there (see `make`), and compiling 10 of them cost more than the dispatches they save (README).
+ACCELERATOR_STEPS_PER_DISPATCH = 10
+
+
+def steps_per_dispatch(config) -> int:
+  """k: `config.steps_per_dispatch`, or when it is 0, the default of the backend."""
+  on_cpu = jax.default_backend() == "cpu"
+  return config.steps_per_dispatch or (1 if on_cpu else ACCELERATOR_STEPS_PER_DISPATCH)
 
 
 @flax.struct.dataclass

@@ -61,9 +61,9 @@ def validate_config(config: ml_collections.ConfigDict, workdir: str | None = Non
        f"config.parallelism={config.parallelism!r} is unknown; use one of {steps.PARALLELISMS}.")
   need(config.optimizer in OPTIMIZERS,
        f"config.optimizer={config.optimizer!r} is unknown; use one of {OPTIMIZERS}.")
-  for key in ("batch_size", "grad_accum_steps", "num_epochs", "steps_per_dispatch",
-              "log_every_steps", "eval_every_steps", "checkpoint_every_steps",
-              "max_checkpoints_to_keep", "cpu_sync_every_steps", "profile_num_steps"):
+  for key in ("batch_size", "grad_accum_steps", "num_epochs", "log_every_steps",
+              "eval_every_steps", "checkpoint_every_steps", "max_checkpoints_to_keep",
+              "cpu_sync_every_steps", "profile_num_steps"):
     need(is_int(config[key], 1), f"config.{key}={config[key]!r} must be a positive integer.")
   for key in ("augment_max_shift", "read_threads", "prefetch_batches", "prefetch_to_device",
               "profile_first_step", "seed"):
@@ -74,6 +74,9 @@ def validate_config(config: ml_collections.ConfigDict, workdir: str | None = Non
        f"one of {[d for d in range(1, devices + 1) if devices % d == 0]} (0: all of them).")
   need(is_int(config.fsdp_min_size, 0),
        f"config.fsdp_min_size={config.fsdp_min_size!r} must be an integer >= 0.")
+  need(is_int(config.steps_per_dispatch, 0),
+       f"config.steps_per_dispatch={config.steps_per_dispatch!r} must be an integer >= 0 (0: "
+       "chosen per backend).")
   need(is_int(config.num_workers, -1),
        f"config.num_workers={config.num_workers!r} must be -1 (chosen from the cores), 0 or more.")
   model = config.model  # (keys that your own model.py may drop)
@@ -89,7 +92,7 @@ def validate_config(config: ml_collections.ConfigDict, workdir: str | None = Non
       is_int(f, 1) for f in features),
        f"config.model.features={features!r} must be a tuple of positive integers (one width "
        "per convolution), e.g. --config.model.features='(32,64)'.")
-  k = config.steps_per_dispatch
+  k = steps.steps_per_dispatch(config)
   for key in ("log_every_steps", "eval_every_steps", "checkpoint_every_steps"):
     lower = max(config[key] // k, 1) * k
     need(config[key] % k == 0,
@@ -98,7 +101,7 @@ def validate_config(config: ml_collections.ConfigDict, workdir: str | None = Non
   for key in ("learning_rate", "eval_fraction"):
     need(isinstance(config[key], (int, float)) and config[key] > 0,
          f"config.{key}={config[key]!r} must be a positive number.")
-  for key in ("weight_decay", "peak_flops_per_device"):
+  for key in ("weight_decay", "peak_flops_per_device", "compilation_cache_min_seconds"):
     need(isinstance(config[key], (int, float)) and config[key] >= 0,
          f"config.{key}={config[key]!r} must be a number >= 0.")
   need(config.eval_fraction < 1, f"config.eval_fraction={config.eval_fraction} must be below 1.")
@@ -296,6 +299,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   """Trains, resuming from the latest checkpoint in `workdir`; returns the final eval metrics,
   or None when SIGTERM/SIGINT (or a preemption notice) stopped it after saving a checkpoint."""
   validate_config(config, workdir)
+  config = config.copy_and_resolve_references()  # with the backend's choices made:
+  config.steps_per_dispatch = steps.steps_per_dispatch(config)
   workdir = workdir if "://" in workdir else os.path.abspath(workdir)
   process = dict(process_index=jax.process_index(), process_count=jax.process_count())
   devices = jax.device_count()
@@ -348,8 +353,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   if first_step == 0:
     writer.write_hparams(flatten(config.to_dict()))  # TensorBoard's HPARAMS tab
   progress = writers.Progress(num_train_steps, writer, show=jax.process_index() == 0)
-  # Compile the eval step now, not mid-training.
+  # Compile the eval step now, not mid-training (a call returns once compiled and dispatched).
+  start = time.perf_counter()
   compiled.eval(state, compiled.empty(steps.Metrics), eval_example)
+  eval_compile_s = time.perf_counter() - start
   profiler = Profiler(config, workdir)
 
   def save(step):
@@ -376,9 +383,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     while step < num_train_steps:
       profiler.before(step, k)
       done = min((step // k + 1) * k, num_train_steps)  # `done` counts finished updates
+      batches, call_start = next(train_iter), time.perf_counter()
       with (jax.profiler.StepTraceAnnotation("train", step_num=done) if profiler.on
             else contextlib.nullcontext()):
-        state, running = compiled.train(state, running, next(train_iter))
+        state, running = compiled.train(state, running, batches)
       if every and done // every > step // every:
         jax.block_until_ready(running)
       step = done
@@ -387,6 +395,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       if loop_start is None:  # the loop's clock starts once the first dispatch is compiled
         jax.block_until_ready(running)
         loop_start, loop_first_step, loop_cpu = time.perf_counter(), step, time.thread_time()
+        progress.log("first calls (compiling, or loading from the cache): train %.2f s, eval "
+                     "%.2f s", loop_start - call_start, eval_compile_s)
         progress.start(step)
         last_log = loop_start
       is_last = step == num_train_steps
@@ -488,9 +498,20 @@ class _QuietLibraries(logging.logging.Filter):
         f"{os.sep}{lib}{os.sep}" in record.pathname for lib in ("jax", "orbax"))
 
 
+def use_compilation_cache(config) -> None:
+  """JAX's persistent compilation cache in `config.compilation_cache_dir`, unless it is empty or
+  JAX_COMPILATION_CACHE_DIR already names one. Call before anything is compiled."""
+  if config.compilation_cache_dir and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    jax.config.update("jax_compilation_cache_dir",
+                      os.path.expanduser(config.compilation_cache_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      config.compilation_cache_min_seconds)
+
+
 def main(argv):
   del argv
   logging.get_absl_handler().addFilter(_QuietLibraries())
+  use_compilation_cache(_CONFIG.value)
   initialize_distributed()
   try:
     result = train_and_evaluate(_CONFIG.value, _WORKDIR.value)

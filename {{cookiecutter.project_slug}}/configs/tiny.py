@@ -9,7 +9,6 @@ def get_config():
   config.learning_rate = 1e-2
   config.batch_size = 64
   config.num_epochs = 1
-  config.steps_per_dispatch = 5
   config.log_every_steps = 5
   config.eval_every_steps = 10
   config.checkpoint_every_steps = 10

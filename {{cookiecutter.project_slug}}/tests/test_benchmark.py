@@ -19,6 +19,7 @@ def assert_positive_finite(numbers: dict, keys: tuple[str, ...], where: str):
     assert math.isfinite(numbers[key]) and numbers[key] > 0, (where, key, numbers[key])
 
 
+@pytest.mark.slow
 def test_tiny_benchmark_measures_every_model_and_path(tmp_path):
   out = tmp_path / "bench.json"
   done = subprocess.run([sys.executable, "benchmark.py", "--tiny", f"--out={out}"], cwd=PROJECT,

@@ -46,9 +46,9 @@ def read_all(data_dir: str, split: str) -> dict[str, np.ndarray]:
   return source.take(np.arange(len(source)))
 
 
-def test_a_png_folder_trains_as_well_as_the_digits_it_holds(tmp_path):
-  """The digits written as PNG files, converted, read back bitwise and trained on with the
-  default config: held-out accuracy within 1 point of dataset=digits."""
+def convert_digits_pngs(tmp_path) -> str:
+  """The digits written as PNG files and converted; checks that they read back bitwise, with
+  the class names. Returns the data directory."""
   sources = write_digits_as_pngs(tmp_path / "pngs")
   done = convert(f"--out_dir={tmp_path / 'data'}", f"--image_folder={tmp_path / 'pngs'}")
   assert done.returncode == 0, done.stderr
@@ -60,10 +60,21 @@ def test_a_png_folder_trains_as_well_as_the_digits_it_holds(tmp_path):
     examples = read_all(str(tmp_path / "data"), split)
     np.testing.assert_array_equal(examples["image"], source.images[order])
     np.testing.assert_array_equal(examples["label"], source.labels[order])
+  return str(tmp_path / "data")
 
+
+def test_a_png_folder_reads_back_as_the_digits_it_holds(tmp_path):
+  convert_digits_pngs(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_png_folder_trains_as_well_as_the_digits_it_holds(tmp_path):
+  """The digits written as PNG files, converted, read back bitwise and trained on with the
+  default config: held-out accuracy within 1 point of dataset=digits."""
+  data_dir = convert_digits_pngs(tmp_path)
   config = default.get_config()
   digits = train.train_and_evaluate(config, str(tmp_path / "digits"))
-  config.dataset, config.data_dir = "arrayrecord", str(tmp_path / "data")
+  config.dataset, config.data_dir = "arrayrecord", data_dir
   folder = train.train_and_evaluate(config, str(tmp_path / "folder"))
   assert folder["examples"] == digits["examples"] == 360
   assert abs(folder["accuracy"] - digits["accuracy"]) <= 0.01, (folder, digits)
@@ -83,7 +94,7 @@ def write_photos(root, sizes=((20, 30), (30, 20), (24, 24)), per_class: int = 4)
   return paths
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_images_kept_encoded_are_decoded_by_grain_as_when_written(tmp_path, num_workers):
   """--keep_encoded: the Grain workers decode and resize the files into the same batches,
   bitwise and in the same order, as images decoded by write_arrayrecord.py."""

@@ -83,7 +83,7 @@ def test_train_stream_is_a_fresh_seeded_permutation_each_epoch(tiny_config):
 @pytest.mark.parametrize("first_step", [0, 5, 7])  # 7: inside an element of k=5 batches
 def test_resumed_stream_starts_at_the_batch_after_the_last_step(tiny_config, first_step):
   tiny_config.num_epochs, tiny_config.batch_size = 2, 16  # 13 batches: elements of 5, 5, 3 + 2
-  k = tiny_config.steps_per_dispatch
+  k = tiny_config.steps_per_dispatch = 5
   everything = unstacked(input_pipeline.train_batches(numbered(100), tiny_config))
   resumed = unstacked(input_pipeline.as_iterator(
       input_pipeline.train_batches(numbered(100), tiny_config, first_step), tiny_config))

@@ -87,7 +87,7 @@ def test_train_step_on_padded_batch_equals_step_on_real_examples(tiny_config):
 def test_eval_counts_every_example_once(tiny_config):
   """1001 examples, batch 64 on 8 devices: 15 full batches and one with 41 real examples, in
   calls of 5 batches (the last call: one batch, then four of padding alone)."""
-  tiny_config.dataset = "synthetic"
+  tiny_config.dataset, tiny_config.steps_per_dispatch = "synthetic", 5
   tiny_config.synthetic.update(image_shape=(8, 8, 1), num_classes=10, num_eval=1001)
   splits, info = input_pipeline.get_datasets(tiny_config)
   model, optimizer = model_and_optimizer(tiny_config)

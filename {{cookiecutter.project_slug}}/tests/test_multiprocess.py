@@ -20,7 +20,7 @@ def train(workdir, processes: int, *overrides: str) -> dict[str, dict[int, float
   args = ["--config=configs/tiny.py", f"--workdir={workdir}", *overrides]
   if processes == 1:
     command = [sys.executable, "train.py", *args]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = dict(os.environ)  # 8 devices (conftest.py)
   else:
     command = [sys.executable, "launch.py", f"--num_processes={processes}",
                f"--devices_per_process={8 // processes}", "--timeout=400", "--", *args]
@@ -42,6 +42,16 @@ def assert_same_run(multi, single):
     assert multi["eval_loss"][step] == pytest.approx(single["eval_loss"][step], abs=1e-5), step
 
 
+def test_two_processes_train_like_the_straight_spmd_run(straight_runs, tmp_path):
+  """2 processes of 4 devices over loopback train like one process of 8: the same losses,
+  accuracies and example counts at every step as conftest's spmd run (2 epochs, in-process)."""
+  multi = train(tmp_path, 2, "--config.parallelism=spmd", "--config.num_epochs=2",
+                "--config.max_checkpoints_to_keep=10", "--config.fsdp_min_size=0")
+  assert_same_run(multi, read_scalars(str(straight_runs["spmd"][0])))
+  assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1  # only process 0 writes
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 5])  # steps per dispatch
 @pytest.mark.parametrize("parallelism", ["spmd", "pmap"])
 def test_two_processes_train_like_one(tmp_path, parallelism, k):
@@ -54,6 +64,7 @@ def test_two_processes_train_like_one(tmp_path, parallelism, k):
   assert len(list((tmp_path / "two").glob("events.out.tfevents.*"))) == 1
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one_under_fsdp(tmp_path):
   """The state split over each process's 4 devices (a 2 x 4 mesh: hybrid sharding, replicated
   across the processes), or over all 8 (each shard on one process; Orbax writes both): the
@@ -65,6 +76,7 @@ def test_two_processes_train_like_one_under_fsdp(tmp_path):
     assert_same_run(multi, single)
 
 
+@pytest.mark.slow
 def test_uneven_eval_split_counts_every_example_once(tmp_path):
   """1001 eval examples over 2 processes of batch 32: 501 and 500 real ones, same step count."""
   overrides = ["--config.dataset=synthetic", "--config.synthetic.image_shape=(8,8,1)",
@@ -76,6 +88,7 @@ def test_uneven_eval_split_counts_every_example_once(tmp_path):
   assert_same_run(multi, single)
 
 
+@pytest.mark.slow
 def test_resume_with_another_number_of_processes(tmp_path):
   """The step-20 checkpoint of a 2-process run, resumed by 1 process, ends like a 1-process run."""
   overrides = ["--config.num_epochs=2", "--config.max_checkpoints_to_keep=10"]
@@ -94,7 +107,7 @@ def test_resume_with_another_number_of_processes(tmp_path):
 
 def start_pair(workdir):
   """Two train.py processes of 4 CPU devices, training long enough to be interrupted."""
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+  env = {**os.environ, "XLA_FLAGS": os.environ["XLA_FLAGS"].replace("count=8", "count=4"),
          "JAX_PLATFORMS": "cpu"}
   address = f"127.0.0.1:{portpicker.pick_unused_port()}"
   processes = [subprocess.Popen(
@@ -116,6 +129,7 @@ def stop_all(processes):
       p.kill()
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_process_stops_all_at_the_same_step(tmp_path):
   processes = start_pair(tmp_path)
   try:
@@ -131,6 +145,7 @@ def test_sigterm_to_one_process_stops_all_at_the_same_step(tmp_path):
   assert (tmp_path / "checkpoints" / str(step)).is_dir()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [0, 1])
 def test_when_a_process_dies_the_other_stops_with_an_error(tmp_path, victim):
   processes = start_pair(tmp_path)

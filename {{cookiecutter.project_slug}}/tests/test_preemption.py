@@ -18,7 +18,7 @@ import train
 from write_arrayrecord import write_dataset
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+ENV = dict(os.environ)  # 8 CPU devices (conftest.py)
 
 # Runs train_and_evaluate on the tiny config (with JSON overrides) and records every training
 # batch the pipeline makes that holds a real example: its number and a hash of its contents.
@@ -88,6 +88,7 @@ def wait_for(condition, process, timeout=120):
 NO_READ_AHEAD = dict(read_threads=0, prefetch_batches=0, prefetch_to_device=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("read_ahead, k", [(False, 1), (False, 5), (True, 5)],
                          ids=["no-read-ahead-k1", "no-read-ahead-k5", "prefetching-k5"])
 def test_sigterm_mid_epoch_then_resume_is_bitwise_identical(tmp_path, read_ahead, k):
@@ -132,6 +133,7 @@ def test_sigterm_mid_epoch_then_resume_is_bitwise_identical(tmp_path, read_ahead
   assert stdout_resumed.splitlines()[-1] == stdout.splitlines()[-1]  # same eval metrics
 
 
+@pytest.mark.slow
 def test_sigkill_while_saving_resumes_from_the_previous_complete_checkpoint(tmp_path):
   # A larger model, so that a checkpoint takes long enough to be killed in the middle.
   overrides = dict(model={"features": (128, 256)}, num_epochs=2, checkpoint_every_steps=10)

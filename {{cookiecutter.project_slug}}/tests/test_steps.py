@@ -42,6 +42,7 @@ def test_random_shift_moves_pixels_by_stream_position():
 
 def test_flops_of_the_default_cnn_step_equal_the_analytic_count():
   config = default.get_config()
+  config.steps_per_dispatch = 1
   splits, info = input_pipeline.get_datasets(config)
   model = create_model(config, info.image_shape, info.num_classes, nnx.Rngs(0))
   optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)

@@ -12,9 +12,10 @@ import time
 
 import orbax.checkpoint as ocp
 import pytest
+from absl import flags
+from conftest import two_epochs
 from tensorboard.backend.event_processing import event_accumulator
 
-import steps
 import train
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,25 +83,6 @@ def test_profile_and_mfu_on_demand(tiny_config, tmp_path):
     assert scalars["train_mfu"][step] == pytest.approx(flops_per_sec / 8e12, rel=1e-5)
 
 
-def two_epochs(parallelism):
-  from configs import tiny
-
-  config = tiny.get_config()
-  config.num_epochs, config.max_checkpoints_to_keep, config.parallelism = 2, 10, parallelism
-  config.fsdp_min_size = 0  # fsdp: split every leaf of the tiny CNN that divides over 8
-  return config
-
-
-@pytest.fixture(scope="module")
-def straight_runs(tmp_path_factory):
-  """Two epochs (45 steps) on each path, uninterrupted: {parallelism: (workdir, result)}."""
-  runs = {}
-  for parallelism in steps.PARALLELISMS:
-    workdir = tmp_path_factory.mktemp(parallelism)
-    runs[parallelism] = workdir, train.train_and_evaluate(two_epochs(parallelism), str(workdir))
-  return runs
-
-
 @pytest.mark.parametrize("parallelism", ["pmap", "fsdp"])
 def test_every_path_ends_with_the_same_eval_metrics_as_spmd(straight_runs, parallelism):
   spmd, other = straight_runs["spmd"][1], straight_runs[parallelism][1]
@@ -109,6 +91,7 @@ def test_every_path_ends_with_the_same_eval_metrics_as_spmd(straight_runs, paral
   assert other["accuracy"] == pytest.approx(spmd["accuracy"], abs=1e-9)
 
 
+@pytest.mark.slow
 def test_a_default_fsdp_run_ends_like_spmd(tmp_path):
   """Three epochs of the default config (its second convolution's kernel, and Adam's moments
   of it, split over the 8 devices): the eval metrics of spmd."""
@@ -157,10 +140,10 @@ def test_resume_across_spmd_fsdp_and_pmap(straight_runs, tmp_path):
 
 @pytest.mark.parametrize("parallelism", ["spmd", "pmap"])
 def test_resume_with_another_steps_per_dispatch(straight_runs, tmp_path, parallelism):
-  """The step-20 checkpoint of a k=5 run resumed with k=3 (step 20 falls inside a call of 3:
-  its first two batches are padding alone) and with k=1 ends like the uninterrupted run."""
+  """The step-20 checkpoint of a k=1 run resumed with k=3 (step 20 falls inside a call of 3:
+  its first two batches are padding alone) and with k=5 ends like the uninterrupted run."""
   first_workdir, expected = straight_runs[parallelism]
-  for k in (3, 1):
+  for k in (3, 5):
     workdir = tmp_path / str(k)
     shutil.copytree(first_workdir / "checkpoints" / "20", workdir / "checkpoints" / "20")
     config = two_epochs(parallelism)
@@ -171,8 +154,8 @@ def test_resume_with_another_steps_per_dispatch(straight_runs, tmp_path, paralle
     assert resumed["loss"] == pytest.approx(expected["loss"], abs=1e-5), k
     assert resumed["accuracy"] == pytest.approx(expected["accuracy"], abs=1e-9), k
     trained = read_scalars(str(workdir))["train_examples"]
-    assert min(trained) == 21 and sum(trained.values()) == 2 * 1437 - 20 * 64  # 21: the next
-    # multiple of 3, and of 1
+    # The first interval ends with the first call, at the first multiple of k after step 20.
+    assert min(trained) == -(-21 // k) * k and sum(trained.values()) == 2 * 1437 - 20 * 64
 
 
 def run_cli(workdir, *overrides, config="configs/tiny.py"):
@@ -180,7 +163,7 @@ def run_cli(workdir, *overrides, config="configs/tiny.py"):
   out = subprocess.run(
       [sys.executable, "train.py", f"--config={config}", f"--workdir={workdir}", *overrides],
       cwd=PROJECT, capture_output=True, text=True, timeout=300,
-      env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+      env=dict(os.environ))  # 8 CPU devices (conftest.py)
   return out, time.perf_counter() - start
 
 
@@ -191,7 +174,8 @@ def write_digits(data_dir) -> list[str]:
   return ["--config.dataset=arrayrecord", f"--config.data_dir={data_dir}"]
 
 
-@pytest.mark.parametrize("data", ["digits", "arrayrecord_with_workers"])
+@pytest.mark.parametrize("data", ["digits", pytest.param("arrayrecord_with_workers",
+                                                         marks=pytest.mark.slow)])
 def test_the_log_is_quiet_one_short_line_per_interval(tmp_path, data):
   """No warning that the project causes itself (Orbax's handler registry, Grain workers'
   leaked shared memory), one line per log interval, none over 160 characters."""
@@ -204,15 +188,18 @@ def test_the_log_is_quiet_one_short_line_per_interval(tmp_path, data):
   assert not noisy, "\n".join(noisy)
   steps_logged = [int(m[1]) for line in lines if (m := re.search(r"\] step (\d+)/23  loss", line))]
   assert steps_logged == [5, 10, 15, 20, 23]
-  assert len(lines) <= 4 + 5 + 3 + 1, out.stderr  # start, intervals, evals, final
+  assert any("23 steps of 64 examples, 1 per call" in line for line in lines)  # k=1 on the CPU
+  assert re.search(r"first calls \(.*\): train \d+\.\d\d s, eval \d+\.\d\d s", out.stderr)
+  assert len(lines) <= 5 + 5 + 3 + 1, out.stderr  # start, intervals, evals, final
 
 
+@pytest.mark.slow
 def test_a_progress_bar_on_a_terminal(tmp_path):
   parent, child = pty.openpty()
   process = subprocess.Popen(
       [sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={tmp_path}"],
       cwd=PROJECT, stdin=subprocess.DEVNULL, stdout=child, stderr=child,
-      env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+      env=dict(os.environ))  # 8 CPU devices (conftest.py)
   os.close(child)
   output = b""
   with contextlib.suppress(OSError):  # EIO once the process has closed the terminal
@@ -225,7 +212,7 @@ def test_a_progress_bar_on_a_terminal(tmp_path):
   assert b"Final eval" in output
 
 
-@pytest.mark.parametrize("override, message", [
+BAD_CONFIGS = [
     ("--config.batch_size=100", "config.batch_size=100 does not divide over 8 devices; use a "
                                 "multiple of 8, e.g. 96."),
     ("--config.dataset=mnist", "config.dataset='mnist' is unknown; use one of"),
@@ -252,15 +239,44 @@ def test_a_progress_bar_on_a_terminal(tmp_path):
      "config.synthetic.num_train=0 must be a positive integer."),
     ("--config.bogus_key=1", "the config has no key 'bogus_key'; its keys are in "
                              "configs/default.py"),
-    ("--config.log_every_steps=7", "config.log_every_steps=7 is not a multiple of "
-                                   "config.steps_per_dispatch=5; use 5 or 10, or another "
-                                   "steps_per_dispatch."),
-    ("--config.steps_per_dispatch=0", "config.steps_per_dispatch=0 must be a positive integer."),
+    ("--config.steps_per_dispatch=5 --config.log_every_steps=7", "config.log_every_steps=7 is "
+     "not a multiple of config.steps_per_dispatch=5; use 5 or 10, or another steps_per_dispatch."),
+    ("--config.steps_per_dispatch=-1", "config.steps_per_dispatch=-1 must be an integer >= 0 (0: "
+                                       "chosen per backend)."),
     ("--config.num_workers=-2", "config.num_workers=-2 must be -1 (chosen from the cores), 0 or"),
     ("--config.parallelism=fsdp --config.fsdp_devices=3", "config.fsdp_devices=3 does not "
                                                           "divide the 8 devices; use one of "
                                                           "[1, 2, 4, 8] (0: all of them)."),
-])
+]
+
+
+def run_in_process(*args: str) -> str:
+  """`python train.py ARGS`, in this process: absl parses ARGS and `train.main` runs, from the
+  project's folder; returns the message it exits with."""
+  flags.FLAGS.unparse_flags()
+  try:
+    with pytest.raises(SystemExit) as stopped:
+      train.main(train.parse_flags(["train.py", *args]))
+  finally:
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS.mark_as_parsed()
+  return str(stopped.value.code)
+
+
+@pytest.mark.parametrize("override, message", BAD_CONFIGS)
+def test_bad_config_is_one_line_before_anything_is_read_or_written(tmp_path, monkeypatch,
+                                                                   override, message):
+  """Each bad value, through train.py's flags and entry point (in this process; the slow tier
+  runs the same table as real processes)."""
+  monkeypatch.chdir(PROJECT)
+  workdir = tmp_path / "run"
+  error = run_in_process("--config=configs/tiny.py", f"--workdir={workdir}", *override.split())
+  assert error.startswith("error: ") and message in error and "\n" not in error, error
+  assert not workdir.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("override, message", BAD_CONFIGS)
 def test_bad_config_stops_with_one_line_before_compiling(tmp_path, override, message):
   workdir = tmp_path / "run"
   out, elapsed = run_cli(workdir, *override.split())
@@ -271,21 +287,43 @@ def test_bad_config_stops_with_one_line_before_compiling(tmp_path, override, mes
   print(f"{override}: refused in {elapsed:.1f}s: {lines[0]}")
 
 
+@pytest.mark.parametrize("cli", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["in_process", "cli"])
 @pytest.mark.parametrize("where", ["file", "under_a_file"])
-def test_a_workdir_that_is_a_file_is_refused_and_kept(tmp_path, where):
+def test_a_workdir_that_is_a_file_is_refused_and_kept(tmp_path, monkeypatch, where, cli):
   a_file = tmp_path / "notes.txt"
   a_file.write_text("keep me")
   workdir = a_file if where == "file" else a_file / "run"
-  out, _ = run_cli(workdir)
-  assert out.returncode == 1
-  lines = out.stderr.strip().splitlines()
   expected = (f"error: --workdir='{workdir}' is a file, not a directory" if where == "file" else
               f"error: --workdir='{workdir}' cannot be written here ('{a_file}' is a file)")
-  assert len(lines) == 1 and lines[0].startswith(expected), out.stderr
+  if cli:
+    out, _ = run_cli(workdir)
+    assert out.returncode == 1
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(expected), out.stderr
+  else:
+    monkeypatch.chdir(PROJECT)
+    error = run_in_process("--config=configs/tiny.py", f"--workdir={workdir}")
+    assert error.startswith(expected) and "\n" not in error, error
   assert a_file.read_text() == "keep me"
 
 
-def test_a_checkpoint_of_another_model_is_refused_and_kept(tmp_path):
+def test_a_checkpoint_of_another_model_is_refused_and_kept(straight_runs, tmp_path, monkeypatch):
+  """The spmd run's workdir (checkpoints up to step 45), given a config with another model."""
+  workdir = tmp_path / "run"
+  shutil.copytree(straight_runs["spmd"][0], workdir)
+  before = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()}
+  monkeypatch.chdir(PROJECT)
+  error = run_in_process("--config=configs/tiny.py", f"--workdir={workdir}",
+                         "--config.num_epochs=2", "--config.model.features=(8,32)")
+  assert error.startswith(f"error: workdir '{workdir}' holds a checkpoint (step 45) of a "
+                          "different model: 0/convs/1/bias/value is (16,) there and (32,) in "
+                          "this config") and "\n" not in error, error
+  assert {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_model_is_refused_and_kept_by_the_cli(tmp_path):
   workdir = tmp_path / "run"
   out, _ = run_cli(workdir)
   assert out.returncode == 0, out.stderr[-2000:]
