@@ -6,7 +6,8 @@ pipeline, and the training loop.
 Steps: for two models (the config's CNN on the digits; a wider CNN on synthetic 64x64x3 images)
 and each path, the compile time (ahead of time, `step.lower(...).compile()`), the median time of
 the compiled single step (k = 1) on a batch already on the devices (each step waited for, the
-donated state threaded through), examples/s from it, the peak host memory and the model and
+donated state threaded through), the time to its first step (state built and placed, compiled,
+one step), examples/s from it, the peak host memory and the model and
 optimizer state's bytes on one device (fsdp splits it). The paths of a model run in one
 process, taking turns of a few steps, so that a machine whose speed drifts (shared or
 throttled cores) slows them alike and their ratios are fair; the peak memory
@@ -26,6 +27,11 @@ after the other, in alternating order; the efficiency is the median of their rat
 large model (one path, the config's): on an accelerator, the CNN (128, 256) in bfloat16 on
 batches of 1024; on the CPU, shrunk to what 2 cores run in seconds (features (16, 32), batch
 256), said in the report.
+
+Default run: `python train.py --config=configs/default.py` as a whole process, cold (no
+compilation cache): its wall time, its time to the first step, and its first calls' times, as
+the backend runs it (k = 1 on the CPU); the loop efficiencies above are measured at the k of an
+accelerator instead (`steps.ACCELERATOR_STEPS_PER_DISPATCH`), as a proxy for one.
 
 Every measurement runs in a subprocess, one at a time (a GPU is never shared); on the CPU with
 8 devices (forced). `single` uses device 0. --tiny (configs/tiny.py, shrunk models, few steps;

@@ -32,8 +32,8 @@ def test_tiny_benchmark_measures_every_model_and_path(tmp_path):
   for name, model in results["models"].items():
     assert set(model["paths"]) == set(benchmark.PATHS), name
     for path, numbers in model["paths"].items():
-      assert_positive_finite(numbers, ("compile_s", "step_ms", "examples_per_sec", "peak_host_mb",
-                                       "state_mb_per_device"), f"{name}:{path}")
+      assert_positive_finite(numbers, ("compile_s", "first_step_s", "step_ms", "examples_per_sec",
+                                       "peak_host_mb", "state_mb_per_device"), f"{name}:{path}")
     assert_positive_finite(model, ("pmap_over_spmd_step_time",), name)
   ours = results["config_parallelism"]  # configs/default.py's
   other = ({"spmd", "pmap"} - {ours}).pop()
@@ -45,12 +45,18 @@ def test_tiny_benchmark_measures_every_model_and_path(tmp_path):
     assert loop["efficiencies"] == [loop["efficiency"]]
     assert loop["efficiency"] == pytest.approx(
         loop["loop_examples_per_sec"] / loop["step_examples_per_sec"], rel=1e-9)
-  assert results["loop"][f"digits:{ours}"]["steps_per_dispatch"] == 5  # configs/tiny.py's
+  assert results["loop"][f"digits:{ours}"]["steps_per_dispatch"] == 5  # --tiny: 5, else 10
   assert_positive_finite(results["pipeline"], ("images_per_sec",), "pipeline")
+  run = results["default_run"]  # --tiny: configs/tiny.py, k = 1 on the CPU
+  assert_positive_finite(run, ("wall_s", "startup_s", "first_train_call_s", "first_eval_call_s",
+                               "accuracy"), "default_run")
+  assert run["steps_per_dispatch"] == 1 and run["startup_s"] < run["wall_s"]
   assert_positive_finite(results["decoding"], ("images_per_sec", "workers"), "decoding")
 
   for line in (r"loop efficiency: \d+\.\d\d", r"loop efficiency \(large\): \d+\.\d\d",
                rf"loop efficiency \({other}\): \d+\.\d\d", r"pmap/spmd step time: \d+\.\d\d",
                r"input pipeline \(64x64x3, batch 1024\): \d+ images/s",
-               r"image decoding \(JPEG 64x64, \d+ workers\): \d+ images/s"):
+               r"image decoding \(JPEG 64x64, \d+ workers\): \d+ images/s",
+               r"default run \(configs/tiny.py, k=1, no compilation cache\): \d+\.\d s as a whole "
+               r"process"):
     assert re.search(f"^{line}", done.stdout, re.MULTILINE), (line, done.stdout)

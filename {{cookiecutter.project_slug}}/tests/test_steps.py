@@ -81,3 +81,22 @@ def test_flops_counted_under_pmap_for_a_model_that_reduces_over_its_axis(tiny_co
     graphdef, state = batchnorm_state(parallelism)
     counts[parallelism] = train.Speed(graphdef, state, (8, 8, 1), tiny_config).flops_per_step
   assert counts["pmap"] == counts["spmd"] > 0
+
+
+def test_the_train_step_shifts_each_example_as_its_stream_position_says(tiny_config):
+  """A train step with random shifts = the same step without them on the images that
+  `prepare_images` shifted for their stream positions: each example's shift is keyed by its
+  position alone (not by the step, nor by its place in the batch: positions start at 640)."""
+  from test_parallel import assert_trees_close, batches, initial_state
+
+  graphdef, state = initial_state(tiny_config)
+  batch = batches([64])[0]
+  batch["position"] += 640
+  shifted = steps.prepare_images(batch, max_shift=1, seed=0)  # float pixels: kept as they are
+
+  def step(batch, max_shift):
+    return jax.jit(functools.partial(steps.train_step, graphdef, max_shift=max_shift, seed=0))(
+        state, steps.TrainMetrics.empty(), batch)[0]
+
+  assert_trees_close(step(batch, 1), step(dict(batch, image=shifted), 0), atol=1e-6)
+  assert not np.array_equal(np.asarray(shifted), batch["image"] / 255)  # the shifts moved pixels
