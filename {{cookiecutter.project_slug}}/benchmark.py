@@ -7,9 +7,10 @@ Steps: for two models (the config's CNN on the digits; a wider CNN on synthetic 
 and each path, the compile time (ahead of time, `step.lower(...).compile()`), the median time of
 the compiled single step (k = 1) on a batch already on the devices (each step waited for, the
 donated state threaded through), the time to its first step (state built and placed, compiled,
-one step), examples/s from it, the peak host memory and the model and
-optimizer state's bytes on one device (fsdp splits it). The paths of a model run in one
-process, taking turns of a few steps, so that a machine whose speed drifts (shared or
+one step), examples/s from it, the peak host memory, the model and optimizer state's bytes on
+one device (fsdp splits it) and the step's peak device memory (XLA's memory analysis of the
+compiled step: arguments + outputs + temporaries - donated buffers). The paths of a model run
+in one process, taking turns of a few steps, so that a machine whose speed drifts (shared or
 throttled cores) slows them alike and their ratios are fair; the peak memory
 (ru_maxrss) of each path comes from a short run of that path alone in its own process.
 
@@ -148,6 +149,9 @@ class Runner:
     self.step = step.lower(self.state, self.running, self.batch).compile()
     self.compile_s = time.perf_counter() - start
     self.state_mb = parallel.bytes_per_device(self.state) / 1e6  # model and optimizer state
+    memory = self.step.memory_analysis()  # one device's: the state donated, updated in place
+    self.step_peak_mb = (memory.argument_size_in_bytes + memory.output_size_in_bytes +
+                         memory.temp_size_in_bytes - memory.alias_size_in_bytes) / 1e6
     self.times(1)
     self.first_step_s = time.perf_counter() - begin  # state built, placed, compiled, one step
     self.times(WARMUP_STEPS - 1)
@@ -186,7 +190,8 @@ def measure_steps(config) -> dict:
     results[path] = dict(compile_s=runner.compile_s, first_step_s=runner.first_step_s,
                          step_ms=1e3 * step_s,
                          examples_per_sec=config.batch_size / step_s,
-                         state_mb_per_device=runner.state_mb)
+                         state_mb_per_device=runner.state_mb,
+                         step_peak_mb_per_device=runner.step_peak_mb)
   return results
 
 
@@ -409,13 +414,14 @@ def report(results: dict) -> str:
            (" (tiny)" if results["tiny"] else ""),
            f"{'model':<8}{'shape':>10}{'batch':>7}{'path':>8}{'compile s':>11}"
            f"{'first step s':>14}{'step ms':>10}{'examples/s':>12}{'peak host MB':>14}"
-           f"{'state MB/device':>17}"]
+           f"{'state MB/device':>17}{'step peak MB/device':>21}"]
   for name, model in results["models"].items():
     shape = "x".join(map(str, model["image_shape"]))
     for path, r in model["paths"].items():
       lines.append(f"{name:<8}{shape:>10}{model['batch_size']:>7}{path:>8}{r['compile_s']:>11.2f}"
-                   f"{r['first_step_s']:>14.2f}{r['step_ms']:>10.2f}{r['examples_per_sec']:>12.0f}{r['peak_host_mb']:>14.0f}"
-                   f"{r['state_mb_per_device']:>17.3f}")
+                   f"{r['first_step_s']:>14.2f}{r['step_ms']:>10.2f}"
+                   f"{r['examples_per_sec']:>12.0f}{r['peak_host_mb']:>14.0f}"
+                   f"{r['state_mb_per_device']:>17.3f}{r['step_peak_mb_per_device']:>21.3f}")
   for name, model in results["models"].items():
     lines.append(f"pmap/spmd step time: {model['pmap_over_spmd_step_time']:.2f} ({name})")
   for key, loop in results["loop"].items():

@@ -4,8 +4,10 @@ spmd: one global array per leaf. Batches (stacked `[k, batch, ...]`, see steps.p
   over the mesh axis 'data'; the model and optimizer state are replicated (PartitionSpec()).
 fsdp: the same over a mesh ('data', 'fsdp') of (devices // fsdp_devices, fsdp_devices). Batches
   are split over both axes; each large leaf of the state is split over 'fsdp' along its largest
-  dimension that 'fsdp' divides (ZeRO-3: XLA gathers the parameters for the forward and
-  backward passes and reduce-scatters the gradients), and copied over 'data'.
+  dimension that 'fsdp' divides (ZeRO-3), and copied over 'data'. XLA inserts the collectives:
+  on XLA:CPU, all-gathers of the parameters and an all-reduce of the whole gradients, each
+  device keeping its slice (no reduce-scatter); on GPU and TPU XLA turns that all-reduce and
+  slice into a reduce-scatter (unverified here: tests/test_accelerator.py checks it).
 pmap: every leaf has a leading axis of one entry per local device; `replicate` makes it,
   `unreplicate` takes it away, `shard_batch` splits a batch into per-device pieces.
 """
@@ -33,15 +35,6 @@ def make_mesh(config=None) -> Mesh:
   f = config.fsdp_devices or jax.device_count()
   return jax.make_mesh((jax.device_count() // f, f), (DATA_AXIS, FSDP_AXIS),
                        axis_types=(AxisType.Auto,) * 2)
-
-
-def host_device() -> jax.Device | None:
-  """This host's CPU as a JAX device, where the initial state can be built whatever its size
-  (None where JAX runs without its CPU backend: the default device then)."""
-  try:
-    return jax.local_devices(backend="cpu")[0]
-  except RuntimeError:
-    return None
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -114,13 +107,16 @@ def local_devices_mesh() -> Mesh:
 
 
 def replicate(tree):
-  """Every leaf broadcast to `[local_devices, ...]`, one copy on each local device."""
+  """Every leaf as `[local_devices, ...]`, one copy on each local device, each sent there from
+  this process's copy on the host: no device ever holds more than its own copy."""
   mesh = local_devices_mesh()
   sharding = NamedSharding(mesh, P(PMAP_AXIS))
 
   def put(x):
-    x = x.addressable_data(0) if isinstance(x, jax.Array) else x  # this process's copy
-    return jax.device_put(jnp.broadcast_to(x, (mesh.size, *jnp.shape(x))), sharding)
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      return jax.random.wrap_key_data(put(jax.random.key_data(x)), impl=jax.random.key_impl(x))
+    one = np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x)[None]
+    return jax.make_array_from_callback((mesh.size, *one.shape[1:]), sharding, lambda _: one)
 
   return jax.tree.map(put, tree)
 

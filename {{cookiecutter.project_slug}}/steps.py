@@ -181,13 +181,20 @@ def train_step(graphdef, state, running, batch, *, grad_accum_steps=1, max_shift
     restore_keys()
     grads, step_metrics = jax.lax.psum((grads, step_metrics), axis_name)
   count = step_metrics.loss.count
-  optimizer.update(model, jax.tree.map(lambda g: g / jnp.maximum(count, 1), grads))
   # A non-finite loss or gradient leaves the state as it was; the loop decides what to do.
-  # So does a batch of padding alone (no real example).
+  # So does a batch of padding alone (no real example). Decided before the update, which runs
+  # under lax.cond: in place, where selecting between the updated state and the old one would
+  # hold a second copy of the whole state.
   finite = jnp.isfinite(step_metrics.loss.total) & jnp.all(
       jnp.stack([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]))
   real = count > 0
-  new_state = jax.tree.map(lambda new, old: jnp.where(finite & real, new, old),
+
+  def update(current, _):  # the optimizer step, on the state as the forward pass left it
+    model, optimizer = nnx.merge(graphdef, current)
+    optimizer.update(model, jax.tree.map(lambda g: g / jnp.maximum(count, 1), grads))
+    return nnx.state((model, optimizer))
+
+  new_state = jax.lax.cond(finite & real, update, lambda _, old: old,
                            nnx.state((model, optimizer)), old_state)
   step_metrics = TrainMetrics(**vars(step_metrics),
                               nonfinite_steps=NonFinite.from_step(finite, real))
@@ -233,13 +240,15 @@ class Steps(NamedTuple):
   empty: callable  # a metrics class -> its empty value, placed for the steps
 
 
-def make(graphdef, config, mesh) -> Steps:
-  """The train and eval steps of `config.parallelism`, each running stacked batches."""
+def make(graphdef, config, mesh, unroll: bool | None = None) -> Steps:
+  """The train and eval steps of `config.parallelism`, each running stacked batches. `unroll`:
+  the k steps of a call as straight-line code (True) or a rolled loop (False); None: unrolled
+  on the CPU, whose XLA runs convolution gradients ~100x slower inside a loop, rolled elsewhere
+  (it compiles once, whatever k)."""
   options = dict(grad_accum_steps=config.grad_accum_steps, max_shift=config.augment_max_shift,
                  seed=config.seed)
-  # XLA:CPU runs convolution gradients ~100x slower inside a loop: unroll the k steps there.
-  # Elsewhere a rolled loop compiles once, whatever k.
-  unroll = jax.default_backend() == "cpu"
+  if unroll is None:
+    unroll = jax.default_backend() == "cpu"
   if config.parallelism == "pmap":
     axis = parallel.PMAP_AXIS
     # State and batch: one slice per device (axis 0). Metrics: one value, the same everywhere.

@@ -261,14 +261,29 @@ def stop_signals():
       signal.signal(sig, handler)
 
 
-def restore_or_init(checkpoints, state, workdir: str):
-  """The step and state of the latest complete checkpoint in `workdir`, or (0, `state`). The
-  data resume from the step: batch b is batch b whatever the steps per dispatch and the number
-  of processes."""
+def initial_state(config, info, mesh, num_train_steps: int):
+  """The model and optimizer's graph, their state's abstract value (shapes, dtypes, shardings)
+  and a function that builds the state: under jit, each shard where it lives, so that no host
+  and no device ever holds more of it than its share (the same values as built eagerly)."""
+
+  def build():
+    model = create_model(config, info.image_shape, info.num_classes, nnx.Rngs(config.seed))
+    return model, nnx.Optimizer(model, create_optimizer(config, num_train_steps), wrt=nnx.Param)
+
+  graphdef, abstract = nnx.split(nnx.eval_shape(build))
+  shardings = parallel.state_shardings(abstract, mesh, config.fsdp_min_size)
+  abstract = jax.tree.map(lambda x, where: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where),
+                          abstract, shardings)
+  return graphdef, abstract, jax.jit(lambda: nnx.split(build())[1], out_shardings=shardings)
+
+
+def restore_or_init(checkpoints, abstract, init, workdir: str):
+  """The step and state of the latest complete checkpoint in `workdir`, restored into the
+  shapes, dtypes and shardings of `abstract`, or (0, `init()`). The data resume from the step:
+  batch b is batch b whatever the steps per dispatch and the number of processes."""
   step = checkpoints.latest_step()
   if step is None:
-    return 0, state
-  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    return 0, init()
   check_checkpoint_fits(checkpoints, step, abstract, workdir)
   state = checkpoints.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
       abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))))["state"]
@@ -317,11 +332,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                info.num_examples["train"], info.num_examples["eval"],
                "x".join(map(str, info.image_shape)), info.num_classes, names and f" ({names})")
 
-  with jax.default_device(parallel.host_device()):  # built in host memory, then placed
-    model = create_model(config, info.image_shape, info.num_classes, nnx.Rngs(config.seed))
-    optimizer = nnx.Optimizer(model, create_optimizer(config, num_train_steps), wrt=nnx.Param)
-    graphdef, state = nnx.split((model, optimizer))
   mesh = parallel.make_mesh(config)
+  graphdef, abstract, init = initial_state(config, info, mesh, num_train_steps)
   compiled = steps.make(graphdef, config, mesh)
 
   # Orbax writes each checkpoint to a temporary directory and renames it when complete, so a
@@ -330,8 +342,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       os.path.join(workdir, "checkpoints"),
       options=ocp.CheckpointManagerOptions(max_to_keep=config.max_checkpoints_to_keep),
       item_handlers=dict(state=ocp.PyTreeCheckpointHandler(type_handler_registry=ARRAY_HANDLERS)))
-  state = parallel.place_state(state, mesh, config.fsdp_min_size)  # the checkpoint layout
-  first_step, state = restore_or_init(checkpoints, state, workdir)
+  first_step, state = restore_or_init(checkpoints, abstract, init, workdir)
   whole = sum(x.nbytes for x in jax.tree.leaves(state))
   speed = Speed(graphdef, state, info.image_shape, config)
   state = compiled.put_state(state)

@@ -33,7 +33,10 @@ def test_tiny_benchmark_measures_every_model_and_path(tmp_path):
     assert set(model["paths"]) == set(benchmark.PATHS), name
     for path, numbers in model["paths"].items():
       assert_positive_finite(numbers, ("compile_s", "first_step_s", "step_ms", "examples_per_sec",
-                                       "peak_host_mb", "state_mb_per_device"), f"{name}:{path}")
+                                       "peak_host_mb", "state_mb_per_device",
+                                       "step_peak_mb_per_device"), f"{name}:{path}")
+      # The step holds the state (donated: updated in place), the batch and its temporaries.
+      assert numbers["step_peak_mb_per_device"] > numbers["state_mb_per_device"], (name, path)
     assert_positive_finite(model, ("pmap_over_spmd_step_time",), name)
   ours = results["config_parallelism"]  # configs/default.py's
   other = ({"spmd", "pmap"} - {ours}).pop()

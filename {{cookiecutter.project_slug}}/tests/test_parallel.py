@@ -1,6 +1,9 @@
 """pmap = sharded jit = one device: same parameters from the same weights and batches."""
 
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +20,7 @@ import train
 from model import create_model
 
 NUM_DEVICES = 8
+PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # One optimizer for every test: equal models then have equal graphdefs, and tests share the
 # steps compiled for them (`compiled_steps`).
 ADAM, SGD = optax.adam(1e-2), optax.sgd(0.1)
@@ -63,16 +67,18 @@ def jitted_single_step(graphdef, grad_accum_steps, max_shift, seed):
 
 
 @functools.cache
-def compiled_steps(graphdef, config_items: tuple) -> tuple[steps.Steps, jax.sharding.Mesh]:
+def compiled_steps(graphdef, config_items: tuple, unroll=None) -> tuple[steps.Steps,
+                                                                         jax.sharding.Mesh]:
   """`steps.make` for a graphdef and the config's items, made once per test session."""
   config = ml_collections.ConfigDict(dict(config_items))
   mesh = parallel.make_mesh(config)
-  return steps.make(graphdef, config, mesh), mesh
+  return steps.make(graphdef, config, mesh, unroll), mesh
 
 
-def run(config, parallelism, batch_list, graphdef=None, state=None, k=1):
+def run(config, parallelism, batch_list, graphdef=None, state=None, k=1, unroll=None):
   """One train step per batch: on one device one call each, or on 8 devices with spmd, pmap or
-  fsdp, k steps a call. Returns the state and the summary of the steps' merged metrics."""
+  fsdp, k steps a call (`unroll`: see steps.make). Returns the state and the summary of the
+  steps' merged metrics."""
   if graphdef is None:
     graphdef, state = initial_state(config)
   if parallelism == "single":
@@ -85,7 +91,7 @@ def run(config, parallelism, batch_list, graphdef=None, state=None, k=1):
   compiled, mesh = compiled_steps(graphdef, tuple(
       (key, config[key]) for key in ("parallelism", "steps_per_dispatch", "grad_accum_steps",
                                      "augment_max_shift", "seed", "fsdp_devices",
-                                     "fsdp_min_size")))
+                                     "fsdp_min_size")), unroll)
   state = compiled.put_state(parallel.place_state(state, mesh, config.fsdp_min_size))
   running = compiled.empty(steps.TrainMetrics)
   for group in stacked(batch_list, k):
@@ -188,6 +194,35 @@ def test_replicate_and_unreplicate(tiny_config, model):
   back = parallel.unreplicate(replicated)
   assert [x.dtype for x in jax.tree.leaves(back)] == [x.dtype for x in jax.tree.leaves(state)]
   assert_trees_close(back, state, atol=0)
+
+
+# Replicates a 32 MiB leaf over 8 CPU devices (whose memory is the host's); prints the rise of
+# the process's peak memory during `replicate` (Linux's VmHWM, reset just before), and the bytes
+# on one device, in copies of the leaf.
+REPLICATE = """
+import re
+import jax, numpy as np
+import parallel
+x = jax.device_put(np.arange(8 * 2**20, dtype=np.float32), jax.devices()[0])
+kib = lambda field: int(re.search(field + r":\\s+(\\d+)", open("/proc/self/status").read())[1])
+open("/proc/self/clear_refs", "w").write("5")  # the peak is now the current memory
+before = kib("VmRSS")
+replicated = jax.block_until_ready(parallel.replicate(x))
+print((kib("VmHWM") - before) * 1024 / x.nbytes, parallel.bytes_per_device(replicated) / x.nbytes)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux's /proc only")
+def test_replicate_holds_one_copy_per_device():
+  """Never a device with more than its one copy: at most one copy per device and one on the
+  host at the peak. (Broadcasting on device 0 first held 8 copies there: a peak of 17.)"""
+  done = subprocess.run([sys.executable, "-c", REPLICATE], cwd=PROJECT, capture_output=True,
+                        text=True, timeout=120)
+  assert done.returncode == 0, done.stderr[-3000:]
+  peak_copies, copies_per_device = map(float, done.stdout.split())
+  print(f"peak: {peak_copies:.2f} copies more")
+  assert copies_per_device == 1
+  assert peak_copies <= NUM_DEVICES + 1
 
 
 def test_shard_batch_round_trip_and_error():
@@ -299,3 +334,41 @@ def test_k_steps_in_one_call_equal_k_single_calls(tiny_config, parallelism, vari
   assert metrics["nonfinite_steps"] == expected_metrics["nonfinite_steps"] == (
       1 if variant == "nonfinite" else 0)
   assert int(got[1]["step"][...]) == (2 if variant == "nonfinite" else 3)
+
+
+class MLP(nnx.Module):
+  """Dense layers only: XLA:CPU runs their gradients as fast inside a loop as outside."""
+
+  def __init__(self, width, depth, rngs, in_features=64, num_classes=10):
+    widths = (in_features, *[width] * depth)
+    self.layers = nnx.List([nnx.Linear(widths[i], widths[i + 1], rngs=rngs) for i in range(depth)])
+    self.out = nnx.Linear(widths[-1], num_classes, rngs=rngs)
+
+  def __call__(self, images):
+    x = images.reshape(images.shape[0], -1)
+    for layer in self.layers:
+      x = nnx.relu(layer(x))
+    return self.out(x)
+
+
+@pytest.mark.parametrize("parallelism", ["spmd", "pmap"])
+def test_rolled_loop_equals_single_calls(tiny_config, parallelism):
+  """The k steps of a call as a rolled lax.scan (what a GPU or TPU compiles; the CPU unrolls
+  them): 4 batches (two padded) as 2 calls of k=3 = 4 calls of k=1."""
+  data = batches([64, 20, 64, 37])
+  expected, expected_metrics = run(tiny_config, parallelism, data,
+                                   *initial_state(tiny_config, MLP(32, 2, nnx.Rngs(0))))
+  graphdef, state = initial_state(tiny_config, MLP(32, 2, nnx.Rngs(0)))
+  tiny_config.parallelism, tiny_config.steps_per_dispatch = parallelism, 3
+  mesh = parallel.make_mesh(tiny_config)
+  compiled = steps.make(graphdef, tiny_config, mesh, unroll=False)
+  placed = compiled.put_state(parallel.place_state(state, mesh))
+  lowered = compiled.train.lower(placed, compiled.empty(steps.TrainMetrics),
+                                 compiled.put_batch(stacked(data, 3)[0]))
+  assert "stablehlo.while" in lowered.as_text()  # a loop, not k copies of the step
+  got, metrics = run(tiny_config, parallelism, data, graphdef, state, k=3, unroll=False)
+  assert_trees_close(got, expected, atol=1e-6)
+  assert metrics["examples"] == expected_metrics["examples"] == 64 + 20 + 64 + 37
+  assert metrics["loss"] == pytest.approx(expected_metrics["loss"], abs=1e-6)
+  assert metrics["accuracy"] == expected_metrics["accuracy"]
+  assert metrics["nonfinite_steps"] == 0 and int(got[1]["step"][...]) == 4

@@ -1,4 +1,5 @@
-"""The step module's pieces: on-device preprocessing and the FLOP count."""
+"""The step module's pieces: on-device preprocessing, skipped steps, their memory, the FLOP
+count."""
 
 import collections
 import functools
@@ -7,9 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 import input_pipeline
+import parallel
 import steps
 import train
 from configs import default
@@ -100,3 +103,60 @@ def test_the_train_step_shifts_each_example_as_its_stream_position_says(tiny_con
 
   assert_trees_close(step(batch, 1), step(dict(batch, image=shifted), 0), atol=1e-6)
   assert not np.array_equal(np.asarray(shifted), batch["image"] / 255)  # the shifts moved pixels
+
+
+def test_a_skipped_step_leaves_the_whole_state_bitwise_unchanged(tiny_config):
+  """A batch holding a NaN, and a batch of padding alone: parameters, Adam moments, counters and
+  the RNG state (dropout) exactly as they were; the next good step is applied."""
+  from test_parallel import DropoutCNN, batches, initial_state
+
+  graphdef, state = initial_state(tiny_config, DropoutCNN(nnx.Rngs(0)))
+  step = jax.jit(functools.partial(steps.train_step, graphdef))
+  good, padding = batches([64, 0])
+  nan = dict(good, image=good["image"].astype(np.float32))
+  nan["image"][5, 2, 2] = np.nan
+  running = steps.TrainMetrics.empty()
+  for batch in (nan, padding):
+    after, running = step(state, running, batch)
+    for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(after), strict=True):
+      x, y = (jax.random.key_data(v) if jnp.issubdtype(v.dtype, jax.dtypes.prng_key) else v
+              for v in (x, y))
+      assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+  assert (int(running.nonfinite_steps.count), int(running.nonfinite_steps.steps)) == (1, 1)
+  after, _ = step(state, running, good)
+  assert int(after[1]["step"][...]) == 1
+  assert not np.array_equal(after[0]["dense"]["kernel"][...], state[0]["dense"]["kernel"][...])
+
+
+@pytest.mark.parametrize("parallelism", ["spmd", "fsdp"])
+def test_skipping_a_step_keeps_no_second_copy_of_the_state(tiny_config, parallelism):
+  """Compiled (not run) for an MLP whose parameters and Adam moments take 6.6 MB: the step's
+  temporary memory is no more than that of a bare update that never skips, plus a tenth of the
+  state a device holds. (Selecting between the updated state and the old one after the update
+  held a second copy: on spmd the whole state, against two thirds of it for the bare update:
+  the gradients and their all-reduced copy.)"""
+  from test_parallel import MLP, batches, initial_state, stacked
+
+  tiny_config.parallelism, tiny_config.steps_per_dispatch = parallelism, 1
+  graphdef, state = initial_state(tiny_config, MLP(512, 3, nnx.Rngs(0)))
+  assert sum(x.nbytes for x in jax.tree.leaves(state)) > 6e6
+  mesh = parallel.make_mesh(tiny_config)
+  placed = parallel.place_state(state, mesh, tiny_config.fsdp_min_size)
+  compiled = steps.make(graphdef, tiny_config, mesh)
+  batch = compiled.put_batch(stacked(batches([64]), 1)[0])
+  step = compiled.train.lower(placed, compiled.empty(steps.TrainMetrics), batch).compile()
+
+  def bare_update(state, batch):  # the gradient and the update, nothing else
+    model, optimizer = nnx.merge(graphdef, state)
+    batch = jax.tree.map(lambda x: x[0], batch)
+    grads, _ = steps.summed_gradients(model, dict(batch, image=steps.prepare_images(batch)))
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer))
+
+  bare = jax.jit(bare_update, donate_argnums=0, out_shardings=parallel.state_shardings(
+      state, mesh, tiny_config.fsdp_min_size)).lower(placed, batch).compile()
+  held = parallel.bytes_per_device(placed)
+  step_temp, bare_temp = (c.memory_analysis().temp_size_in_bytes for c in (step, bare))
+  print(f"{parallelism}: temp {step_temp / 1e6:.2f} MB, the bare update's {bare_temp / 1e6:.2f} "
+        f"MB; the state {held / 1e6:.2f} MB a device")
+  assert step_temp <= bare_temp + 0.1 * held
