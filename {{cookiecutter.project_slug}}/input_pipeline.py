@@ -202,13 +202,22 @@ def eval_batches(source, config, **process) -> grain.MapDataset:
   return grain.MapDataset.range(len(load)).map(load)
 
 
+def available_cpus() -> int:
+  """The cores this process may run on (its affinity: what SLURM, taskset or a container's
+  cpuset gave it), not all the machine's."""
+  if hasattr(os, "sched_getaffinity"):  # Linux (os.process_cpu_count: Python 3.13 on)
+    return len(os.sched_getaffinity(0))
+  return os.cpu_count() or 1
+
+
 def default_workers(config) -> int:
   """`config.num_workers`, or when it is -1: none for datasets held in memory (a batch is one
-  NumPy gather, which workers would only copy again), else one per core but one, at most 8."""
+  NumPy gather, which workers would only copy again), else one per core of this process's but
+  one, at most 8."""
   if config.num_workers >= 0:
     return config.num_workers
   in_memory = config.dataset in ("digits", "synthetic")
-  return 0 if in_memory else min(max((os.cpu_count() or 1) - 1, 1), 8)
+  return 0 if in_memory else min(max(available_cpus() - 1, 1), 8)
 
 
 def as_iterator(batches: grain.MapDataset, config, put=None,

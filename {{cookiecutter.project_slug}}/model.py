@@ -2,8 +2,10 @@
 
 Contract with train.py: `create_model(config, image_shape, num_classes, rngs)` returns an
 `nnx.Module` mapping images `[batch, height, width, channels]` to logits `[batch, num_classes]`.
-A model whose `__call__` has a `mask` parameter also gets the batch's mask `[batch]` (False on
-padding), for layers that pool over the batch (`parallel.BatchNorm(...)(x, mask=mask)`).
+A model whose `__call__` has an `example_mask` parameter also gets the batch's mask `[batch]`
+(False on padding), for layers that pool over the batch
+(`parallel.BatchNorm(...)(x, mask=example_mask)`). The loss is computed in float32 whatever
+the logits' dtype.
 """
 
 import jax.numpy as jnp
@@ -37,8 +39,7 @@ class CNN(nnx.Module):
     x = images_BHWC
     for conv in self.convs:
       x = nnx.max_pool(nnx.relu(conv(x)), window_shape=(2, 2), strides=(2, 2), padding="SAME")
-    logits_BK = self.dense(x.reshape(x.shape[0], -1))
-    return logits_BK.astype(jnp.float32)  # the loss is always computed in float32
+    return self.dense(x.reshape(x.shape[0], -1))
 
 
 def create_model(config, image_shape, num_classes, rngs: nnx.Rngs) -> nnx.Module:

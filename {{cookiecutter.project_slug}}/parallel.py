@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -26,15 +27,35 @@ FSDP_AXIS = "fsdp"  # fsdp: the mesh axis that the state is split over
 PMAP_AXIS = "devices"  # the pmap axis name (use it for BatchNorm(axis_name=...))
 
 
+def num_slices(devices=None) -> int:
+  """How many TPU slices `devices` (default: all) span; 1 on other platforms."""
+  return len({getattr(d, "slice_index", 0) for d in devices or jax.devices()})
+
+
+def device_grid(shape: tuple[int, ...], devices) -> np.ndarray:
+  """`devices` as an array of `shape`, in jax.make_mesh's order within each slice. Devices on
+  several TPU slices (multi-slice: only the data-center network joins them) are laid out with
+  the first axis ('data') split across the slices, the others within each
+  (`mesh_utils.create_hybrid_device_mesh`): only the gradient all-reduce crosses slices."""
+  slices = num_slices(devices)
+  if slices == 1:
+    return jax.make_mesh(shape, [f"axis{i}" for i in range(len(shape))], devices=devices).devices
+  per_slice = (shape[0] // slices, *shape[1:])
+  return mesh_utils.create_hybrid_device_mesh(per_slice, (slices, *[1] * (len(shape) - 1)),
+                                              devices)
+
+
 def make_mesh(config=None) -> Mesh:
   """A 1-D mesh ('data') over every device of every process; for `config.parallelism='fsdp'`,
-  ('data', 'fsdp') of (devices // f, f), f = `config.fsdp_devices` (0: all of them).
-  Auto axes: XLA inserts the collectives."""
+  ('data', 'fsdp') of (devices // f, f), f = `config.fsdp_devices` (0: all of them; on several
+  TPU slices, those of one slice). Auto axes: XLA inserts the collectives."""
+  devices = jax.devices()
   if config is None or config.parallelism != "fsdp":
-    return jax.make_mesh((jax.device_count(),), (DATA_AXIS,), axis_types=(AxisType.Auto,))
-  f = config.fsdp_devices or jax.device_count()
-  return jax.make_mesh((jax.device_count() // f, f), (DATA_AXIS, FSDP_AXIS),
-                       axis_types=(AxisType.Auto,) * 2)
+    shape, names = (len(devices),), (DATA_AXIS,)
+  else:
+    f = config.fsdp_devices or len(devices) // num_slices(devices)
+    shape, names = (len(devices) // f, f), (DATA_AXIS, FSDP_AXIS)
+  return Mesh(device_grid(shape, devices), names, axis_types=(AxisType.Auto,) * len(shape))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -177,8 +198,8 @@ def describe(tree, name: str) -> str:
 
 class BatchNorm(nnx.BatchNorm):
   """nnx.BatchNorm whose batch statistics are those of the real examples of the global batch on
-  every path: give `mask` (`[batch]`, False on padding) and, under pmap, `axis_name=PMAP_AXIS`.
-  Features on the last axis.
+  every path: give `mask` (`[batch]`, False on padding: the `example_mask` that the steps pass
+  to the model) and, under pmap, `axis_name=PMAP_AXIS`. Features on the last axis.
 
   Under jit the batch is one global array and nnx.BatchNorm's masked mean is already exact. Under
   pmap nnx.BatchNorm averages each device's masked mean: wrong when devices hold different

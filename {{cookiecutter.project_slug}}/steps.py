@@ -37,6 +37,9 @@ def steps_per_dispatch(config) -> int:
   """k: `config.steps_per_dispatch`, or when it is 0, the default of the backend."""
   on_cpu = jax.default_backend() == "cpu"
   return config.steps_per_dispatch or (1 if on_cpu else ACCELERATOR_STEPS_PER_DISPATCH)
+# Folded into the seed's key before the stream positions: the augmentation keys are then none of
+# the keys that `nnx.Rngs(seed)` hands out (fold_in(key(seed), n), n = 0, 1, ...).
+AUGMENT_STREAM = 0x61756720  # b"aug "
 
 
 @flax.struct.dataclass
@@ -95,7 +98,7 @@ def prepare_images(batch, max_shift: int = 0, seed: int = 0) -> jax.Array:
   if not max_shift:
     return images_BHWC
   _, height, width, channels = images_BHWC.shape
-  key = jax.random.key(seed)
+  key = jax.random.fold_in(jax.random.key(seed), AUGMENT_STREAM)
   shifts_B2 = jax.vmap(lambda position: jax.random.randint(
       jax.random.fold_in(key, position), (2,), 0, 2 * max_shift + 1))(batch["position"])
   padded = jnp.pad(images_BHWC, ((0, 0), (max_shift,) * 2, (max_shift,) * 2, (0, 0)))
@@ -104,11 +107,14 @@ def prepare_images(batch, max_shift: int = 0, seed: int = 0) -> jax.Array:
 
 
 def loss_and_metrics(model, batch):
-  """The SUM of the losses of the real examples (normalised later, by the global count).
-  `batch["image"]` is the model's input (see `prepare_images`); a model whose `__call__` has a
-  `mask` parameter gets `batch["mask"]` too (BatchNorm must leave the padding out)."""
-  takes_mask = "mask" in inspect.signature(model.__call__).parameters
-  logits_BK = model(batch["image"], **({"mask": batch["mask"]} if takes_mask else {}))
+  """The SUM of the losses of the real examples (normalised later, by the global count), in
+  float32 whatever the model's dtype. `batch["image"]` is the model's input (see
+  `prepare_images`); a model whose `__call__` has an `example_mask` parameter gets
+  `batch["mask"]` there too, `[batch]`, False on padding (BatchNorm must leave the padding out).
+  """
+  takes_mask = "example_mask" in inspect.signature(model.__call__).parameters
+  logits_BK = model(batch["image"], **({"example_mask": batch["mask"]} if takes_mask else {}))
+  logits_BK = logits_BK.astype(jnp.float32)
   losses_B = optax.softmax_cross_entropy_with_integer_labels(logits_BK, batch["label"])
   loss_sum = jnp.sum(jnp.where(batch["mask"], losses_B, 0.0))
   step_metrics = Metrics.single_from_model_output(

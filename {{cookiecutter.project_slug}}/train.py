@@ -7,6 +7,7 @@ The logic is in `train_and_evaluate(config, workdir)`; the absl entry point is a
 
 import contextlib
 import functools
+import importlib.util
 import os
 import platform
 import signal
@@ -22,10 +23,12 @@ import flax
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from absl import app, flags, logging
 from flax import nnx
+from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
 import input_pipeline
@@ -33,12 +36,29 @@ import parallel
 import steps
 from model import create_model
 
-# Checkpoints: replicated arrays are written by one replica (Orbax's default on CPU and TPU
-# splits the writing across replicas, which compiles slicing programs at the first save: 2.7 s
-# against 0.25 s on 8 CPU devices). Orbax's global registry is left as it is.
-ARRAY_HANDLERS = ocp.type_handlers.create_type_handler_registry(
-    (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False)))
 OPTIMIZERS = ("adam", "adamw", "sgd")
+# What a remote --workdir needs without TensorFlow: Orbax reaches it through etils' fsspec
+# backend, the TensorBoard writer (tensorboardX) through the cloud's own client.
+REMOTE_WORKDIRS = {"gs": (("gcsfs", "google.cloud.storage"), 'pip install -e ".[gcs]"'),
+                   "s3": (("s3fs", "boto3"), "pip install s3fs boto3")}
+
+
+def array_handlers():
+  """Orbax's writers of jax.Array leaves (its global registry is left as it is). Orbax splits
+  the writing of a replicated array across its replicas on TPU (its default there); on the CPU,
+  where that compiles slicing programs at the first save (2.7 s against 0.25 s on 8 devices),
+  and on GPUs (Orbax's own choice for them, which it detects only from JAX_PLATFORMS), one
+  replica writes it."""
+  split = None if jax.default_backend() == "tpu" else False
+  return ocp.type_handlers.create_type_handler_registry(
+      (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=split)))
+
+
+def _installed(module: str) -> bool:
+  try:
+    return importlib.util.find_spec(module) is not None
+  except ModuleNotFoundError:  # its parent package is missing
+    return False
 
 
 class ConfigError(ValueError):
@@ -68,10 +88,12 @@ def validate_config(config: ml_collections.ConfigDict, workdir: str | None = Non
   for key in ("augment_max_shift", "read_threads", "prefetch_batches", "prefetch_to_device",
               "profile_first_step", "seed"):
     need(is_int(config[key], 0), f"config.{key}={config[key]!r} must be an integer >= 0.")
-  devices = jax.device_count()
+  slices = parallel.num_slices()
+  devices = jax.device_count() // slices  # fsdp groups stay within a TPU slice
   need(is_int(config.fsdp_devices, 0) and devices % max(config.fsdp_devices, 1) == 0,
-       f"config.fsdp_devices={config.fsdp_devices!r} does not divide the {devices} devices; use "
-       f"one of {[d for d in range(1, devices + 1) if devices % d == 0]} (0: all of them).")
+       f"config.fsdp_devices={config.fsdp_devices!r} does not divide the {devices} devices"
+       f"{' of a slice' if slices > 1 else ''}; use one of "
+       f"{[d for d in range(1, devices + 1) if devices % d == 0]} (0: all of them).")
   need(is_int(config.fsdp_min_size, 0),
        f"config.fsdp_min_size={config.fsdp_min_size!r} must be an integer >= 0.")
   need(is_int(config.steps_per_dispatch, 0),
@@ -86,7 +108,10 @@ def validate_config(config: ml_collections.ConfigDict, workdir: str | None = Non
     except TypeError:
       floating = False
     need(floating, f"config.model.{key}={model[key]!r} is not a floating-point dtype; use "
-         "float32, bfloat16 or float16.")
+         "float32 or bfloat16.")
+    need(key not in model or jnp.dtype(model[key]) != jnp.float16,
+         f"config.model.{key}='float16' needs loss scaling, which the steps do not do (small "
+         "gradients underflow to 0); use bfloat16, which has float32's range.")
   features = model.get("features", (1,))
   need(isinstance(features, (tuple, list)) and len(features) > 0 and all(
       is_int(f, 1) for f in features),
@@ -133,7 +158,16 @@ def validate_config(config: ml_collections.ConfigDict, workdir: str | None = Non
     need(os.path.isfile(os.path.join(config.data_dir, "metadata.json")),
          f"config.data_dir={config.data_dir!r} has no metadata.json; write the data with "
          "write_arrayrecord.py.")
-  if workdir is not None and "://" not in workdir:  # a local path (not gs://, s3://, ...)
+  if workdir is not None and "://" in workdir:  # gs://, s3://, ...
+    scheme = workdir.split("://", 1)[0]
+    need(scheme in REMOTE_WORKDIRS, f"--workdir={workdir!r}: {scheme}:// is not supported; use "
+         f"a local directory or one of {', '.join(f'{s}://' for s in REMOTE_WORKDIRS)}.")
+    modules, fix = REMOTE_WORKDIRS[scheme]
+    missing = [m for m in modules if not _installed(m)]
+    need(_installed("tensorflow") or not missing,  # with TensorFlow, tf.io.gfile writes it all
+         f"--workdir={workdir!r} needs {' and '.join(missing)}, which are not installed; "
+         f"install them: {fix}")
+  if workdir is not None and "://" not in workdir:  # a local path
     need(not os.path.exists(workdir) or os.path.isdir(workdir),
          f"--workdir={workdir!r} is a file, not a directory; give a directory (created if "
          "missing).")
@@ -243,15 +277,18 @@ class NonFiniteLoss(FloatingPointError):
   """A training step had a non-finite loss or gradient (its update was not applied)."""
 
 
+def preemption_service() -> bool:
+  """Whether JAX's preemption service takes SIGTERM: on JAX's distributed runtime, it tells every
+  process, and Orbax's `reached_preemption` names the step at which all of them stop."""
+  return jax.distributed.is_initialized() and jax.config.jax_enable_preemption_service
+
+
 @contextlib.contextmanager
 def stop_signals():
   """Collects SIGTERM and SIGINT instead of dying, so the loop can stop after a step and save.
-
-  With several processes, JAX's preemption service handles SIGTERM instead (the loop asks Orbax
-  whether a preemption sync point is reached), so that every process stops at the same step.
-  """
+  Not when JAX's preemption service takes SIGTERM (`preemption_service()`)."""
   received = []
-  mine = jax.process_count() == 1 and threading.current_thread() is threading.main_thread()
+  mine = not preemption_service() and threading.current_thread() is threading.main_thread()
   previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum))
               for sig in (signal.SIGTERM, signal.SIGINT)} if mine else {}
   try:
@@ -277,11 +314,35 @@ def initial_state(config, info, mesh, num_train_steps: int):
   return graphdef, abstract, jax.jit(lambda: nnx.split(build())[1], out_shardings=shardings)
 
 
+def stop_now(received: list, checkpoints, dispatch: int, can_agree: bool):
+  """What stops the loop after this call (a signal number or a name), or None. Processes stop
+  together: on JAX's preemption service at the step that it names; else, with several processes
+  (which the platform connects without that service), at a step where they can agree
+  (`can_agree`: one where the loop waits for results anyway), through a collective."""
+  if preemption_service():
+    return "a preemption notice" if checkpoints.reached_preemption(dispatch) else None
+  if jax.process_count() == 1:
+    return received[0] if received else None
+  if not can_agree:
+    return None
+  signals = multihost_utils.process_allgather(np.int32(received[0] if received else 0))
+  return int(np.max(signals)) or None
+
+
 def restore_or_init(checkpoints, abstract, init, workdir: str):
   """The step and state of the latest complete checkpoint in `workdir`, restored into the
   shapes, dtypes and shardings of `abstract`, or (0, `init()`). The data resume from the step:
-  batch b is batch b whatever the steps per dispatch and the number of processes."""
+  batch b is batch b whatever the steps per dispatch and the number of processes. Every
+  process must see the same checkpoints (a shared workdir)."""
   step = checkpoints.latest_step()
+  if jax.process_count() > 1:
+    seen = multihost_utils.process_allgather(np.int32(-1 if step is None else step)).tolist()
+    if len(set(seen)) > 1:
+      raise ConfigError(
+          f"the workdir is not shared by the processes: their latest checkpoints in {workdir!r} "
+          f"are {', '.join(f'{s if s >= 0 else None} (process {i})' for i, s in enumerate(seen))}; "
+          "give every process the same --workdir, on a file system that they all see (or a "
+          "bucket: gs://...).")
   if step is None:
     return 0, init()
   check_checkpoint_fits(checkpoints, step, abstract, workdir)
@@ -341,7 +402,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   checkpoints = ocp.CheckpointManager(
       os.path.join(workdir, "checkpoints"),
       options=ocp.CheckpointManagerOptions(max_to_keep=config.max_checkpoints_to_keep),
-      item_handlers=dict(state=ocp.PyTreeCheckpointHandler(type_handler_registry=ARRAY_HANDLERS)))
+      item_handlers=dict(
+          state=ocp.PyTreeCheckpointHandler(type_handler_registry=array_handlers())))
   first_step, state = restore_or_init(checkpoints, abstract, init, workdir)
   whole = sum(x.nbytes for x in jax.tree.leaves(state))
   speed = Speed(graphdef, state, info.image_shape, config)
@@ -411,9 +473,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         progress.start(step)
         last_log = loop_start
       is_last = step == num_train_steps
-      stopped_by = received[0] if received else (
-          "a preemption notice" if jax.process_count() > 1 and checkpoints.reached_preemption(
-              -(-step // k)) else None)  # the dispatch number: the same on every process
+      # (the dispatch number: the same on every process)
+      stopped_by = stop_now(received, checkpoints, -(-step // k),
+                            can_agree=step % config.log_every_steps == 0)
       if step % config.log_every_steps == 0 or step % config.checkpoint_every_steps == 0 or (
           is_last or stopped_by):
         fetched = jax.device_get(running)  # one transfer, for the check and the summary
@@ -432,13 +494,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           progress.log("Skipped %d of steps %d-%d: non-finite loss or gradient.",
                        int(summary["nonfinite_steps"]), since, step, level=logging.WARNING)
         running, since, last_log = compiled.empty(steps.TrainMetrics), step + 1, now
-      if step % config.eval_every_steps == 0 or is_last:
-        eval_metrics = evaluate(compiled, state, eval_batches, config)
-        writer.write_scalars(step, {f"eval_{name}": v for name, v in eval_metrics.items()})
-        progress.log("eval at step %d: loss %.4f  accuracy %.4f  (%d examples)", step,
-                     eval_metrics["loss"], eval_metrics["accuracy"], eval_metrics["examples"])
-      if step % config.checkpoint_every_steps == 0 or is_last or stopped_by:
-        save(step)
+      evaluate_now = step % config.eval_every_steps == 0 or is_last
+      if evaluate_now or step % config.checkpoint_every_steps == 0 or is_last or stopped_by:
+        jax.block_until_ready(state)  # the steps queued so far are training time
+        paused = time.perf_counter()
+        if evaluate_now:
+          eval_metrics = evaluate(compiled, state, eval_batches, config)
+          writer.write_scalars(step, {f"eval_{name}": v for name, v in eval_metrics.items()})
+          progress.log("eval at step %d: loss %.4f  accuracy %.4f  (%d examples)", step,
+                       eval_metrics["loss"], eval_metrics["accuracy"], eval_metrics["examples"])
+        if step % config.checkpoint_every_steps == 0 or is_last or stopped_by:
+          save(step)
+        paused = time.perf_counter() - paused  # left out of the training rates
+        last_log += paused
+        progress.pause(paused)
       if stopped_by:
         break
   checkpoints.close()  # waits for the last asynchronous save
@@ -477,10 +546,18 @@ _HEARTBEAT = flags.DEFINE_integer(
     "stop with an error instead of waiting for it.")
 
 def cluster_detected() -> bool:
-  """A multi-process job that jax.distributed.initialize() configures from the environment."""
-  env = os.environ
-  return (int(env.get("SLURM_NTASKS", 1)) > 1 or int(env.get("OMPI_COMM_WORLD_SIZE", 1)) > 1
-          or "," in env.get("TPU_WORKER_HOSTNAMES", "") or "JAX_COORDINATOR_ADDRESS" in env)
+  """A job of several processes that jax.distributed.initialize() configures by itself: JAX's
+  own detection (SLURM, Open MPI, Cloud TPU VMs, GKE, Kubernetes; mpi4py only when asked), or
+  JAX_COORDINATOR_ADDRESS. A job of one process is left alone (JAX would restrict it to one GPU
+  under SLURM and Open MPI). On a plain machine it reads environment variables only: JAX asks
+  the TPU metadata server only on a Cloud TPU VM."""
+  if "JAX_COORDINATOR_ADDRESS" in os.environ:
+    return True
+  from jax._src import clusters  # JAX's detection: no public API gives it
+
+  cluster = next((env for env in clusters.ClusterEnv._cluster_types
+                  if not env.opt_in_only_method and env.is_env_present()), None)
+  return cluster is not None and cluster.get_process_count() > 1
 
 
 def initialize_distributed() -> None:
@@ -502,11 +579,11 @@ def initialize_distributed() -> None:
 
 
 class _QuietLibraries(logging.logging.Filter):
-  """Keeps the log to progress and metrics: drops INFO lines from inside JAX and Orbax."""
+  """Keeps the log to progress and metrics: drops INFO lines from inside JAX, Orbax and gcsfs."""
 
   def filter(self, record):
     return record.levelno >= logging.logging.WARNING or not any(
-        f"{os.sep}{lib}{os.sep}" in record.pathname for lib in ("jax", "orbax"))
+        f"{os.sep}{lib}{os.sep}" in record.pathname for lib in ("jax", "orbax", "gcsfs"))
 
 
 def use_compilation_cache(config) -> None:

@@ -187,7 +187,7 @@ def write_image_folder(out_dir: str, folder: str, image_size: tuple[int, int] | 
   """Writes the images of `folder` (see the module's docstring); returns the skipped paths.
   Checks the whole tree (file names and image headers) before writing anything."""
   classes, examples = list_image_folder(folder, eval_fraction)
-  num_threads = num_threads or os.cpu_count() or 1
+  num_threads = num_threads or input_pipeline.available_cpus()
   skipped = []
   with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:  # PIL releases the GIL
     for split, pairs in examples.items():

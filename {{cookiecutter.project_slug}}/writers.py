@@ -123,6 +123,10 @@ class Progress:
     self.first_step = self.last_step = step
     self.first_time = self.last_time = time.perf_counter()
 
+  def pause(self, seconds: float):
+    """Leaves `seconds` (an evaluation, a checkpoint) out of the next `steps_per_sec`."""
+    self.last_time += seconds
+
   def eta(self, step: int, now: float) -> str:
     rate = (step - self.first_step) / max(now - self.first_time, 1e-9)
     return _minutes((self.num_steps - step) / rate) if rate else "?"

@@ -194,9 +194,24 @@ def test_write_arrayrecord_checks_the_pixels(tmp_path, case):
     ("digits", 16, 0), ("synthetic", 16, 0), ("arrayrecord", 16, 8), ("arrayrecord", 4, 3),
     ("arrayrecord", 1, 1)])
 def test_workers_chosen_from_the_cores(tiny_config, monkeypatch, dataset, cores, expected):
-  monkeypatch.setattr(input_pipeline.os, "cpu_count", lambda: cores)
+  monkeypatch.setattr(input_pipeline, "available_cpus", lambda: cores)
   tiny_config.dataset = dataset
   assert tiny_config.num_workers == -1  # the default: chosen
   assert input_pipeline.default_workers(tiny_config) == expected
   tiny_config.num_workers = 2
   assert input_pipeline.default_workers(tiny_config) == 2
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS")
+def test_workers_follow_the_cores_this_process_may_use(tiny_config, monkeypatch):
+  """On a 16-core node, a process bound to one core (a SLURM task, taskset) starts one worker,
+  not 8."""
+  monkeypatch.setattr(os, "cpu_count", lambda: 16)  # the node
+  tiny_config.dataset = "arrayrecord"
+  allowed = os.sched_getaffinity(0)
+  os.sched_setaffinity(0, {min(allowed)})
+  try:
+    assert input_pipeline.default_workers(tiny_config) == 1
+  finally:
+    os.sched_setaffinity(0, allowed)
+  assert os.sched_getaffinity(0) == allowed

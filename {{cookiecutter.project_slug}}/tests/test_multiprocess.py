@@ -105,10 +105,10 @@ def test_resume_with_another_number_of_processes(tmp_path):
   assert resumed["eval_accuracy"][last] == pytest.approx(single["eval_accuracy"][last], abs=1e-6)
 
 
-def start_pair(workdir):
+def start_pair(workdir, **env):
   """Two train.py processes of 4 CPU devices, training long enough to be interrupted."""
   env = {**os.environ, "XLA_FLAGS": os.environ["XLA_FLAGS"].replace("count=8", "count=4"),
-         "JAX_PLATFORMS": "cpu"}
+         "JAX_PLATFORMS": "cpu", **env}
   address = f"127.0.0.1:{portpicker.pick_unused_port()}"
   processes = [subprocess.Popen(
       [sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={workdir}",
@@ -165,3 +165,69 @@ def test_when_a_process_dies_the_other_stops_with_an_error(tmp_path, victim):
         f"{causes[:1]}")
   assert survivor.returncode != 0 and causes, stderr[-3000:]
   assert elapsed < 60
+
+
+@pytest.mark.slow
+def test_sigterm_without_the_preemption_service_stops_all_at_a_log_step(tmp_path):
+  """Processes that no preemption service connects (here: it is turned off) catch SIGTERM
+  themselves and agree, at the next log step, to stop there together and save."""
+  processes = start_pair(tmp_path, JAX_ENABLE_PREEMPTION_SERVICE="false")
+  try:
+    processes[1].send_signal(signal.SIGTERM)
+    stderrs = [p.communicate(timeout=120)[1] for p in processes]
+  finally:
+    stop_all(processes)
+  assert [p.returncode for p in processes] == [143, 143], stderrs[0][-3000:]
+  stops = [line for err in stderrs for line in err.splitlines() if "Stopped by SIGTERM" in line]
+  assert len(stops) == 2
+  step = int(stops[0].split("after step ")[1].split()[0])
+  assert all(f"after step {step} of" in line for line in stops) and step % 5 == 0
+  assert (tmp_path / "checkpoints" / str(step)).is_dir()
+
+
+def run_pair(workdirs, env=None, timeout=300):
+  """train.py (tiny config) as 2 processes of 4 CPU devices, process i with workdirs[i]; given
+  `env` (a function of i), with no coordinator flags. Returns their (returncode, stderr)."""
+  address = f"127.0.0.1:{portpicker.pick_unused_port()}"
+  flags = lambda i: [] if env else [f"--coordinator_address={address}",  # noqa: E731
+                                    "--num_processes=2", f"--process_id={i}"]
+  processes = [subprocess.Popen(
+      [sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={workdirs[i]}",
+       *flags(i)], cwd=PROJECT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+      env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "JAX_PLATFORMS": "cpu", **(env(i) if env else {})}) for i in range(2)]
+  try:
+    stderrs = [p.communicate(timeout=timeout)[1] for p in processes]
+    return [(p.returncode, err) for p, err in zip(processes, stderrs, strict=True)]
+  finally:
+    stop_all(processes)
+
+
+@pytest.mark.slow
+def test_a_slurm_job_joins_by_itself(tmp_path):
+  """Two tasks of a SLURM job step (its variables, as srun sets them; the coordinator on
+  127.0.0.1) find each other through JAX's own detection, without coordinator flags."""
+  port = portpicker.pick_unused_port()
+  slurm = lambda i: {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "127.0.0.1",  # noqa: E731
+                     "SLURM_NTASKS": "2", "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i),
+                     "JAX_COORDINATOR_PORT": str(port),
+                     "JAX_COORDINATOR_BIND_ADDRESS": f"127.0.0.1:{port}"}
+  results = run_pair([tmp_path, tmp_path], env=slurm)
+  assert [code for code, _ in results] == [0, 0], results[0][1][-3000:]
+  assert "8 cpu devices in 2 processes" in results[0][1]
+  scalars = read_scalars(str(tmp_path))
+  assert set(scalars["eval_examples"].values()) == {360}
+
+
+@pytest.mark.slow
+def test_processes_that_see_different_checkpoints_stop_with_one_error(tmp_path):
+  """Hosts whose workdirs are not shared: process 0 sees a checkpoint (step 10), process 1
+  none. Both stop before training, with one line naming the fix, instead of diverging."""
+  train(tmp_path / "one", 1)
+  shutil.copytree(tmp_path / "one" / "checkpoints" / "10", tmp_path / "a" / "checkpoints" / "10")
+  results = run_pair([tmp_path / "a", tmp_path / "b"])
+  for code, stderr in results:
+    last = stderr.strip().splitlines()[-1]
+    assert code == 1 and last.startswith("error: the workdir is not shared by the processes: "
+                                         "their latest checkpoints in "), stderr[-3000:]
+    assert "are 10 (process 0), None (process 1); give every process the same --workdir" in last

@@ -273,8 +273,8 @@ class BatchNormCNN(nnx.Module):
     self.norm = parallel.BatchNorm(4, momentum=0.9, axis_name=axis_name, rngs=rngs)
     self.dense = nnx.Linear(8 * 8 * 4, 10, rngs=rngs)
 
-  def __call__(self, images, mask=None):  # a `mask` parameter: the steps pass the batch's
-    x = nnx.relu(self.norm(self.conv(images), mask=mask))
+  def __call__(self, images, example_mask=None):  # the steps pass the batch's mask here
+    x = nnx.relu(self.norm(self.conv(images), mask=example_mask))
     return self.dense(x.reshape(x.shape[0], -1))
 
 
@@ -372,3 +372,40 @@ def test_rolled_loop_equals_single_calls(tiny_config, parallelism):
   assert metrics["loss"] == pytest.approx(expected_metrics["loss"], abs=1e-6)
   assert metrics["accuracy"] == expected_metrics["accuracy"]
   assert metrics["nonfinite_steps"] == 0 and int(got[1]["step"][...]) == 4
+
+
+class FakeTpu:
+  """What mesh_utils reads of a device: its id, slice, platform and kind."""
+
+  platform, device_kind = "cpu", "fake"
+
+  def __init__(self, id, slice_index):
+    self.id, self.slice_index = id, slice_index
+
+  def __repr__(self):
+    return f"{self.slice_index}/{self.id}"
+
+
+@pytest.mark.parametrize("shape", [(8,), (4, 2)])  # spmd ('data'); fsdp ('data', 'fsdp')
+def test_devices_on_two_slices_split_the_data_axis_across_slices(shape):
+  """Multi-slice TPU (jax.make_mesh refuses it): the 'data' axis spans the slices, any 'fsdp'
+  group stays within one (only the gradient all-reduce crosses the slower network)."""
+  devices = [FakeTpu(i, slice_index=i // 4) for i in range(8)]
+  assert parallel.num_slices(devices) == 2
+  grid = parallel.device_grid(shape, devices)
+  assert grid.shape == shape
+  slice_of = np.vectorize(lambda d: d.slice_index)(grid)
+  assert (slice_of[: shape[0] // 2] == 0).all() and (slice_of[shape[0] // 2:] == 1).all()
+  assert sorted(d.id for d in grid.flat) == list(range(8))
+
+
+@pytest.mark.parametrize("parallelism, fsdp_devices", [("spmd", 0), ("fsdp", 0), ("fsdp", 2)])
+def test_one_slice_mesh_is_jax_make_mesh(tiny_config, parallelism, fsdp_devices):
+  tiny_config.parallelism, tiny_config.fsdp_devices = parallelism, fsdp_devices
+  mesh = parallel.make_mesh(tiny_config)
+  f = fsdp_devices or 8
+  expected = (jax.make_mesh((8,), ("data",)) if parallelism == "spmd" else
+              jax.make_mesh((8 // f, f), ("data", "fsdp")))
+  assert mesh.axis_names == expected.axis_names
+  assert (mesh.devices == expected.devices).all()
+  assert set(mesh.axis_types) == {jax.sharding.AxisType.Auto}
