@@ -292,9 +292,7 @@ def measure_default_run(is_tiny: bool) -> dict:
   cold: no persistent compilation cache. Its wall time, what its log says of it, and the time
   from the start to its first-calls line (the start-up: imports, data, state, compiling)."""
   name = "tiny" if is_tiny else "default"
-  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
-                      f"{NUM_DEVICES}").strip()
+  env = {k: v for k, v in subprocess_env().items() if k != "JAX_COMPILATION_CACHE_DIR"}
   with tempfile.TemporaryDirectory() as workdir:
     start = time.perf_counter()
     process = subprocess.Popen(
@@ -345,15 +343,20 @@ def measure(what: str, is_tiny: bool) -> dict:
               backend=jax.default_backend(), device_kind=jax.devices()[0].device_kind)
 
 
-def run_in_subprocess(what: str, is_tiny: bool) -> dict:
-  """`measure(what)` in a fresh process, with NUM_DEVICES devices on the CPU."""
+def subprocess_env() -> dict[str, str]:
+  """This process's environment, with NUM_DEVICES devices on the CPU."""
   xla_flags = os.environ.get("XLA_FLAGS", "")
   if "xla_force_host_platform_device_count" not in xla_flags:
     xla_flags += f" --xla_force_host_platform_device_count={NUM_DEVICES}"
+  return dict(os.environ, XLA_FLAGS=xla_flags.strip())
+
+
+def run_in_subprocess(what: str, is_tiny: bool) -> dict:
+  """`measure(what)` in a fresh process, with NUM_DEVICES devices on the CPU."""
   command = [sys.executable, os.path.abspath(__file__), f"--measure={what}"]
   command += ["--tiny"] if is_tiny else []
   done = subprocess.run(command, capture_output=True, text=True, timeout=120 if is_tiny else 600,
-                        env=dict(os.environ, XLA_FLAGS=xla_flags.strip()))
+                        env=subprocess_env())
   if done.returncode:
     raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
   return json.loads(done.stdout.splitlines()[-1])

@@ -105,10 +105,15 @@ def test_resume_with_another_number_of_processes(tmp_path):
   assert resumed["eval_accuracy"][last] == pytest.approx(single["eval_accuracy"][last], abs=1e-6)
 
 
+def four_devices(**env) -> dict[str, str]:
+  """The environment of a process of 4 CPU devices (the other XLA flags kept: conftest.py)."""
+  return {**os.environ, "XLA_FLAGS": os.environ["XLA_FLAGS"].replace("count=8", "count=4"),
+          "JAX_PLATFORMS": "cpu", **env}
+
+
 def start_pair(workdir, **env):
   """Two train.py processes of 4 CPU devices, training long enough to be interrupted."""
-  env = {**os.environ, "XLA_FLAGS": os.environ["XLA_FLAGS"].replace("count=8", "count=4"),
-         "JAX_PLATFORMS": "cpu", **env}
+  env = four_devices(**env)
   address = f"127.0.0.1:{portpicker.pick_unused_port()}"
   processes = [subprocess.Popen(
       [sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={workdir}",
@@ -130,18 +135,25 @@ def stop_all(processes):
 
 
 @pytest.mark.slow
-def test_sigterm_to_one_process_stops_all_at_the_same_step(tmp_path):
-  processes = start_pair(tmp_path)
+@pytest.mark.parametrize("service", [True, False], ids=["preemption_service", "no_service"])
+def test_sigterm_to_one_process_stops_all_at_the_same_step(tmp_path, service):
+  """SIGTERM to process 1. JAX's preemption service (on by default) tells process 0, and both
+  stop at the step it names. Processes that no such service connects (here: it is turned off)
+  catch SIGTERM themselves and agree, at the next log step, to stop there together and save."""
+  processes = start_pair(tmp_path, **({} if service else
+                                      {"JAX_ENABLE_PREEMPTION_SERVICE": "false"}))
   try:
-    processes[1].send_signal(signal.SIGTERM)  # JAX's preemption service tells process 0
+    processes[1].send_signal(signal.SIGTERM)
     stderrs = [p.communicate(timeout=120)[1] for p in processes]
   finally:
     stop_all(processes)
   assert [p.returncode for p in processes] == [143, 143], stderrs[0][-3000:]
-  stops = [line for err in stderrs for line in err.splitlines() if "Stopped by" in line]
+  marker = "Stopped by" if service else "Stopped by SIGTERM"
+  stops = [line for err in stderrs for line in err.splitlines() if marker in line]
   assert len(stops) == 2
   step = int(stops[0].split("after step ")[1].split()[0])
   assert all(f"after step {step} of" in line for line in stops)  # both at the same step
+  assert service or step % 5 == 0  # without the service: a log step
   assert (tmp_path / "checkpoints" / str(step)).is_dir()
 
 
@@ -167,24 +179,6 @@ def test_when_a_process_dies_the_other_stops_with_an_error(tmp_path, victim):
   assert elapsed < 60
 
 
-@pytest.mark.slow
-def test_sigterm_without_the_preemption_service_stops_all_at_a_log_step(tmp_path):
-  """Processes that no preemption service connects (here: it is turned off) catch SIGTERM
-  themselves and agree, at the next log step, to stop there together and save."""
-  processes = start_pair(tmp_path, JAX_ENABLE_PREEMPTION_SERVICE="false")
-  try:
-    processes[1].send_signal(signal.SIGTERM)
-    stderrs = [p.communicate(timeout=120)[1] for p in processes]
-  finally:
-    stop_all(processes)
-  assert [p.returncode for p in processes] == [143, 143], stderrs[0][-3000:]
-  stops = [line for err in stderrs for line in err.splitlines() if "Stopped by SIGTERM" in line]
-  assert len(stops) == 2
-  step = int(stops[0].split("after step ")[1].split()[0])
-  assert all(f"after step {step} of" in line for line in stops) and step % 5 == 0
-  assert (tmp_path / "checkpoints" / str(step)).is_dir()
-
-
 def run_pair(workdirs, env=None, timeout=300):
   """train.py (tiny config) as 2 processes of 4 CPU devices, process i with workdirs[i]; given
   `env` (a function of i), with no coordinator flags. Returns their (returncode, stderr)."""
@@ -194,8 +188,7 @@ def run_pair(workdirs, env=None, timeout=300):
   processes = [subprocess.Popen(
       [sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={workdirs[i]}",
        *flags(i)], cwd=PROJECT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-      env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-           "JAX_PLATFORMS": "cpu", **(env(i) if env else {})}) for i in range(2)]
+      env=four_devices(**(env(i) if env else {}))) for i in range(2)]
   try:
     stderrs = [p.communicate(timeout=timeout)[1] for p in processes]
     return [(p.returncode, err) for p, err in zip(processes, stderrs, strict=True)]
