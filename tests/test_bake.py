@@ -130,6 +130,10 @@ def test_bake_python_and_parallelism(cookies, python_min, parallelism):
   workflow = yaml.safe_load((project / CI_WORKFLOW).read_text(encoding="utf-8"))
   matrix = workflow["jobs"]["test"]["strategy"]["matrix"]["python-version"]
   assert matrix == ([python_min, "3.12"] if python_min == "3.11" else [python_min])
+  readme = (project / "README.md").read_text(encoding="utf-8")
+  interpreter = "python3" if python_min == "3.11" else f"python{python_min}"
+  assert re.search(r"```bash\n(\S+) -m venv \.venv", readme)[1] == interpreter
+  assert ("JAX 0.10" in readme) == (python_min == "3.11")  # only 3.11 gets the older JAX
   default_config = project / "configs" / "default.py"
   if default_config.exists():  # written by the project code, listed in EXPECTED_FILES
     assert f'config.parallelism = "{parallelism}"' in default_config.read_text(encoding="utf-8")

@@ -7,9 +7,11 @@ The logic is in `train_and_evaluate(config, workdir)`; the absl entry point is a
 
 import contextlib
 import functools
+import glob
 import importlib.util
 import os
 import platform
+import re
 import signal
 import threading
 import time
@@ -77,6 +79,9 @@ def validate_config(config: ml_collections.ConfigDict, workdir: str | None = Non
 
   need(config.dataset in input_pipeline.DATASETS,
        f"config.dataset={config.dataset!r} is unknown; use one of {input_pipeline.DATASETS}.")
+  need(not config.data_dir or config.dataset == "arrayrecord",
+       f"config.data_dir={config.data_dir!r} is read only by config.dataset='arrayrecord', not "
+       f"{config.dataset!r}; add --config.dataset=arrayrecord (or leave data_dir empty).")
   need(config.parallelism in steps.PARALLELISMS,
        f"config.parallelism={config.parallelism!r} is unknown; use one of {steps.PARALLELISMS}.")
   need(config.optimizer in OPTIMIZERS,
@@ -610,13 +615,27 @@ def main(argv):
 
 
 def parse_flags(argv):
-  """absl's flag parsing; a --config.KEY that the config does not have is one line too."""
+  """absl's flag parsing, where a config file that is not there, or a --config.KEY that the
+  config does not have, is one line too."""
   try:
-    return app.parse_flags_with_usage(argv)
-  except AttributeError as e:  # ml_collections, for a key it does not know
-    key = str(e).strip("\"'")
-    raise SystemExit(f"error: the config has no key {key!r}; its keys are in "
+    parsed = app.parse_flags_with_usage(argv)
+  except AttributeError as e:  # ml_collections: KeyError("'key'\nDid you mean \"...\"?")
+    cause = e.args[0] if e.args and isinstance(e.args[0], KeyError) else e
+    text = str(cause.args[0] if cause.args else cause)
+    key = re.match(r"\W*([\w.]*)", text)[1]
+    hint = re.search(r'Did you mean "([\w.]+)"', text)
+    given = [a[len("--config."):].split("=")[0] for a in argv if a.startswith("--config.")]
+    key = next((name for name in given if name.rsplit(".", 1)[-1] == key), key)
+    hint = hint and ".".join([*key.split(".")[:-1], hint[1]])
+    raise SystemExit(f"error: the config has no key {key!r}"
+                     f"{f' (did you mean {hint!r}?)' if hint else ''}; its keys are in "
                      "configs/default.py (a typo in --config.KEY=VALUE?).") from None
+  path = config_flags.get_config_filename(flags.FLAGS["config"]).split(":")[0]
+  if not os.path.isfile(path):
+    configs = sorted(glob.glob(os.path.join(os.path.dirname(path) or ".", "*.py")))
+    raise SystemExit(f"error: --config={path!r} is not a file; use one of "
+                     f"{', '.join(configs) or 'configs/default.py'}.")
+  return parsed
 
 
 if __name__ == "__main__":

@@ -267,6 +267,21 @@ def test_pmap_dropout_differs_across_devices_and_state_stays_replicated(tiny_con
     assert (per_device == per_device[:1]).all()  # still identical on every device
 
 
+def test_dropout_gives_the_same_numbers_on_spmd_fsdp_and_one_device_not_pmap(tiny_config):
+  """spmd and fsdp draw one dropout mask for the global batch, as one device does (JAX's
+  random bits do not depend on the sharding); pmap draws each device's own (README: Use your
+  own model)."""
+  tiny_config.fsdp_min_size = 0
+  data = batches([64, 20])
+  results = {parallelism: run(tiny_config, parallelism, data,
+                              *initial_state(tiny_config, DropoutCNN(nnx.Rngs(0))))[0]
+             for parallelism in ("single", "spmd", "fsdp", "pmap")}
+  assert_trees_close(results["spmd"], results["single"], atol=1e-6)
+  assert_trees_close(results["fsdp"], results["single"], atol=1e-6)
+  kernel = lambda state: np.asarray(state[0]["dense"]["kernel"][...])  # noqa: E731
+  assert np.abs(kernel(results["pmap"]) - kernel(results["single"])).max() > 1e-3
+
+
 class BatchNormCNN(nnx.Module):
   def __init__(self, axis_name, rngs):
     self.conv = nnx.Conv(1, 4, kernel_size=(3, 3), use_bias=False, rngs=rngs)  # BN has one

@@ -246,6 +246,11 @@ BAD_CONFIGS = [
      "config.synthetic.num_train=0 must be a positive integer."),
     ("--config.bogus_key=1", "the config has no key 'bogus_key'; its keys are in "
                              "configs/default.py"),
+    ("--config.model.featurs=(8,)", "the config has no key 'model.featurs' (did you mean "
+                                    "'model.features'?); its keys are in configs/default.py"),
+    ("--config.data_dir=configs", "config.data_dir='configs' is read only by "
+                                  "config.dataset='arrayrecord', not 'digits'; add "
+                                  "--config.dataset=arrayrecord"),
     ("--config.steps_per_dispatch=5 --config.log_every_steps=7", "config.log_every_steps=7 is "
      "not a multiple of config.steps_per_dispatch=5; use 5 or 10, or another steps_per_dispatch."),
     ("--config.steps_per_dispatch=-1", "config.steps_per_dispatch=-1 must be an integer >= 0 (0: "
@@ -284,6 +289,15 @@ def test_bad_config_is_one_line_before_anything_is_read_or_written(tmp_path, mon
   workdir = tmp_path / "run"
   error = run_in_process("--config=configs/tiny.py", f"--workdir={workdir}", *override.split())
   assert error.startswith("error: ") and message in error and "\n" not in error, error
+  assert not workdir.exists()
+
+
+def test_a_config_file_that_is_not_there_is_one_line(tmp_path, monkeypatch):
+  monkeypatch.chdir(PROJECT)
+  workdir = tmp_path / "run"
+  error = run_in_process("--config=configs/defualt.py", f"--workdir={workdir}")
+  assert error == ("error: --config='configs/defualt.py' is not a file; use one of "
+                   "configs/default.py, configs/tiny.py."), error
   assert not workdir.exists()
 
 
