@@ -14,6 +14,8 @@ kept for the next run: `pytest --cache-clear` starts cold. Set JAX_COMPILATION_C
 use another directory.
 """
 
+import fcntl
+import json
 import os
 
 ACCELERATOR_ENV = dict(os.environ)
@@ -45,16 +47,28 @@ def two_epochs(parallelism):
 
 @pytest.fixture(scope="session")
 def straight_runs(tmp_path_factory):
-  """`two_epochs` on each path, uninterrupted, in this process: {parallelism: (workdir, eval
-  metrics)}. Several tests resume these runs, or compare other runs with them."""
+  """`two_epochs` on each path, uninterrupted: {parallelism: (workdir, eval metrics)}. Several
+  tests resume these runs, or compare other runs with them (reading, never writing, them).
+  Made once per session, in this process; under pytest-xdist once for all workers, by the
+  first that asks (the others wait for it, then read its workdirs)."""
   import steps
   import train
 
-  runs = {}
-  for parallelism in steps.PARALLELISMS:
-    workdir = tmp_path_factory.mktemp(parallelism)
-    runs[parallelism] = workdir, train.train_and_evaluate(two_epochs(parallelism), str(workdir))
-  return runs
+  shared = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    shared = shared.parent  # the workers' common temporary directory
+  done = shared / "straight_runs.json"
+  with open(shared / "straight_runs.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    if not done.exists():
+      metrics = {}
+      for parallelism in steps.PARALLELISMS:
+        workdir = shared / f"straight_{parallelism}"
+        metrics[parallelism] = train.train_and_evaluate(two_epochs(parallelism), str(workdir))
+      done.write_text(json.dumps(metrics))
+    metrics = json.loads(done.read_text())
+  return {parallelism: (shared / f"straight_{parallelism}", metrics[parallelism])
+          for parallelism in steps.PARALLELISMS}
 
 
 @pytest.fixture

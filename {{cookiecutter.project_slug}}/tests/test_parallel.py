@@ -75,6 +75,14 @@ def compiled_steps(graphdef, config_items: tuple, unroll=None) -> tuple[steps.St
   return steps.make(graphdef, config, mesh, unroll), mesh
 
 
+def steps_for(config, parallelism, graphdef, k=1, unroll=None):
+  config.parallelism, config.steps_per_dispatch = parallelism, k
+  return compiled_steps(graphdef, tuple(
+      (key, config[key]) for key in ("parallelism", "steps_per_dispatch", "grad_accum_steps",
+                                     "augment_max_shift", "seed", "fsdp_devices",
+                                     "fsdp_min_size")), unroll)
+
+
 def run(config, parallelism, batch_list, graphdef=None, state=None, k=1, unroll=None):
   """One train step per batch: on one device one call each, or on 8 devices with spmd, pmap or
   fsdp, k steps a call (`unroll`: see steps.make). Returns the state and the summary of the
@@ -87,11 +95,7 @@ def run(config, parallelism, batch_list, graphdef=None, state=None, k=1, unroll=
     for batch in batch_list:
       state, running = step(state, running, batch)
     return state, train.summarize(running)
-  config.parallelism, config.steps_per_dispatch = parallelism, k
-  compiled, mesh = compiled_steps(graphdef, tuple(
-      (key, config[key]) for key in ("parallelism", "steps_per_dispatch", "grad_accum_steps",
-                                     "augment_max_shift", "seed", "fsdp_devices",
-                                     "fsdp_min_size")), unroll)
+  compiled, mesh = steps_for(config, parallelism, graphdef, k, unroll)
   state = compiled.put_state(parallel.place_state(state, mesh, config.fsdp_min_size))
   running = compiled.empty(steps.TrainMetrics)
   for group in stacked(batch_list, k):
@@ -245,11 +249,28 @@ class DropoutCNN(nnx.Module):
     return self.dense(self.dropout(images.reshape(images.shape[0], -1)))
 
 
-def test_pmap_dropout_differs_across_devices_and_state_stays_replicated(tiny_config):
-  graphdef, state = initial_state(tiny_config, DropoutCNN(nnx.Rngs(0)))
-  tiny_config.parallelism = "pmap"
-  compiled = steps.make(graphdef, tiny_config, parallel.make_mesh())
-  state = compiled.put_state(state)
+def test_dropout_gives_the_same_numbers_on_spmd_fsdp_and_one_device_not_pmap(tiny_config):
+  """spmd and fsdp draw one dropout mask for the global batch, as one device does (JAX's
+  random bits do not depend on the sharding). pmap folds the device index into the keys: each
+  device draws its own masks, and the state stays replicated (README: Use your own model)."""
+  tiny_config.fsdp_min_size = 0
+  data = batches([64, 20])
+  fresh = lambda: initial_state(tiny_config, DropoutCNN(nnx.Rngs(0)))  # noqa: E731 (donated)
+  results = {parallelism: run(tiny_config, parallelism, data, *fresh())[0]
+             for parallelism in ("single", "spmd", "fsdp")}
+  assert_trees_close(results["spmd"], results["single"], atol=1e-6)
+  assert_trees_close(results["fsdp"], results["single"], atol=1e-6)
+
+  graphdef, state = fresh()
+  compiled, _ = steps_for(tiny_config, "pmap", graphdef)
+  replicated, running = compiled.put_state(state), compiled.empty(steps.TrainMetrics)
+  for group in stacked(data, 1):
+    replicated, running = compiled.train(replicated, running, compiled.put_batch(group))
+  for leaf in jax.tree.leaves(replicated):
+    per_device = as_numpy(leaf)
+    assert (per_device == per_device[:1]).all()  # still identical on every device
+  kernel = lambda state: np.asarray(state[0]["dense"]["kernel"][...])  # noqa: E731
+  assert np.abs(kernel(compiled.get_state(replicated)) - kernel(results["single"])).max() > 1e-3
 
   @functools.partial(jax.pmap, axis_name=parallel.PMAP_AXIS)
   def dropout_masks(state, images):
@@ -257,29 +278,8 @@ def test_pmap_dropout_differs_across_devices_and_state_stays_replicated(tiny_con
     steps.fold_in_device_index(model, parallel.PMAP_AXIS)
     return model.dropout(images) != 0
 
-  masks = np.asarray(dropout_masks(state, jnp.ones((NUM_DEVICES, 4, 64))))
+  masks = np.asarray(dropout_masks(compiled.put_state(fresh()[1]), jnp.ones((NUM_DEVICES, 4, 64))))
   assert len({m.tobytes() for m in masks}) == NUM_DEVICES  # every device its own mask
-
-  state, _ = compiled.train(state, compiled.empty(steps.TrainMetrics),
-                            compiled.put_batch(stacked(batches([64]), 1)[0]))
-  for leaf in jax.tree.leaves(state):
-    per_device = as_numpy(leaf)
-    assert (per_device == per_device[:1]).all()  # still identical on every device
-
-
-def test_dropout_gives_the_same_numbers_on_spmd_fsdp_and_one_device_not_pmap(tiny_config):
-  """spmd and fsdp draw one dropout mask for the global batch, as one device does (JAX's
-  random bits do not depend on the sharding); pmap draws each device's own (README: Use your
-  own model)."""
-  tiny_config.fsdp_min_size = 0
-  data = batches([64, 20])
-  results = {parallelism: run(tiny_config, parallelism, data,
-                              *initial_state(tiny_config, DropoutCNN(nnx.Rngs(0))))[0]
-             for parallelism in ("single", "spmd", "fsdp", "pmap")}
-  assert_trees_close(results["spmd"], results["single"], atol=1e-6)
-  assert_trees_close(results["fsdp"], results["single"], atol=1e-6)
-  kernel = lambda state: np.asarray(state[0]["dense"]["kernel"][...])  # noqa: E731
-  assert np.abs(kernel(results["pmap"]) - kernel(results["single"])).max() > 1e-3
 
 
 class BatchNormCNN(nnx.Module):
