@@ -24,11 +24,7 @@ import input_pipeline
 import runs
 import steps
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "A training run's workdir.", required=True)
-_STEP = flags.DEFINE_integer("step", None, "The checkpoint's step (default: the latest).")
-_DATA_DIR = flags.DEFINE_string("data_dir", None, "Evaluate on this directory's eval split.")
-_IMAGE_FOLDER = flags.DEFINE_string("image_folder", None, "Evaluate on these images: one "
-                                    "subfolder per class, named as the run's classes.")
+FLAGS = flags.FLAGS
 
 
 def image_folder_source(folder: str, info) -> input_pipeline.ArraySource:
@@ -85,13 +81,13 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   try:
-    run = runs.Restored(_WORKDIR.value, _STEP.value)
-    if _IMAGE_FOLDER.value:
-      source = image_folder_source(_IMAGE_FOLDER.value, run.info)
+    run = runs.Restored(FLAGS.workdir, FLAGS.step)
+    if FLAGS.image_folder:
+      source = image_folder_source(FLAGS.image_folder, run.info)
     else:
       config = run.config.copy_and_resolve_references()
-      if _DATA_DIR.value:
-        config.dataset, config.data_dir = "arrayrecord", _DATA_DIR.value
+      if FLAGS.data_dir:
+        config.dataset, config.data_dir = "arrayrecord", FLAGS.data_dir
         if not input_pipeline.arrayrecord_paths(config.data_dir, "eval"):
           raise runs.ConfigError(f"--data_dir={config.data_dir!r} holds no "
                                  "eval-*.array_record files; write them with "
@@ -118,7 +114,7 @@ def main(argv):
     print(" " * width + "".join(f"{n:>{width}}" for n in names))
     for name, row in zip(names, result["confusion"], strict=True):
       print(f"{name:>{width}}" + "".join(f"{c:>{width}}" for c in row))
-  writer = writers.create_writer(os.path.join(_WORKDIR.value, "evaluate"))
+  writer = writers.create_writer(os.path.join(FLAGS.workdir, "evaluate"))
   writer.write_scalars(run.step, {
       "eval_loss": result["loss"], "eval_accuracy": result["accuracy"],
       **{f"eval_accuracy/{n}": a for n, a in zip(names, result["per_class_accuracy"],
@@ -127,5 +123,10 @@ def main(argv):
   writer.close()
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # flags defined here: the functions above can be imported
+  flags.DEFINE_string("workdir", None, "A training run's workdir.", required=True)
+  flags.DEFINE_integer("step", None, "The checkpoint's step (default: the latest).")
+  flags.DEFINE_string("data_dir", None, "Evaluate on this directory's eval split.")
+  flags.DEFINE_string("image_folder", None, "Evaluate on these images: one "
+                       "subfolder per class, named as the run's classes.")
   app.run(main)

@@ -19,9 +19,8 @@ import runs
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "A training run's workdir.", required=True)
-_OUT = flags.DEFINE_string("out", None, "The file to write.", required=True)
-_STEP = flags.DEFINE_integer("step", None, "The checkpoint's step (default: the latest).")
+
+FLAGS = flags.FLAGS
 
 
 def export(run: runs.Restored) -> jax.export.Exported:
@@ -37,18 +36,21 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   try:
-    run = runs.Restored(_WORKDIR.value, _STEP.value, mesh=jax.make_mesh((1,), ("data",)))
+    run = runs.Restored(FLAGS.workdir, FLAGS.step, mesh=jax.make_mesh((1,), ("data",)))
   except runs.ConfigError as e:
     raise SystemExit(f"error: {e}") from None
-  with open(_OUT.value, "wb") as f:
+  with open(FLAGS.out, "wb") as f:
     f.write(export(run).serialize())
-  beside = os.path.splitext(_OUT.value)[0] + ".json"
+  beside = os.path.splitext(FLAGS.out)[0] + ".json"
   with open(beside, "w") as f:
     json.dump(dict(class_names=list(run.info.class_names), image_shape=list(run.info.image_shape),
                    step=run.step), f, indent=2)
-  print(f"wrote {_OUT.value} (the checkpoint of step {run.step}, for {', '.join(PLATFORMS)}) "
+  print(f"wrote {FLAGS.out} (the checkpoint of step {run.step}, for {', '.join(PLATFORMS)}) "
         f"and {beside} (the class names)")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # flags defined here: the functions above can be imported
+  flags.DEFINE_string("workdir", None, "A training run's workdir.", required=True)
+  flags.DEFINE_string("out", None, "The file to write.", required=True)
+  flags.DEFINE_integer("step", None, "The checkpoint's step (default: the latest).")
   app.run(main)

@@ -25,12 +25,7 @@ import input_pipeline
 import parallel
 import runs
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "A training run's workdir.", required=True)
-_STEP = flags.DEFINE_integer("step", None, "The checkpoint's step (default: the latest).")
-_TOP_K = flags.DEFINE_integer("top_k", 1, "How many classes to report per image.")
-_JSON = flags.DEFINE_bool("json", False, "One JSON object per line.")
-_BATCH_SIZE = flags.DEFINE_integer("batch_size", 0, "Images per call (0: the run's batch size, "
-                                   "rounded up to a multiple of the devices).")
+FLAGS = flags.FLAGS
 
 
 def predict(run: runs.Restored, paths: list[str], batch_size: int = 0):
@@ -59,23 +54,23 @@ def predict(run: runs.Restored, paths: list[str], batch_size: int = 0):
 def main(argv):
   logging.set_verbosity(logging.WARNING)
   try:
-    if _TOP_K.value < 1:
-      raise runs.ConfigError(f"--top_k={_TOP_K.value} must be 1 or more.")
+    if FLAGS.top_k < 1:
+      raise runs.ConfigError(f"--top_k={FLAGS.top_k} must be 1 or more.")
     paths = runs.find_images(argv[1:])
     if not paths:
       raise runs.ConfigError("no image to classify: give image files (.jpg, .jpeg, .png) or "
                              "folders of them after the flags.")
-    run = runs.Restored(_WORKDIR.value, _STEP.value)
+    run = runs.Restored(FLAGS.workdir, FLAGS.step)
   except runs.ConfigError as e:
     raise SystemExit(f"error: {e}") from None
   names, skipped = run.info.class_names, 0
-  for path, probs in predict(run, paths, _BATCH_SIZE.value):
+  for path, probs in predict(run, paths, FLAGS.batch_size):
     if isinstance(probs, str):
       print(f"skipped {path}: {probs}", file=sys.stderr)
       skipped += 1
       continue
-    top = np.argsort(-probs, kind="stable")[:_TOP_K.value]
-    if _JSON.value:
+    top = np.argsort(-probs, kind="stable")[:FLAGS.top_k]
+    if FLAGS.json:
       print(json.dumps(dict(path=path, **{"class": names[top[0]]},
                             probability=float(probs[top[0]]),
                             top_k=[{"class": names[i], "probability": float(probs[i])}
@@ -86,5 +81,11 @@ def main(argv):
         f"skipped {skipped} unreadable file{'s' * (skipped != 1)}", file=sys.stderr)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # flags defined here: the functions above can be imported
+  flags.DEFINE_string("workdir", None, "A training run's workdir.", required=True)
+  flags.DEFINE_integer("step", None, "The checkpoint's step (default: the latest).")
+  flags.DEFINE_integer("top_k", 1, "How many classes to report per image.")
+  flags.DEFINE_bool("json", False, "One JSON object per line.")
+  flags.DEFINE_integer("batch_size", 0, "Images per call (0: the run's batch size, "
+                        "rounded up to a multiple of the devices).")
   app.run(main)

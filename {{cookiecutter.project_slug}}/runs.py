@@ -231,10 +231,9 @@ def init_from(source: str, abstract, init):
   Leaves whose shape differs there (a classifier for another number of classes) stay fresh,
   and are logged. Raises ConfigError, having read only the checkpoint's metadata, when a model
   leaf is absent on either side."""
-  if not os.path.isdir(os.path.join(source, "checkpoints")):
-    raise ConfigError(f"config.init_from={source!r} holds no checkpoints/; give the --workdir "
-                      "of a training run.")
-  checkpoints = checkpoint_manager(source, create=False)
+  checkpoints = ocp.CheckpointManager(  # Orbax's default handlers: they read NumPy arrays
+      os.path.join(source, "checkpoints"), options=ocp.CheckpointManagerOptions(create=False),
+      item_handlers=dict(state=ocp.PyTreeCheckpointHandler()))
   step = checkpoints.latest_step()
   if step is None:
     raise ConfigError(f"config.init_from={source!r} holds no checkpoint yet.")

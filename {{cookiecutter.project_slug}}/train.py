@@ -142,6 +142,10 @@ def validate_config(config: ml_collections.ConfigDict, workdir: str | None = Non
     need(os.path.isfile(os.path.join(config.data_dir, "metadata.json")),
          f"config.data_dir={config.data_dir!r} has no metadata.json; write the data with "
          "write_arrayrecord.py.")
+  need(not config.init_from or "://" in config.init_from or os.path.isdir(
+      os.path.join(config.init_from, "checkpoints")),
+       f"config.init_from={config.init_from!r} holds no checkpoints/; give the --workdir of the "
+       "training run to start from.")
   if workdir is not None and "://" in workdir:  # gs://, s3://, ...
     scheme = workdir.split("://", 1)[0]
     need(scheme in REMOTE_WORKDIRS, f"--workdir={workdir!r}: {scheme}:// is not supported; use "

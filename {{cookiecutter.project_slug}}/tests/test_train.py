@@ -255,6 +255,8 @@ BAD_CONFIGS = [
     ("--config.parallelism=fsdp --config.fsdp_devices=3", "config.fsdp_devices=3 does not "
                                                           "divide the 8 devices; use one of "
                                                           "[1, 2, 4, 8] (0: all of them)."),
+    ("--config.init_from=configs", "config.init_from='configs' holds no checkpoints/; give the "
+                                   "--workdir of the training run to start from."),
 ]
 
 
