@@ -50,6 +50,7 @@ EXPECTED_FILES = [
     "tests/test_preemption.py",
     "tests/test_steps.py",
     "tests/test_train.py",
+    "tests/test_use.py",
     "train.py",
     "write_arrayrecord.py",
     "writers.py",

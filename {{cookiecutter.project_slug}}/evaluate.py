@@ -111,14 +111,15 @@ def main(argv):
   if len(names) <= 10:
     width = max(6, *map(len, names))
     print("confusion matrix (rows: true class, columns: predicted):")
-    print(" " * width + "".join(f"{n:>{width}}" for n in names))
+    print(" " * width + "".join(n.rjust(width) for n in names))
     for name, row in zip(names, result["confusion"], strict=True):
-      print(f"{name:>{width}}" + "".join(f"{c:>{width}}" for c in row))
+      print(name.rjust(width) + "".join(str(c).rjust(width) for c in row))
   writer = writers.create_writer(os.path.join(FLAGS.workdir, "evaluate"))
-  writer.write_scalars(run.step, {
-      "eval_loss": result["loss"], "eval_accuracy": result["accuracy"],
-      **{f"eval_accuracy/{n}": a for n, a in zip(names, result["per_class_accuracy"],
-                                                 strict=True) if not np.isnan(a)}})
+  scalars = {"eval_loss": result["loss"], "eval_accuracy": result["accuracy"]}
+  for name, accuracy in zip(names, result["per_class_accuracy"], strict=True):
+    if not np.isnan(accuracy):  # a class without examples has none
+      scalars[f"eval_accuracy/{name}"] = accuracy
+  writer.write_scalars(run.step, scalars)
   writer.write_images(run.step, {"confusion_matrix": confusion_image(result["confusion"])})
   writer.close()
 
