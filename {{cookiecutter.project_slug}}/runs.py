@@ -120,6 +120,11 @@ def write_description(workdir: str, config, info: input_pipeline.DatasetInfo) ->
   (epath.Path(workdir) / DATA_FILE).write_text(json.dumps(data, indent=2))
 
 
+def absolute(path: str) -> str:
+  """A local path made absolute (Orbax reads only those); a bucket's (gs://...) as it is."""
+  return path if "://" in path else os.path.abspath(path)
+
+
 def read_description(workdir: str):
   """The config and DatasetInfo (without split sizes) that a run wrote into `workdir`."""
   path = epath.Path(workdir)
@@ -145,7 +150,7 @@ class Restored:
     self.config.parallelism = "spmd"
     self.mesh = mesh or parallel.make_mesh()
     self.graphdef, abstract, _ = initial_state(self.config, self.info, self.mesh, 1)
-    checkpoints = checkpoint_manager(workdir, create=False)
+    checkpoints = checkpoint_manager(absolute(workdir), create=False)
     available = checkpoints.all_steps()
     if not available:
       raise ConfigError(f"workdir {workdir!r} holds no checkpoint yet; train first, or give "
@@ -232,7 +237,8 @@ def init_from(source: str, abstract, init):
   and are logged. Raises ConfigError, having read only the checkpoint's metadata, when a model
   leaf is absent on either side."""
   checkpoints = ocp.CheckpointManager(  # Orbax's default handlers: they read NumPy arrays
-      os.path.join(source, "checkpoints"), options=ocp.CheckpointManagerOptions(create=False),
+      os.path.join(absolute(source), "checkpoints"),
+      options=ocp.CheckpointManagerOptions(create=False),
       item_handlers=dict(state=ocp.PyTreeCheckpointHandler()))
   step = checkpoints.latest_step()
   if step is None:
@@ -250,9 +256,9 @@ def init_from(source: str, abstract, init):
       abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
       if isinstance(v, (nnx.Param, nnx.BatchStat))}
   fresh = sorted(name for name in learned if saved[name] != ours[name])
-  logging.info("Fine-tuning from step %d of %s%s", step, source, fresh and (
-      "; initialised afresh (another shape): " + ", ".join(
-          f"{n.removesuffix('/value')[2:]} {saved[n]} -> {ours[n]}" for n in fresh)))
+  logging.info("Fine-tuning from step %d of %s%s", step, source, "; initialised afresh "
+               "(another shape): " + ", ".join(f"{n.removesuffix('/value')[2:]} {saved[n]} -> "
+                                               f"{ours[n]}" for n in fresh) if fresh else "")
   copied = learned - set(fresh)
 
   def build():
