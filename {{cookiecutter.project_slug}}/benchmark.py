@@ -64,6 +64,7 @@ from tensorboard.backend.event_processing import event_accumulator
 
 import input_pipeline
 import parallel
+import runs
 import steps
 import write_arrayrecord
 from configs import default, tiny
@@ -110,14 +111,13 @@ def get_config(model: str, is_tiny: bool) -> ml_collections.ConfigDict:
 def step_state_batch(config, path: str):
   """The single train step (k = 1) of `path`, and a state, running metrics and a batch already
   where the step wants them."""
-  import train  # not at the top: it marks train.py's own flags (--config, ...) required
 
   config = config.copy_and_resolve_references()
   config.steps_per_dispatch = 1
   splits, info = input_pipeline.get_datasets(config)
   batch = input_pipeline.train_batches(splits["train"], config)[0]  # [1, batch, ...]
   model = create_model(config, info.image_shape, info.num_classes, nnx.Rngs(config.seed))
-  optimizer = nnx.Optimizer(model, train.create_optimizer(config, 1000), wrt=nnx.Param)
+  optimizer = nnx.Optimizer(model, runs.create_optimizer(config, 1000), wrt=nnx.Param)
   graphdef, state = nnx.split((model, optimizer))
   if path == "single":
     device = jax.devices()[0]

@@ -88,6 +88,37 @@ class TrainMetrics(metrics.Collection):
   nonfinite_steps: NonFinite
 
 
+def with_confusion(num_classes: int) -> type[metrics.Collection]:
+  """Metrics and the confusion matrix: counts of real examples `[true class, predicted class]`."""
+
+  @flax.struct.dataclass
+  class Confusion(metrics.Metric):
+    counts: jax.Array
+
+    @classmethod
+    def empty(cls):
+      return cls(jnp.zeros((num_classes, num_classes), jnp.int32))
+
+    @classmethod
+    def from_model_output(cls, logits, labels, mask, **_):
+      predicted = jnp.argmax(logits, axis=-1)
+      return cls(cls.empty().counts.at[labels, predicted].add(mask.astype(jnp.int32)))
+
+    def merge(self, other):
+      return type(self)(self.counts + other.counts)
+
+    def compute(self):
+      return self.counts
+
+  @flax.struct.dataclass
+  class MetricsWithConfusion(metrics.Collection):
+    loss: metrics.Average.from_output("loss")
+    accuracy: metrics.Accuracy
+    confusion: Confusion
+
+  return MetricsWithConfusion
+
+
 def prepare_images(batch, max_shift: int = 0, seed: int = 0) -> jax.Array:
   """Stored pixels -> float32 model input, on the device. Integer pixels are divided by 255.
   With `max_shift`, each image is shifted by up to that many pixels each way (zero fill); the
@@ -106,18 +137,19 @@ def prepare_images(batch, max_shift: int = 0, seed: int = 0) -> jax.Array:
       image, (shift[0], shift[1], 0), (height, width, channels)))(padded, shifts_B2)
 
 
-def loss_and_metrics(model, batch):
+def loss_and_metrics(model, batch, collection=Metrics):
   """The SUM of the losses of the real examples (normalised later, by the global count), in
   float32 whatever the model's dtype. `batch["image"]` is the model's input (see
   `prepare_images`); a model whose `__call__` has an `example_mask` parameter gets
   `batch["mask"]` there too, `[batch]`, False on padding (BatchNorm must leave the padding out).
+  The metrics: a `collection` of the step's real examples.
   """
   takes_mask = "example_mask" in inspect.signature(model.__call__).parameters
   logits_BK = model(batch["image"], **({"example_mask": batch["mask"]} if takes_mask else {}))
   logits_BK = logits_BK.astype(jnp.float32)
   losses_B = optax.softmax_cross_entropy_with_integer_labels(logits_BK, batch["label"])
   loss_sum = jnp.sum(jnp.where(batch["mask"], losses_B, 0.0))
-  step_metrics = Metrics.single_from_model_output(
+  step_metrics = collection.single_from_model_output(
       loss=losses_B, logits=logits_BK, labels=batch["label"], mask=batch["mask"])
   return loss_sum, step_metrics
 
@@ -210,7 +242,8 @@ def train_step(graphdef, state, running, batch, *, grad_accum_steps=1, max_shift
 def eval_step(graphdef, state, running, batch, axis_name=None):
   model, _ = nnx.merge(graphdef, state)
   model.eval()
-  _, step_metrics = loss_and_metrics(model, dict(batch, image=prepare_images(batch)))
+  _, step_metrics = loss_and_metrics(model, dict(batch, image=prepare_images(batch)),
+                                     type(running))
   if axis_name is not None:
     step_metrics = jax.lax.psum(step_metrics, axis_name)
   return running.merge(step_metrics)

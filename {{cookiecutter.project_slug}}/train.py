@@ -26,17 +26,16 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 from absl import app, flags, logging
-from flax import nnx
 from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
 import input_pipeline
 import parallel
+import runs
 import steps
-from model import create_model
+from runs import ConfigError, initial_state, summarize, sync_every
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 # What a remote --workdir needs without TensorFlow: Orbax reaches it through etils' fsspec
@@ -45,26 +44,11 @@ REMOTE_WORKDIRS = {"gs": (("gcsfs", "google.cloud.storage"), 'pip install -e ".[
                    "s3": (("s3fs", "boto3"), "pip install s3fs boto3")}
 
 
-def array_handlers():
-  """Orbax's writers of jax.Array leaves (its global registry is left as it is). Orbax splits
-  the writing of a replicated array across its replicas on TPU (its default there); on the CPU,
-  where that compiles slicing programs at the first save (2.7 s against 0.25 s on 8 devices),
-  and on GPUs (Orbax's own choice for them, which it detects only from JAX_PLATFORMS), one
-  replica writes it."""
-  split = None if jax.default_backend() == "tpu" else False
-  return ocp.type_handlers.create_type_handler_registry(
-      (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=split)))
-
-
 def _installed(module: str) -> bool:
   try:
     return importlib.util.find_spec(module) is not None
   except ModuleNotFoundError:  # its parent package is missing
     return False
-
-
-class ConfigError(ValueError):
-  """A config that cannot work; the message names the key, the value and the fix."""
 
 
 def validate_config(config: ml_collections.ConfigDict, workdir: str | None = None) -> None:
@@ -163,6 +147,10 @@ def validate_config(config: ml_collections.ConfigDict, workdir: str | None = Non
     need(os.path.isfile(os.path.join(config.data_dir, "metadata.json")),
          f"config.data_dir={config.data_dir!r} has no metadata.json; write the data with "
          "write_arrayrecord.py.")
+  need(not config.init_from or "://" in config.init_from or os.path.isdir(
+      os.path.join(config.init_from, "checkpoints")),
+       f"config.init_from={config.init_from!r} holds no checkpoints/; give the --workdir of the "
+       "training run to start from.")
   if workdir is not None and "://" in workdir:  # gs://, s3://, ...
     scheme = workdir.split("://", 1)[0]
     need(scheme in REMOTE_WORKDIRS, f"--workdir={workdir!r}: {scheme}:// is not supported; use "
@@ -184,29 +172,9 @@ def validate_config(config: ml_collections.ConfigDict, workdir: str | None = Non
          f"{'not writable' if os.path.isdir(existing) else 'a file'}); give another directory.")
 
 
-def check_checkpoint_fits(checkpoints, step: int, abstract_state, workdir: str) -> None:
-  """Raises ConfigError if the checkpoint of `step` holds a different model or optimizer."""
-
-  def shapes(tree):  # {"0/conv1/kernel/value": (3, 3, 1, 32), ...}
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {"/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
-                     for k in path): tuple(x.shape) for path, x in leaves}
-
-  saved = shapes(checkpoints.item_metadata(step)["state"])
-  wanted = shapes(abstract_state)
-  for name in sorted(saved.keys() | wanted.keys()):
-    if saved.get(name) != wanted.get(name):
-      raise ConfigError(
-          f"workdir {workdir!r} holds a checkpoint (step {step}) of a different model: {name} is "
-          f"{saved.get(name, 'absent')} there and {wanted.get(name, 'absent')} in this config; "
-          "use a new --workdir, or the config that wrote it.")
-
-
-def create_optimizer(config, num_train_steps: int) -> optax.GradientTransformation:
-  schedule = optax.cosine_decay_schedule(config.learning_rate, num_train_steps)
-  if config.optimizer == "adamw":
-    return optax.adamw(schedule, weight_decay=config.weight_decay)
-  return {"adam": optax.adam, "sgd": optax.sgd}[config.optimizer](schedule)
+def evaluate(compiled: steps.Steps, state, eval_batches, config) -> dict[str, float]:
+  """The eval split once: its loss, accuracy and number of examples."""
+  return summarize(runs.evaluate(compiled, state, eval_batches, config))
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -217,32 +185,6 @@ def flatten(tree: dict, prefix: str = "") -> dict:
     else:
       flat[f"{prefix}{key}"] = value
   return flat
-
-
-def summarize(running: steps.Metrics) -> dict[str, float]:
-  """The running metrics, fetched in one transfer and computed on the host."""
-  running = jax.device_get(running)
-  return {**{name: float(value) for name, value in running.compute().items()},
-          "examples": int(running.loss.count)}
-
-
-def sync_every(config) -> int:
-  """How often, in steps, the loops wait for a result: XLA:CPU collectives abort when hundreds
-  of calls are queued; other backends never need to wait (0)."""
-  return config.cpu_sync_every_steps if jax.default_backend() == "cpu" else 0
-
-
-def evaluate(compiled: steps.Steps, state, eval_batches, config) -> dict[str, float]:
-  """The eval split once, read in this process (worker processes would start at every eval)."""
-  running, every = compiled.empty(steps.Metrics), sync_every(config)
-  iterator = input_pipeline.as_iterator(eval_batches, config, put=compiled.put_batch,
-                                        num_workers=0)
-  with contextlib.closing(iterator):
-    for i, batch in enumerate(iterator, start=1):
-      running = compiled.eval(state, running, batch)
-      if every and i % max(every // config.steps_per_dispatch, 1) == 0:
-        jax.block_until_ready(running)
-  return summarize(running)
 
 
 # Peak dense bf16 FLOP/s of one device, by a part of its `device_kind` (first match wins).
@@ -303,22 +245,6 @@ def stop_signals():
       signal.signal(sig, handler)
 
 
-def initial_state(config, info, mesh, num_train_steps: int):
-  """The model and optimizer's graph, their state's abstract value (shapes, dtypes, shardings)
-  and a function that builds the state: under jit, each shard where it lives, so that no host
-  and no device ever holds more of it than its share (the same values as built eagerly)."""
-
-  def build():
-    model = create_model(config, info.image_shape, info.num_classes, nnx.Rngs(config.seed))
-    return model, nnx.Optimizer(model, create_optimizer(config, num_train_steps), wrt=nnx.Param)
-
-  graphdef, abstract = nnx.split(nnx.eval_shape(build))
-  shardings = parallel.state_shardings(abstract, mesh, config.fsdp_min_size)
-  abstract = jax.tree.map(lambda x, where: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where),
-                          abstract, shardings)
-  return graphdef, abstract, jax.jit(lambda: nnx.split(build())[1], out_shardings=shardings)
-
-
 def stop_now(received: list, checkpoints, dispatch: int, can_agree: bool):
   """What stops the loop after this call (a signal number or a name), or None. Processes stop
   together: on JAX's preemption service at the step that it names; else, with several processes
@@ -350,9 +276,7 @@ def restore_or_init(checkpoints, abstract, init, workdir: str):
           "bucket: gs://...).")
   if step is None:
     return 0, init()
-  check_checkpoint_fits(checkpoints, step, abstract, workdir)
-  state = checkpoints.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-      abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))))["state"]
+  state = runs.restore_state(checkpoints, step, abstract, workdir)
   logging.info("Resumed from the checkpoint of step %d in %s", step, workdir)
   return step, state
 
@@ -402,14 +326,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   graphdef, abstract, init = initial_state(config, info, mesh, num_train_steps)
   compiled = steps.make(graphdef, config, mesh)
 
-  # Orbax writes each checkpoint to a temporary directory and renames it when complete, so a
-  # checkpoint cut short by a kill is never restored.
-  checkpoints = ocp.CheckpointManager(
-      os.path.join(workdir, "checkpoints"),
-      options=ocp.CheckpointManagerOptions(max_to_keep=config.max_checkpoints_to_keep),
-      item_handlers=dict(
-          state=ocp.PyTreeCheckpointHandler(type_handler_registry=array_handlers())))
+  if config.init_from:  # read before the workdir is touched: a mismatch stops here
+    init = runs.init_from(config.init_from, abstract, init)
+  checkpoints = runs.checkpoint_manager(workdir, config.max_checkpoints_to_keep)
   first_step, state = restore_or_init(checkpoints, abstract, init, workdir)
+  runs.write_description(workdir, config, info)  # what predict.py, export.py, ... read
   whole = sum(x.nbytes for x in jax.tree.leaves(state))
   speed = Speed(graphdef, state, info.image_shape, config)
   state = compiled.put_state(state)

@@ -35,6 +35,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.steps_per_dispatch = 0
   config.num_epochs = 50
   config.seed = 0
+  # Fine-tuning: the model's parameters and batch statistics from the latest checkpoint of this
+  # other run's workdir (leaves of another shape, and the optimizer, start afresh); '': none.
+  config.init_from = ""
 
   # Parallelism: 'spmd' (jax.jit over a device mesh), 'pmap' (the legacy jax.pmap) or 'fsdp'
   # (spmd with the model and optimizer state split over the devices: for models larger than

@@ -22,6 +22,7 @@ from conftest import two_epochs
 from tensorboard.backend.event_processing import event_accumulator
 from test_preemption import final_state
 
+import runs
 import train
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -259,6 +260,8 @@ BAD_CONFIGS = [
     ("--config.parallelism=fsdp --config.fsdp_devices=3", "config.fsdp_devices=3 does not "
                                                           "divide the 8 devices; use one of "
                                                           "[1, 2, 4, 8] (0: all of them)."),
+    ("--config.init_from=configs", "config.init_from='configs' holds no checkpoints/; give the "
+                                   "--workdir of the training run to start from."),
 ]
 
 
@@ -384,11 +387,11 @@ def test_the_state_is_built_in_shards_with_the_values_of_an_eager_build(tiny_con
 
   tiny_config.parallelism, tiny_config.fsdp_min_size = "fsdp", 0
   _, info = input_pipeline.get_datasets(tiny_config)
-  graphdef, abstract, init = train.initial_state(tiny_config, info, parallel.make_mesh(tiny_config),
+  graphdef, abstract, init = runs.initial_state(tiny_config, info, parallel.make_mesh(tiny_config),
                                                  100)
   state = init()
   model = create_model(tiny_config, info.image_shape, info.num_classes, nnx.Rngs(tiny_config.seed))
-  eager = nnx.split((model, nnx.Optimizer(model, train.create_optimizer(tiny_config, 100),
+  eager = nnx.split((model, nnx.Optimizer(model, runs.create_optimizer(tiny_config, 100),
                                           wrt=nnx.Param)))[1]
   for x, y, a in zip(jax.tree.leaves(state), jax.tree.leaves(eager), jax.tree.leaves(abstract),
                      strict=True):
@@ -514,7 +517,7 @@ def test_a_bucket_workdir_without_its_packages_is_refused(tiny_config, monkeypat
 
 def test_checkpoints_are_written_by_one_replica_on_cpu_and_by_all_on_tpu(monkeypatch):
   def handler():
-    return train.array_handlers().get(jax.Array)
+    return runs.array_handlers().get(jax.Array)
 
   assert handler()._use_replica_parallel is False  # measured: 0.25 s against 2.7 s on CPU
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")

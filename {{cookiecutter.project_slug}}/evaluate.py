@@ -1,0 +1,133 @@
+"""Evaluates a run's checkpoint: loss, accuracy, per-class accuracy and the confusion matrix.
+
+  python evaluate.py --workdir=workdir                         # the run's own evaluation split
+  python evaluate.py --workdir=workdir --data_dir=data/other   # write_arrayrecord.py's eval split
+  python evaluate.py --workdir=workdir --image_folder=test     # test/CLASS/*.jpg, the run's classes
+
+Exact over padded batches, on every device, by training's own eval step. Prints the metrics
+(and the confusion matrix for up to 10 classes) and writes them, the matrix as an image, to
+TensorBoard in `workdir/evaluate/` at the checkpoint's step.
+"""
+
+import os
+import sys
+
+# isort: split
+import writers  # first: lets CLU write TensorBoard files without TensorFlow
+
+# isort: split
+import jax
+import numpy as np
+from absl import app, flags, logging
+
+import input_pipeline
+import runs
+import steps
+
+FLAGS = flags.FLAGS
+
+
+def image_folder_source(folder: str, info) -> input_pipeline.ArraySource:
+  """The images under `folder`/CLASS/, decoded as predict.py decodes them, labelled by the run's
+  class names; unreadable files are reported on stderr and skipped."""
+  if not os.path.isdir(folder):
+    raise runs.ConfigError(f"--image_folder={folder!r} is not a directory.")
+  images, labels = [], []
+  for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+    if not entry.is_dir():
+      continue
+    if entry.name not in info.class_names:
+      raise runs.ConfigError(f"--image_folder: {entry.path} is no class of the run; its classes "
+                             f"are {', '.join(info.class_names)}.")
+    for path in runs.find_images([entry.path]):
+      image = runs.read_image(path, info.image_shape)
+      if isinstance(image, str):
+        print(f"skipped {path}: {image}", file=sys.stderr)
+        continue
+      images.append(image)
+      labels.append(info.class_names.index(entry.name))
+  if not images:
+    raise runs.ConfigError(f"--image_folder={folder!r} holds no readable image in a class "
+                           "folder.")
+  return input_pipeline.ArraySource(np.stack(images), np.array(labels, np.int32))
+
+
+def confusion_image(counts: np.ndarray) -> np.ndarray:
+  """The matrix as a gray image `[1, H, W, 3]` uint8: each row (a true class) scaled by its
+  count, white where every example of the class went; cells of at least 4 pixels."""
+  share = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
+  cell = max(4, 256 // len(counts))
+  pixels = np.kron(np.round(255 * share), np.ones((cell, cell))).astype(np.uint8)
+  return np.repeat(pixels[None, :, :, None], 3, axis=-1)
+
+
+def evaluate(run: runs.Restored, source) -> dict:
+  """Loss, accuracy, examples, per-class accuracy and the confusion matrix of `source`."""
+  config = run.config
+  config.steps_per_dispatch = 1
+  config.batch_size = -(-config.batch_size // run.mesh.size) * run.mesh.size
+  compiled = steps.make(run.graphdef, config, run.mesh)
+  collection = steps.with_confusion(run.info.num_classes)
+  batches = input_pipeline.eval_batches(source, config)
+  running = jax.device_get(runs.evaluate(compiled, run.state, batches, config, collection))
+  counts = np.asarray(running.confusion.counts)
+  with np.errstate(invalid="ignore"):
+    per_class = np.diag(counts) / counts.sum(axis=1)  # NaN: a class without examples
+  return dict(loss=float(running.loss.compute()), accuracy=float(running.accuracy.compute()),
+              examples=int(running.loss.count), per_class_accuracy=per_class, confusion=counts)
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  try:
+    run = runs.Restored(FLAGS.workdir, FLAGS.step)
+    if FLAGS.image_folder:
+      source = image_folder_source(FLAGS.image_folder, run.info)
+    else:
+      config = run.config.copy_and_resolve_references()
+      if FLAGS.data_dir:
+        config.dataset, config.data_dir = "arrayrecord", FLAGS.data_dir
+        if not input_pipeline.arrayrecord_paths(config.data_dir, "eval"):
+          raise runs.ConfigError(f"--data_dir={config.data_dir!r} holds no "
+                                 "eval-*.array_record files; write them with "
+                                 "write_arrayrecord.py.")
+      splits, info = input_pipeline.get_datasets(config)
+      if (info.image_shape, info.num_classes) != (run.info.image_shape, run.info.num_classes):
+        raise runs.ConfigError(f"the data hold {info.num_classes} classes of "
+                               f"{'x'.join(map(str, info.image_shape))} images; the run was "
+                               f"trained on {run.info.num_classes} of "
+                               f"{'x'.join(map(str, run.info.image_shape))}.")
+      source = splits["eval"]
+  except runs.ConfigError as e:
+    raise SystemExit(f"error: {e}") from None
+  result = evaluate(run, source)
+  names = run.info.class_names
+  print(f"step {run.step}: loss {result['loss']:.4f}  accuracy {result['accuracy']:.4f}  "
+        f"({result['examples']} examples)")
+  for name, accuracy, count in zip(names, result["per_class_accuracy"],
+                                   result["confusion"].sum(axis=1), strict=True):
+    print(f"  {name}: accuracy {accuracy:.4f} ({count} examples)")
+  if len(names) <= 10:
+    width = max(6, *map(len, names))
+    print("confusion matrix (rows: true class, columns: predicted):")
+    print(" " * width + "".join(n.rjust(width) for n in names))
+    for name, row in zip(names, result["confusion"], strict=True):
+      print(name.rjust(width) + "".join(str(c).rjust(width) for c in row))
+  writer = writers.create_writer(os.path.join(FLAGS.workdir, "evaluate"))
+  scalars = {"eval_loss": result["loss"], "eval_accuracy": result["accuracy"]}
+  for name, accuracy in zip(names, result["per_class_accuracy"], strict=True):
+    if not np.isnan(accuracy):  # a class without examples has none
+      scalars[f"eval_accuracy/{name}"] = accuracy
+  writer.write_scalars(run.step, scalars)
+  writer.write_images(run.step, {"confusion_matrix": confusion_image(result["confusion"])})
+  writer.close()
+
+
+if __name__ == "__main__":  # flags defined here: the functions above can be imported
+  flags.DEFINE_string("workdir", None, "A training run's workdir.", required=True)
+  flags.DEFINE_integer("step", None, "The checkpoint's step (default: the latest).")
+  flags.DEFINE_string("data_dir", None, "Evaluate on this directory's eval split.")
+  flags.DEFINE_string("image_folder", None, "Evaluate on these images: one "
+                       "subfolder per class, named as the run's classes.")
+  app.run(main)

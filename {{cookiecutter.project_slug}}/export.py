@@ -1,0 +1,56 @@
+"""Writes a run's model, with its trained parameters inside, as a serialised `jax.export`
+artifact that runs with nothing but `jax` and `numpy` (no flax, no project code).
+
+  python export.py --workdir=workdir --out=model.jax  # also model.json: the class names
+
+The function: uint8 images `[batch, height, width, channels]` (any batch size) -> float32 class
+probabilities `[batch, classes]`, computed as predict.py computes them, lowered for the CPU,
+CUDA, ROCm and TPU. Load it with `jax.export.deserialize` (README: Use the trained model).
+"""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags, logging
+
+import runs
+
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+
+FLAGS = flags.FLAGS
+
+
+def export(run: runs.Restored) -> jax.export.Exported:
+  """The inference function of `run`'s checkpoint, its parameters as constants."""
+  state = jax.device_get(run.model_state)  # on the host: they become the program's constants
+  infer = jax.jit(lambda images: runs.probabilities(run.model_graphdef, state, images))
+  batch, = jax.export.symbolic_shape("batch")
+  images = jax.ShapeDtypeStruct((batch, *run.info.image_shape), jnp.uint8)
+  return jax.export.export(infer, platforms=PLATFORMS)(images)
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  try:
+    run = runs.Restored(FLAGS.workdir, FLAGS.step, mesh=jax.make_mesh((1,), ("data",)))
+  except runs.ConfigError as e:
+    raise SystemExit(f"error: {e}") from None
+  with open(FLAGS.out, "wb") as f:
+    f.write(export(run).serialize())
+  beside = os.path.splitext(FLAGS.out)[0] + ".json"
+  with open(beside, "w") as f:
+    json.dump(dict(class_names=list(run.info.class_names), image_shape=list(run.info.image_shape),
+                   step=run.step), f, indent=2)
+  print(f"wrote {FLAGS.out} (the checkpoint of step {run.step}, for {', '.join(PLATFORMS)}) "
+        f"and {beside} (the class names)")
+
+
+if __name__ == "__main__":  # flags defined here: the functions above can be imported
+  flags.DEFINE_string("workdir", None, "A training run's workdir.", required=True)
+  flags.DEFINE_string("out", None, "The file to write.", required=True)
+  flags.DEFINE_integer("step", None, "The checkpoint's step (default: the latest).")
+  app.run(main)

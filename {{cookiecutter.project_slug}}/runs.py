@@ -1,0 +1,287 @@
+"""A run's workdir: what it says about itself, its checkpoints, and the state built from them.
+
+Written once, used by train.py, predict.py, evaluate.py and export.py (this module defines no
+flags: any script may import it). At its start a run writes into its workdir
+  config.json  the resolved config (what model.py and the steps were given),
+  data.json    the data's description: image shape, number of classes, class names,
+so that a checkpoint can be used with nothing but the workdir (`restore`).
+"""
+
+import contextlib
+import glob
+import inspect
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from absl import logging
+from etils import epath
+from flax import nnx
+
+import input_pipeline
+import parallel
+import steps
+from model import create_model
+
+CONFIG_FILE, DATA_FILE = "config.json", "data.json"
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+
+
+class ConfigError(ValueError):
+  """A config that cannot work; the message names the key, the value and the fix."""
+
+
+def array_handlers():
+  """Orbax's writers of jax.Array leaves (its global registry is left as it is). Orbax splits
+  the writing of a replicated array across its replicas on TPU (its default there); on the CPU,
+  where that compiles slicing programs at the first save (2.7 s against 0.25 s on 8 devices),
+  and on GPUs (Orbax's own choice for them, which it detects only from JAX_PLATFORMS), one
+  replica writes it."""
+  split = None if jax.default_backend() == "tpu" else False
+  return ocp.type_handlers.create_type_handler_registry(
+      (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=split)))
+
+
+def checkpoint_manager(workdir: str, max_to_keep: int | None = None, create: bool = True):
+  """The checkpoints of `workdir` (`create=False`: read them, never make the directory).
+  Orbax writes each checkpoint to a temporary directory and renames it when complete, so a
+  checkpoint cut short by a kill is never restored."""
+  return ocp.CheckpointManager(
+      os.path.join(workdir, "checkpoints"),
+      options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=create),
+      item_handlers=dict(
+          state=ocp.PyTreeCheckpointHandler(type_handler_registry=array_handlers())))
+
+
+def create_optimizer(config, num_train_steps: int) -> optax.GradientTransformation:
+  schedule = optax.cosine_decay_schedule(config.learning_rate, num_train_steps)
+  if config.optimizer == "adamw":
+    return optax.adamw(schedule, weight_decay=config.weight_decay)
+  return {"adam": optax.adam, "sgd": optax.sgd}[config.optimizer](schedule)
+
+
+def initial_state(config, info, mesh, num_train_steps: int):
+  """The model and optimizer's graph, their state's abstract value (shapes, dtypes, shardings)
+  and a function that builds the state: under jit, each shard where it lives, so that no host
+  and no device ever holds more of it than its share (the same values as built eagerly)."""
+
+  def build():
+    model = create_model(config, info.image_shape, info.num_classes, nnx.Rngs(config.seed))
+    return model, nnx.Optimizer(model, create_optimizer(config, num_train_steps), wrt=nnx.Param)
+
+  graphdef, abstract = nnx.split(nnx.eval_shape(build))
+  shardings = parallel.state_shardings(abstract, mesh, config.fsdp_min_size)
+  abstract = jax.tree.map(lambda x, where: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where),
+                          abstract, shardings)
+  return graphdef, abstract, jax.jit(lambda: nnx.split(build())[1], out_shardings=shardings)
+
+
+def leaf_name(path) -> str:
+  """A state leaf's name as the checkpoint spells it: '0/convs/1/kernel/value' (0: the model)."""
+  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def shapes(tree) -> dict[str, tuple]:
+  return {leaf_name(path): tuple(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def check_checkpoint_fits(checkpoints, step: int, abstract_state, workdir: str) -> None:
+  """Raises ConfigError if the checkpoint of `step` holds a different model or optimizer."""
+  saved = shapes(checkpoints.item_metadata(step)["state"])
+  wanted = shapes(abstract_state)
+  for name in sorted(saved.keys() | wanted.keys()):
+    if saved.get(name) != wanted.get(name):
+      raise ConfigError(
+          f"workdir {workdir!r} holds a checkpoint (step {step}) of a different model: {name} is "
+          f"{saved.get(name, 'absent')} there and {wanted.get(name, 'absent')} in this config; "
+          "use a new --workdir, or the config that wrote it.")
+
+
+def restore_state(checkpoints, step: int, abstract, workdir: str):
+  """The state of checkpoint `step`, in the shapes, dtypes and shardings of `abstract`."""
+  check_checkpoint_fits(checkpoints, step, abstract, workdir)
+  return checkpoints.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+      abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))))["state"]
+
+
+def write_description(workdir: str, config, info: input_pipeline.DatasetInfo) -> None:
+  """config.json and data.json (process 0): what `restore` needs besides a checkpoint."""
+  if jax.process_index() != 0:
+    return
+  names = info.class_names or tuple(str(i) for i in range(info.num_classes))
+  data = dict(image_shape=list(info.image_shape), num_classes=info.num_classes,
+              class_names=list(names))
+  (epath.Path(workdir) / CONFIG_FILE).write_text(config.to_json(indent=2))
+  (epath.Path(workdir) / DATA_FILE).write_text(json.dumps(data, indent=2))
+
+
+def absolute(path: str) -> str:
+  """A local path made absolute (Orbax reads only those); a bucket's (gs://...) as it is."""
+  return path if "://" in path else os.path.abspath(path)
+
+
+def read_description(workdir: str):
+  """The config and DatasetInfo (without split sizes) that a run wrote into `workdir`."""
+  path = epath.Path(workdir)
+  if not (path / CONFIG_FILE).exists():
+    raise ConfigError(f"workdir {workdir!r} holds no {CONFIG_FILE}: give the --workdir of a "
+                      "training run (train.py writes it at start).")
+  config = ml_collections.ConfigDict(json.loads((path / CONFIG_FILE).read_text()))
+  data = json.loads((path / DATA_FILE).read_text())
+  info = input_pipeline.DatasetInfo(tuple(data["image_shape"]), data["num_classes"], {},
+                                    tuple(data["class_names"]))
+  return config, info
+
+
+class Restored:
+  """A checkpoint of a workdir, on the devices of `mesh`: the config and data it was trained
+  with, the model and optimizer `graphdef` and `state`, and the model alone (`model_graphdef`,
+  `model_state`)."""
+
+  def __init__(self, workdir: str, step: int | None = None, mesh=None):
+    self.config, self.info = read_description(workdir)
+    # The same parameters whatever the parallelism that trained them: here spmd, on every
+    # device (fsdp's state split over them; a pmap run's copied onto each).
+    self.config.parallelism = "spmd"
+    self.mesh = mesh or parallel.make_mesh()
+    self.graphdef, abstract, _ = initial_state(self.config, self.info, self.mesh, 1)
+    checkpoints = checkpoint_manager(absolute(workdir), create=False)
+    available = checkpoints.all_steps()
+    if not available:
+      raise ConfigError(f"workdir {workdir!r} holds no checkpoint yet; train first, or give "
+                        "the --workdir of a run that saved one.")
+    self.step = available[-1] if step is None else step
+    if self.step not in available:
+      raise ConfigError(f"--step={step}: workdir {workdir!r} holds the checkpoints of steps "
+                        f"{', '.join(map(str, available))}.")
+    self.state = restore_state(checkpoints, self.step, abstract, workdir)
+    checkpoints.close()
+    model, _ = nnx.merge(self.graphdef, self.state)
+    self.model_graphdef, self.model_state = nnx.split(model)
+
+
+def probabilities(graphdef, state, images_BHWC, mask_B=None) -> jax.Array:
+  """The model's class probabilities (float32 `[batch, classes]`) for stored images (uint8
+  pixels divided by 255 on the device), computed as evaluation computes the logits: the model
+  in eval mode, given the mask (`mask_B`, default all True) if its `__call__` takes one."""
+  model = nnx.merge(graphdef, state)
+  model.eval()
+  mask_B = jnp.ones(images_BHWC.shape[:1], bool) if mask_B is None else mask_B
+  takes_mask = "example_mask" in inspect.signature(model.__call__).parameters
+  logits_BK = model(steps.prepare_images({"image": images_BHWC}),
+                    **({"example_mask": mask_B} if takes_mask else {}))
+  return jax.nn.softmax(logits_BK.astype(jnp.float32), axis=-1)
+
+
+def find_images(paths: list[str]) -> list[str]:
+  """The files of `paths`, a folder meaning the .jpg, .jpeg and .png files under it (sorted).
+  Raises ConfigError for a path that does not exist."""
+  found = []
+  for path in paths:
+    if os.path.isdir(path):
+      under = glob.glob(os.path.join(glob.escape(path), "**", "*"), recursive=True)
+      found += sorted(p for p in under if p.lower().endswith(IMAGE_SUFFIXES)
+                      and os.path.isfile(p))
+    elif os.path.exists(path):
+      found.append(path)
+    else:
+      raise ConfigError(f"{path!r} does not exist; give image files or folders of them.")
+  return found
+
+
+def read_image(path: str, image_shape) -> np.ndarray | str:
+  """The file decoded to `image_shape` as training's data are (`input_pipeline.decode_image`:
+  gray or RGB, scaled to cover and center-cropped), or why it could not be."""
+  try:
+    with open(path, "rb") as f:
+      return input_pipeline.decode_image(f.read(), image_shape)
+  except Exception as e:  # noqa: BLE001  (any unreadable file is reported and skipped)
+    return f"{type(e).__name__}: {e}"
+
+
+def sync_every(config) -> int:
+  """How often, in steps, the loops wait for a result: XLA:CPU collectives abort when hundreds
+  of calls are queued; other backends never need to wait (0)."""
+  return config.cpu_sync_every_steps if jax.default_backend() == "cpu" else 0
+
+
+def summarize(running: steps.Metrics) -> dict[str, float]:
+  """The running metrics, fetched in one transfer and computed on the host."""
+  running = jax.device_get(running)
+  return {**{name: float(value) for name, value in running.compute().items()},
+          "examples": int(running.loss.count)}
+
+
+def evaluate(compiled: steps.Steps, state, batches, config, metrics=steps.Metrics):
+  """`metrics` (a collection) over the batches once, read in this process (worker processes
+  would start at every eval); the merged metrics, on the devices."""
+  running, every = compiled.empty(metrics), sync_every(config)
+  iterator = input_pipeline.as_iterator(batches, config, put=compiled.put_batch, num_workers=0)
+  with contextlib.closing(iterator):
+    for i, batch in enumerate(iterator, start=1):
+      running = compiled.eval(state, running, batch)
+      if every and i % max(every // config.steps_per_dispatch, 1) == 0:
+        jax.block_until_ready(running)
+  return running
+
+
+def init_from(source: str, abstract, init):
+  """Fine-tuning: a function like `init` (the fresh state) whose model parameters and batch
+  statistics are those of the latest checkpoint of workdir `source`; the optimizer is fresh.
+  Leaves whose shape differs there (a classifier for another number of classes) stay fresh,
+  and are logged. Raises ConfigError, having read only the checkpoint's metadata, when a model
+  leaf is absent on either side."""
+  checkpoints = ocp.CheckpointManager(  # Orbax's default handlers: they read NumPy arrays
+      os.path.join(absolute(source), "checkpoints"),
+      options=ocp.CheckpointManagerOptions(create=False),
+      item_handlers=dict(state=ocp.PyTreeCheckpointHandler()))
+  step = checkpoints.latest_step()
+  if step is None:
+    raise ConfigError(f"config.init_from={source!r} holds no checkpoint yet.")
+  saved = {n: s for n, s in shapes(checkpoints.item_metadata(step)["state"]).items()
+           if n.startswith("0/")}  # the model's leaves (1/: the optimizer's)
+  ours = {n: s for n, s in shapes(abstract).items() if n.startswith("0/")}
+  for name in sorted(saved.keys() ^ ours.keys()):
+    there = "in the checkpoint but not in this model" if name in saved else (
+        "in this model but not in the checkpoint")
+    raise ConfigError(f"config.init_from={source!r}: {name.removesuffix('/value')[2:]} is "
+                      f"{there} (a missing or extra layer); only the shapes of leaves may "
+                      "differ.")
+  learned = {f"{leaf_name(path)}/value" for path, v in jax.tree_util.tree_leaves_with_path(
+      abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
+      if isinstance(v, (nnx.Param, nnx.BatchStat))}
+  fresh = sorted(name for name in learned if saved[name] != ours[name])
+  logging.info("Fine-tuning from step %d of %s%s", step, source, "; initialised afresh "
+               "(another shape): " + ", ".join(f"{n.removesuffix('/value')[2:]} {saved[n]} -> "
+                                               f"{ours[n]}" for n in fresh) if fresh else "")
+  copied = learned - set(fresh)
+
+  def build():
+    item = {}
+    for name in copied:  # a nested dict of the leaves to read, as NumPy arrays
+      *parents, last = name.split("/")
+      node = item
+      for key in parents:
+        node = node.setdefault(key, {})
+      node[last] = ocp.RestoreArgs(restore_type=np.ndarray)
+    read = checkpoints.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item, restore_args=item, partial_restore=True)))["state"]
+
+    def take(path, x):
+      name = leaf_name(path)
+      if name not in copied:
+        return x
+      host = read
+      for key in name.split("/"):
+        host = host[key]
+      host = np.asarray(host, x.dtype)
+      return jax.make_array_from_callback(host.shape, x.sharding, lambda index: host[index])
+
+    return jax.tree_util.tree_map_with_path(take, init())
+
+  return build

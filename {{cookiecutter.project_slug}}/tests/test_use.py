@@ -1,0 +1,237 @@
+"""After training: predict.py, evaluate.py, export.py and config.init_from, on real checkpoints.
+
+One small run serves most tests: the digits 0-3 as PNG files in class folders, converted by
+write_arrayrecord.py and fine-tuned from the 10-class straight spmd run (`folder_run`).
+"""
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from conftest import two_epochs
+from PIL import Image
+from tensorboard.backend.event_processing import event_accumulator
+
+import evaluate
+import export
+import input_pipeline
+import parallel
+import predict
+import runs
+import train
+import write_arrayrecord
+from configs import default
+
+PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLASSES = ("zero", "one", "two", "three")  # the digits 0-3; labels follow the sorted names
+
+
+@pytest.fixture(scope="module")
+def folder_run(straight_runs, tmp_path_factory):
+  """The digits 0-3 as root/pngs/{train,val}/NAME/*.png, written as ArrayRecord and fine-tuned
+  for 6 epochs from the straight spmd run: (root, workdir, final eval metrics, log lines)."""
+  root = tmp_path_factory.mktemp("folder")
+  sources, _ = input_pipeline.get_datasets(default.get_config())
+  for split, folder in (("train", "train"), ("eval", "val")):
+    for i, (image, label) in enumerate(zip(sources[split].images, sources[split].labels,
+                                           strict=True)):
+      if label < len(CLASSES):
+        os.makedirs(directory := root / "pngs" / folder / CLASSES[label], exist_ok=True)
+        Image.fromarray(image[..., 0]).save(directory / f"{i:04d}.png")
+  write_arrayrecord.write_image_folder(str(root / "data"), str(root / "pngs"))
+  config = two_epochs("spmd")
+  config.num_epochs = 6
+  config.dataset, config.data_dir, config.num_workers = "arrayrecord", str(root / "data"), 0
+  config.init_from = str(straight_runs["spmd"][0])
+  lines = []
+  handler = logging.Handler()
+  handler.emit = lambda record: lines.append(record.getMessage())
+  logger, level = logging.getLogger("absl"), logging.getLogger("absl").level
+  logger.addHandler(handler)
+  logger.setLevel(logging.INFO)
+  try:
+    metrics = train.train_and_evaluate(config, str(root / "workdir"))
+  finally:
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+  return root, str(root / "workdir"), metrics, lines
+
+
+def test_fine_tuning_copies_the_convolutions_and_starts_a_new_classifier(folder_run,
+                                                                         straight_runs):
+  root, workdir, metrics, lines = folder_run
+  source = str(straight_runs["spmd"][0])
+  assert [line for line in lines if "afresh" in line] == [
+      f"Fine-tuning from step 45 of {source}; initialised afresh (another shape): dense/bias "
+      "(10,) -> (4,), dense/kernel (64, 10) -> (64, 4)"]
+  assert metrics["examples"] == 144 and metrics["accuracy"] > 0.9, metrics  # chance: 0.25
+
+  config, info = runs.read_description(workdir)  # the state it started from, built again
+  mesh = parallel.make_mesh(config)
+  _, abstract, init = runs.initial_state(config, info, mesh, 10)
+  start = jax.device_get(runs.init_from(source, abstract, init)())
+  fresh = jax.device_get(init())
+  with ocp.CheckpointManager(os.path.join(source, "checkpoints")) as checkpoints:
+    trained = checkpoints.restore(45, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore()))["state"]
+  for i in range(2):
+    for name in ("kernel", "bias"):
+      np.testing.assert_array_equal(start[0]["convs"][i][name][...],
+                                    trained["0"]["convs"][str(i)][name]["value"])
+  for name in ("kernel", "bias"):
+    np.testing.assert_array_equal(start[0]["dense"][name][...], fresh[0]["dense"][name][...])
+  assert int(start[1]["step"][...]) == 0  # a fresh optimizer
+
+  config.init_from = source  # resuming its own checkpoints: nothing left to train
+  assert train.train_and_evaluate(config, workdir) == metrics
+
+
+def test_another_model_is_not_fine_tuned_and_the_workdir_is_kept(straight_runs, tiny_config,
+                                                                  tmp_path):
+  tiny_config.model.features = (8, 16, 32)  # an extra convolution
+  tiny_config.init_from = str(straight_runs["spmd"][0])
+  with pytest.raises(train.ConfigError) as error:
+    train.train_and_evaluate(tiny_config, str(tmp_path / "workdir"))
+  assert str(error.value) == (
+      f"config.init_from={tiny_config.init_from!r}: convs/2/bias is in this model but not in "
+      "the checkpoint (a missing or extra layer); only the shapes of leaves may differ.")
+  assert not (tmp_path / "workdir").exists()
+
+
+def test_predictions_agree_with_evaluation_and_are_named_by_the_folders(folder_run):
+  root, workdir, metrics, _ = folder_run
+  run = runs.Restored(workdir)
+  assert run.info.class_names == tuple(sorted(CLASSES))
+  paths = runs.find_images([str(root / "pngs" / "val")])
+  (root / "broken.png").write_bytes(b"not an image")
+  predicted = dict(predict.predict(run, [*paths, str(root / "broken.png")], batch_size=24))
+  assert predicted.pop(str(root / "broken.png")).startswith("UnidentifiedImageError")
+  assert len(predicted) == metrics["examples"] == 144  # 6 batches of 24, every file once
+  labels = {path: run.info.class_names.index(os.path.basename(os.path.dirname(path)))
+            for path in paths}
+  correct = sum(int(np.argmax(p)) == labels[path] for path, p in predicted.items())
+  assert correct == round(metrics["accuracy"] * 144)
+  loss = np.mean([-np.log(p[labels[path]]) for path, p in predicted.items()])
+  assert loss == pytest.approx(metrics["loss"], rel=1e-5)
+
+  for source in (input_pipeline.get_datasets(run.config)[0]["eval"],
+                 evaluate.image_folder_source(str(root / "pngs" / "val"), run.info)):
+    result = evaluate.evaluate(run, source)
+    assert result["examples"] == 144 and result["accuracy"] == metrics["accuracy"]
+    assert result["loss"] == pytest.approx(metrics["loss"], rel=1e-6)
+    counts = result["confusion"]
+    assert counts.sum() == 144 and np.trace(counts) == correct
+    np.testing.assert_allclose(result["per_class_accuracy"], np.diag(counts) / counts.sum(1))
+
+
+@pytest.mark.parametrize("parallelism", ["spmd", "pmap", "fsdp"])
+def test_every_path_evaluates_its_checkpoint_as_training_did(straight_runs, parallelism):
+  workdir, metrics = straight_runs[parallelism]
+  run = runs.Restored(str(workdir))
+  assert run.step == 45 and run.info.class_names == tuple(str(i) for i in range(10))
+  result = evaluate.evaluate(run, input_pipeline.get_datasets(run.config)[0]["eval"])
+  assert result["examples"] == 360 and result["accuracy"] == metrics["accuracy"]
+  assert result["loss"] == pytest.approx(metrics["loss"], rel=1e-6)
+
+
+def test_a_workdir_without_a_checkpoint_or_that_step_is_one_line(folder_run, tmp_path):
+  _, workdir, _, _ = folder_run
+  with pytest.raises(runs.ConfigError, match=r"holds no config.json: give the --workdir of a "):
+    runs.Restored(str(tmp_path))
+  for name in (runs.CONFIG_FILE, runs.DATA_FILE):
+    shutil.copy(os.path.join(workdir, name), tmp_path)
+  with pytest.raises(runs.ConfigError, match="holds no checkpoint yet; train first"):
+    runs.Restored(str(tmp_path))
+  assert sorted(os.listdir(tmp_path)) == sorted([runs.CONFIG_FILE, runs.DATA_FILE])
+  with pytest.raises(runs.ConfigError, match=r"^--step=7: workdir .* holds the checkpoints of "
+                                             r"steps 10, 20, 30, 40, 50, 54\.$"):
+    runs.Restored(workdir, step=7)
+
+
+# Runs with nothing but jax and numpy: flax cannot be imported, and the project is not on the
+# path (python -I: no PYTHONPATH, no current directory).
+LOAD_EXPORTED = """
+import sys
+
+class NoFlax:
+  def find_spec(self, name, path=None, target=None):
+    if name.split(".")[0] == "flax":
+      raise ImportError("flax is not here")
+
+sys.meta_path.insert(0, NoFlax())
+import jax
+import numpy as np
+
+with open("model.jax", "rb") as f:
+  exported = jax.export.deserialize(bytearray(f.read()))
+images = np.load("images.npy")
+np.save("probs.npy", np.concatenate([exported.call(images[:1]), exported.call(images)]))
+assert not [m for m in sys.modules if m.split(".")[0] in ("flax", "runs", "model", "steps")]
+"""
+
+
+def test_the_exported_model_runs_without_flax_or_the_project(folder_run, tmp_path):
+  root, workdir, _, _ = folder_run
+  run = runs.Restored(workdir)
+  paths = runs.find_images([str(root / "pngs" / "val")])[:13]
+  wanted = np.stack([p for _, p in predict.predict(run, paths)])
+  (tmp_path / "model.jax").write_bytes(export.export(run).serialize())
+  np.save(tmp_path / "images.npy", np.stack([runs.read_image(p, (8, 8, 1)) for p in paths]))
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  done = subprocess.run([sys.executable, "-I", "-c", LOAD_EXPORTED], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=120)
+  assert done.returncode == 0, done.stderr[-3000:]
+  probs = np.load(tmp_path / "probs.npy")
+  assert probs.shape == (14, 4) and probs.dtype == np.float32
+  np.testing.assert_allclose(probs[0], wanted[0], atol=1e-5)  # a batch of 1
+  np.testing.assert_allclose(probs[1:], wanted, atol=1e-5)  # a batch of 13
+
+
+def script(*args) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, *args], cwd=PROJECT, capture_output=True, text=True,
+                        timeout=300)
+
+
+@pytest.mark.slow
+def test_the_commands(folder_run, tmp_path):
+  """predict.py, evaluate.py and export.py as a user runs them; their errors, one line each."""
+  root, workdir, metrics, _ = folder_run
+  done = script("predict.py", f"--workdir={workdir}", "--json", "--top_k=2",
+                str(root / "pngs" / "val"))
+  assert done.returncode == 0, done.stderr
+  lines = [json.loads(line) for line in done.stdout.splitlines()]
+  assert len(lines) == 144 and all(len(line["top_k"]) == 2 for line in lines)
+  assert sum(line["class"] == os.path.basename(os.path.dirname(line["path"]))
+             for line in lines) == round(metrics["accuracy"] * 144)
+  assert done.stderr.strip().splitlines()[-1] == (
+      "classified 144 images with the checkpoint of step 54; skipped 0 unreadable files")
+
+  done = script("evaluate.py", f"--workdir={workdir}")
+  assert done.returncode == 0, done.stderr
+  assert done.stdout.startswith(f"step 54: loss {metrics['loss']:.4f}  accuracy "
+                                f"{metrics['accuracy']:.4f}  (144 examples)")
+  events = [os.path.join(workdir, "evaluate", name)
+            for name in os.listdir(os.path.join(workdir, "evaluate"))]
+  reader = event_accumulator.EventAccumulator(events[0])
+  reader.Reload()
+  assert reader.Tags()["images"] == ["confusion_matrix"]
+  assert "eval_accuracy/zero" in reader.Tags()["scalars"]
+
+  done = script("export.py", f"--workdir={workdir}", f"--out={tmp_path / 'model.jax'}")
+  assert done.returncode == 0, done.stderr
+  assert json.loads((tmp_path / "model.json").read_text())["class_names"] == sorted(CLASSES)
+
+  for args in (["predict.py", f"--workdir={tmp_path}", str(root / "pngs")],
+               ["evaluate.py", f"--workdir={tmp_path}"],
+               ["export.py", f"--workdir={tmp_path}", f"--out={tmp_path / 'x.jax'}"]):
+    done = script(*args)
+    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+        f"error: workdir {str(tmp_path)!r} holds no config.json: give the --workdir of a training "
+        "run (train.py writes it at start)."], done.stderr
