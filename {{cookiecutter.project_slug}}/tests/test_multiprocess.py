@@ -49,6 +49,18 @@ def test_two_processes_train_like_the_straight_spmd_run(straight_runs, tmp_path)
                 "--config.max_checkpoints_to_keep=10", "--config.fsdp_min_size=0")
   assert_same_run(multi, read_scalars(str(straight_runs["spmd"][0])))
   assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1  # only process 0 writes
+  # Its workdir describes itself: evaluate.py's set-up, from the workdir alone, in this process
+  # (8 devices), reproduces the final evaluation of the two processes.
+  import evaluate
+  import input_pipeline
+  import runs
+
+  run = runs.Restored(str(tmp_path))
+  assert run.step == 45
+  result = evaluate.evaluate(run, input_pipeline.get_datasets(run.config)[0]["eval"])
+  assert result["examples"] == multi["eval_examples"][45] == 360
+  assert result["accuracy"] == pytest.approx(multi["eval_accuracy"][45], abs=1e-6)
+  assert result["loss"] == pytest.approx(multi["eval_loss"][45], rel=1e-6)
 
 
 @pytest.mark.slow
