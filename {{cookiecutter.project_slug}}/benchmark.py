@@ -67,7 +67,6 @@ import parallel
 import steps
 import write_arrayrecord
 from configs import default, tiny
-from model import create_model
 
 NUM_DEVICES = 8
 MODELS = ("digits", "large")  # the config's CNN on the digits; a wider CNN on bigger images
@@ -116,14 +115,10 @@ def step_state_batch(config, path: str):
   config.steps_per_dispatch = 1
   splits, info = input_pipeline.get_datasets(config)
   batch = input_pipeline.train_batches(splits["train"], config)[0]  # [1, batch, ...]
-  model = create_model(config, info.image_shape, info.num_classes, nnx.Rngs(config.seed))
-  optimizer = nnx.Optimizer(model, train.create_optimizer(config, 1000), wrt=nnx.Param)
-  graphdef, state = nnx.split((model, optimizer))
+  graphdef, state = nnx.split(train.build_state(config, info.image_shape, info.num_classes, 1000))
   if path == "single":
     device = jax.devices()[0]
-    step = jax.jit(functools.partial(steps.train_step, graphdef,
-                                     grad_accum_steps=config.grad_accum_steps,
-                                     max_shift=config.augment_max_shift, seed=config.seed),
+    step = jax.jit(functools.partial(steps.train_step, graphdef, **steps.step_options(config)),
                    donate_argnums=(0, 1))
     one_batch = jax.tree.map(lambda x: x[0], batch)
     return step, *jax.device_put((state, steps.TrainMetrics.empty(), one_batch), device)

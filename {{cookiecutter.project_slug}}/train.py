@@ -37,6 +37,8 @@ import steps
 from model import create_model
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
+LR_SCALINGS = ("none", "linear", "sqrt")
+SCHEDULES = ("cosine", "linear", "constant")
 # What a remote --workdir needs without TensorFlow: Orbax reaches it through etils' fsspec
 # backend, the TensorBoard writer (tensorboardX) through the cloud's own client.
 REMOTE_WORKDIRS = {"gs": (("gcsfs", "google.cloud.storage"), 'pip install -e ".[gcs]"'),
@@ -81,12 +83,16 @@ def validate_config(config: ml_collections.ConfigDict, workdir: str | None = Non
        f"config.parallelism={config.parallelism!r} is unknown; use one of {steps.PARALLELISMS}.")
   need(config.optimizer in OPTIMIZERS,
        f"config.optimizer={config.optimizer!r} is unknown; use one of {OPTIMIZERS}.")
-  for key in ("batch_size", "grad_accum_steps", "num_epochs", "log_every_steps",
+  need(config.lr_scaling in LR_SCALINGS,
+       f"config.lr_scaling={config.lr_scaling!r} is unknown; use one of {LR_SCALINGS}.")
+  need(config.schedule in SCHEDULES,
+       f"config.schedule={config.schedule!r} is unknown; use one of {SCHEDULES}.")
+  for key in ("batch_size", "base_batch_size", "grad_accum_steps", "num_epochs", "log_every_steps",
               "eval_every_steps", "checkpoint_every_steps", "max_checkpoints_to_keep",
               "cpu_sync_every_steps", "profile_num_steps"):
     need(is_int(config[key], 1), f"config.{key}={config[key]!r} must be a positive integer.")
   for key in ("augment_max_shift", "read_threads", "prefetch_batches", "prefetch_to_device",
-              "profile_first_step", "seed"):
+              "profile_first_step", "seed", "per_device_batch_size", "warmup_steps"):
     need(is_int(config[key], 0), f"config.{key}={config[key]!r} must be an integer >= 0.")
   slices = parallel.num_slices()
   devices = jax.device_count() // slices  # fsdp groups stay within a TPU slice
@@ -126,17 +132,34 @@ def validate_config(config: ml_collections.ConfigDict, workdir: str | None = Non
   for key in ("learning_rate", "eval_fraction"):
     need(isinstance(config[key], (int, float)) and config[key] > 0,
          f"config.{key}={config[key]!r} must be a positive number.")
-  for key in ("weight_decay", "peak_flops_per_device", "compilation_cache_min_seconds"):
+  for key in ("weight_decay", "peak_flops_per_device", "compilation_cache_min_seconds",
+              "grad_clip_norm"):
     need(isinstance(config[key], (int, float)) and config[key] >= 0,
          f"config.{key}={config[key]!r} must be a number >= 0.")
+  for key in ("label_smoothing", "ema_decay"):
+    need(isinstance(config[key], (int, float)) and 0 <= config[key] < 1,
+         f"config.{key}={config[key]!r} must be a number in [0, 1); 0 turns it off.")
+  for key in ("augment_flip", "augment_crop"):
+    need(isinstance(config[key], bool), f"config.{key}={config[key]!r} must be True or False.")
+  for key, top in (("augment_crop_scale", 1), ("augment_crop_ratio", float("inf"))):
+    low_high = config[key]
+    need(isinstance(low_high, (tuple, list)) and len(low_high) == 2 and all(
+        isinstance(x, (int, float)) for x in low_high) and 0 < low_high[0] <= low_high[1] <= top,
+         f"config.{key}={low_high!r} must be (low, high) with 0 < low <= high"
+         f"{' <= 1' if top == 1 else ''}, e.g. --config.{key}='(0.5,1.0)'.")
   need(config.eval_fraction < 1, f"config.eval_fraction={config.eval_fraction} must be below 1.")
+  batch_size = global_batch_size(config)
   parts = jax.device_count() * config.grad_accum_steps
   over = f"{jax.device_count()} devices" + (
       f" on {jax.process_count()} processes" if jax.process_count() > 1 else "") + (
       f" x {config.grad_accum_steps} micro-batches" if config.grad_accum_steps > 1 else "")
-  need(config.batch_size % parts == 0,
-       f"config.batch_size={config.batch_size} does not divide over {over}; use a multiple of "
-       f"{parts}, e.g. {max(1, round(config.batch_size / parts)) * parts}.")
+  name = ("per_device_batch_size" if config.per_device_batch_size else "batch_size")
+  need(batch_size % parts == 0,
+       f"config.{name}={config[name]} gives a global batch of {batch_size}, which does not "
+       f"divide over {over}; use a global batch that is a multiple of {parts}, e.g. "
+       f"{max(1, round(batch_size / parts)) * parts}." if config.per_device_batch_size else
+       f"config.batch_size={batch_size} does not divide over {over}; use a multiple of "
+       f"{parts}, e.g. {max(1, round(batch_size / parts)) * parts}.")
   if config.dataset == "synthetic":
     spec = config.synthetic
     need(len(spec.image_shape) == 3 and all(is_int(d, 1) for d in spec.image_shape),
@@ -197,11 +220,45 @@ def check_checkpoint_fits(checkpoints, step: int, abstract_state, workdir: str) 
           "use a new --workdir, or the config that wrote it.")
 
 
+def global_batch_size(config, num_devices: int | None = None) -> int:
+  """Examples per optimizer step, over all devices and processes: `config.batch_size`, or
+  `config.per_device_batch_size` x the devices (default: all of them) when that is set."""
+  if config.per_device_batch_size:
+    return config.per_device_batch_size * (num_devices or jax.device_count())
+  return config.batch_size
+
+
+def peak_learning_rate(config) -> float:
+  """`config.learning_rate`, scaled by the global batch over `config.base_batch_size`."""
+  ratio = config.batch_size / config.base_batch_size
+  return config.learning_rate * {"none": 1.0, "linear": ratio, "sqrt": ratio**0.5}[
+      config.lr_scaling]
+
+
+def create_schedule(config, num_train_steps: int) -> optax.Schedule:
+  """The learning rate of update n (n = 0, 1, ...): a linear warmup from 0 to the peak over
+  `config.warmup_steps`, then `config.schedule` over the remaining steps (cosine and linear: to
+  0 at `num_train_steps`)."""
+  peak, warmup = peak_learning_rate(config), config.warmup_steps
+  decay_steps = max(num_train_steps - warmup, 1)
+  decay = {"cosine": lambda: optax.cosine_decay_schedule(peak, decay_steps),
+           "linear": lambda: optax.linear_schedule(peak, 0.0, decay_steps),
+           "constant": lambda: optax.constant_schedule(peak)}[config.schedule]()
+  if not warmup:
+    return decay
+  return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
+
+
 def create_optimizer(config, num_train_steps: int) -> optax.GradientTransformation:
-  schedule = optax.cosine_decay_schedule(config.learning_rate, num_train_steps)
-  if config.optimizer == "adamw":
-    return optax.adamw(schedule, weight_decay=config.weight_decay)
-  return {"adam": optax.adam, "sgd": optax.sgd}[config.optimizer](schedule)
+  schedule = create_schedule(config, num_train_steps)
+  if config.optimizer == "adamw":  # decays the weights only: not biases, nor norms' scales
+    optimizer = optax.adamw(schedule, weight_decay=config.weight_decay,
+                            mask=lambda params: jax.tree.map(lambda p: p.ndim > 1, params))
+  else:
+    optimizer = {"adam": optax.adam, "sgd": optax.sgd}[config.optimizer](schedule)
+  if config.grad_clip_norm:
+    return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), optimizer)
+  return optimizer
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -255,8 +312,8 @@ class Speed:
     # Under pmap, traced with its axis (of size 1: the global batch on one device), for models
     # whose layers reduce over it (BatchNorm).
     axis = parallel.PMAP_AXIS if config.parallelism == "pmap" else None
-    step = functools.partial(steps.train_step, graphdef, grad_accum_steps=config.grad_accum_steps,
-                             max_shift=config.augment_max_shift, seed=config.seed, axis_name=axis)
+    step = functools.partial(steps.train_step, graphdef, **steps.step_options(config),
+                             axis_name=axis)
     spec = lambda shape, dtype: jax.ShapeDtypeStruct((config.batch_size, *shape), dtype)  # noqa: E731
     batch = {"image": spec(image_shape, jnp.uint8), "label": spec((), jnp.int32),
              "mask": spec((), jnp.bool_), "position": spec((), jnp.uint32)}  # one global batch
@@ -298,14 +355,26 @@ def stop_signals():
       signal.signal(sig, handler)
 
 
+def build_state(config, image_shape, num_classes, num_train_steps: int) -> tuple:
+  """The training state's objects: (model, optimizer), and with `config.ema_decay` a third, the
+  moving average of the model (a copy of it, which the train step moves and evaluation uses)."""
+  model = create_model(config, image_shape, num_classes, nnx.Rngs(config.seed))
+  optimizer = nnx.Optimizer(model, create_optimizer(config, num_train_steps), wrt=nnx.Param)
+  if not config.ema_decay:
+    return model, optimizer
+  average = nnx.clone(model)
+  nnx.update(average, jax.tree.map(jnp.copy, nnx.state(average)))  # its own buffers
+  return model, optimizer, average
+
+
 def initial_state(config, info, mesh, num_train_steps: int):
-  """The model and optimizer's graph, their state's abstract value (shapes, dtypes, shardings)
-  and a function that builds the state: under jit, each shard where it lives, so that no host
-  and no device ever holds more of it than its share (the same values as built eagerly)."""
+  """The model and optimizer's graph (`build_state`), their state's abstract value (shapes,
+  dtypes, shardings; fsdp splits the average like the parameters) and a function that builds
+  the state: under jit, each shard where it lives, so that no host and no device ever holds more
+  of it than its share (the same values as built eagerly)."""
 
   def build():
-    model = create_model(config, info.image_shape, info.num_classes, nnx.Rngs(config.seed))
-    return model, nnx.Optimizer(model, create_optimizer(config, num_train_steps), wrt=nnx.Param)
+    return build_state(config, info.image_shape, info.num_classes, num_train_steps)
 
   graphdef, abstract = nnx.split(nnx.eval_shape(build))
   shardings = parallel.state_shardings(abstract, mesh, config.fsdp_min_size)
@@ -377,6 +446,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   validate_config(config, workdir)
   config = config.copy_and_resolve_references()  # with the backend's choices made:
   config.steps_per_dispatch = steps.steps_per_dispatch(config)
+  config.batch_size = global_batch_size(config)
   workdir = workdir if "://" in workdir else os.path.abspath(workdir)
   process = dict(process_index=jax.process_index(), process_count=jax.process_count())
   devices = jax.device_count()
@@ -393,6 +463,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                info.num_examples["train"], info.num_examples["eval"],
                "x".join(map(str, info.image_shape)), info.num_classes, names and f" ({names})")
 
+  schedule = create_schedule(config, num_train_steps)
+  logging.info("global batch %d%s; peak learning rate %.4g%s, %d warmup steps, %s decay",
+               config.batch_size, f" ({config.per_device_batch_size} x {devices} devices)"
+               if config.per_device_batch_size else "", peak_learning_rate(config),
+               "" if config.lr_scaling == "none" else f" ({config.lr_scaling} scaling of "
+               f"{config.learning_rate:g} at batch {config.base_batch_size})",
+               config.warmup_steps, config.schedule)
   mesh = parallel.make_mesh(config)
   graphdef, abstract, init = initial_state(config, info, mesh, num_train_steps)
   compiled = steps.make(graphdef, config, mesh)
@@ -488,6 +565,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           summary["examples_per_sec"] = summary["examples"] * timed / (step - since + 1) / (
               now - last_log)
           summary.update(speed.report(timed / (now - last_log)))
+        # The rate of the interval's last update (n = step - 1), from the schedule, on the host.
+        summary["learning_rate"] = float(schedule(step - 1))
         writer.write_scalars(step, {f"train_{name}": v for name, v in summary.items()})
         progress.report(step, summary)
         if summary["nonfinite_steps"]:

@@ -146,15 +146,16 @@ def test_skipping_a_step_keeps_no_second_copy_of_the_state(tiny_config, parallel
   batch = compiled.put_batch(stacked(batches([64]), 1)[0])
   step = compiled.train.lower(placed, compiled.empty(steps.TrainMetrics), batch).compile()
 
-  def bare_update(state, batch):  # the gradient and the update, nothing else
+  def bare_update(state, batch):  # the gradient, the update and their norms, nothing else
     model, optimizer = nnx.merge(graphdef, state)
     batch = jax.tree.map(lambda x: x[0], batch)
     grads, _ = steps.summed_gradients(model, dict(batch, image=steps.prepare_images(batch)))
-    optimizer.update(model, grads)
-    return nnx.state((model, optimizer))
+    updates = optimizer.update(model, grads)
+    norms = [optax.tree.norm(tree) for tree in (grads, nnx.state(model, nnx.Param), updates)]
+    return nnx.state((model, optimizer)), norms
 
-  bare = jax.jit(bare_update, donate_argnums=0, out_shardings=parallel.state_shardings(
-      state, mesh, tiny_config.fsdp_min_size)).lower(placed, batch).compile()
+  bare = jax.jit(bare_update, donate_argnums=0, out_shardings=(parallel.state_shardings(
+      state, mesh, tiny_config.fsdp_min_size), None)).lower(placed, batch).compile()
   held = parallel.bytes_per_device(placed)
   step_temp, bare_temp = (c.memory_analysis().temp_size_in_bytes for c in (step, bare))
   print(f"{parallelism}: temp {step_temp / 1e6:.2f} MB, the bare update's {bare_temp / 1e6:.2f} "
