@@ -152,6 +152,21 @@ def test_the_global_batch_of_a_per_device_batch_follows_the_device_count(tiny_co
   assert train.global_batch_size(tiny_config, num_devices=4) == tiny_config.batch_size == 64
 
 
+@pytest.mark.slow
+def test_a_per_device_batch_on_4_devices_is_a_global_batch_of_4(tmp_path):
+  """train.py on 4 CPU devices with 8 examples per device: steps of 32 examples (the straight
+  runs, on 8 devices, have 64), and the learning rate scaled to them."""
+  flags = os.environ.get("XLA_FLAGS", "").replace("device_count=8", "device_count=4")
+  out, _ = run_cli(tmp_path, "--config.per_device_batch_size=8", "--config.lr_scaling=linear",
+                   "--config.base_batch_size=64", env={"XLA_FLAGS": flags})
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "4 cpu devices" in out.stderr
+  assert ("global batch 32 (8 x 4 devices); peak learning rate 0.005 (linear scaling of 0.01 at "
+          "batch 64)") in out.stderr, out.stderr
+  scalars = read_scalars(str(tmp_path))
+  assert scalars["train_examples"][5] == 5 * 32 and max(scalars["train_examples"]) == 45
+
+
 def test_adamw_decays_the_weights_only(tiny_config):
   """A zero gradient: one adamw step leaves biases and BatchNorm's scales (and statistics) as
   they were, and shrinks every kernel by exactly the decay, lr x weight_decay."""
