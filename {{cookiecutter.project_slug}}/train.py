@@ -312,8 +312,9 @@ class Speed:
     # Under pmap, traced with its axis (of size 1: the global batch on one device), for models
     # whose layers reduce over it (BatchNorm).
     axis = parallel.PMAP_AXIS if config.parallelism == "pmap" else None
-    step = functools.partial(steps.train_step, graphdef, **steps.step_options(config),
-                             axis_name=axis)
+    # (The crop's resampling is left out: it is a matrix product, but not the model's.)
+    step = functools.partial(steps.train_step, graphdef, **dict(
+        steps.step_options(config), crop=None), axis_name=axis)
     spec = lambda shape, dtype: jax.ShapeDtypeStruct((config.batch_size, *shape), dtype)  # noqa: E731
     batch = {"image": spec(image_shape, jnp.uint8), "label": spec((), jnp.int32),
              "mask": spec((), jnp.bool_), "position": spec((), jnp.uint32)}  # one global batch
