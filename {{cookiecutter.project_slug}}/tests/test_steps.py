@@ -251,3 +251,21 @@ def test_evaluation_uses_the_moving_average(tiny_config):
   no_average = evaluate(nnx.State({**plain, 2: model}), steps.Metrics.empty(), batch).compute()
   assert float(got["loss"]) == float(expected["loss"])
   assert float(got["loss"]) != float(no_average["loss"])
+
+
+def test_label_smoothing_is_the_cross_entropy_of_the_smoothed_targets_of_real_examples():
+  """a = 0.1 over 4 classes: the target of the label 1 - a + a / 4, of the others a / 4; the
+  padding (mask False) is left out."""
+
+  class Fixed:  # logits that do not depend on the images
+    def __call__(self, images):
+      return jnp.tile(jnp.array([[2.0, 0.0, -1.0, 0.5]]), (images.shape[0], 1))
+
+  batch = {"image": jnp.zeros((3, 1, 1, 1)), "label": jnp.array([0, 3, 2]),
+           "mask": jnp.array([True, True, False])}
+  loss_sum, _ = steps.loss_and_metrics(Fixed(), batch, label_smoothing=0.1)
+  log_p = np.log(np.exp([2.0, 0.0, -1.0, 0.5]) / np.exp([2.0, 0.0, -1.0, 0.5]).sum())
+  expected = sum(-(np.full(4, 0.1 / 4) + 0.9 * np.eye(4)[label]) @ log_p for label in (0, 3))
+  assert float(loss_sum) == pytest.approx(expected, rel=1e-6)
+  plain, _ = steps.loss_and_metrics(Fixed(), batch)
+  assert float(plain) == pytest.approx(-log_p[0] - log_p[3], rel=1e-6)
