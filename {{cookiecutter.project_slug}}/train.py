@@ -153,13 +153,13 @@ def validate_config(config: ml_collections.ConfigDict, workdir: str | None = Non
   over = f"{jax.device_count()} devices" + (
       f" on {jax.process_count()} processes" if jax.process_count() > 1 else "") + (
       f" x {config.grad_accum_steps} micro-batches" if config.grad_accum_steps > 1 else "")
-  name = ("per_device_batch_size" if config.per_device_batch_size else "batch_size")
-  need(batch_size % parts == 0,
-       f"config.{name}={config[name]} gives a global batch of {batch_size}, which does not "
-       f"divide over {over}; use a global batch that is a multiple of {parts}, e.g. "
-       f"{max(1, round(batch_size / parts)) * parts}." if config.per_device_batch_size else
-       f"config.batch_size={batch_size} does not divide over {over}; use a multiple of "
-       f"{parts}, e.g. {max(1, round(batch_size / parts)) * parts}.")
+  given, wanted = f"config.batch_size={batch_size}", "a multiple"
+  if config.per_device_batch_size:
+    given = (f"config.per_device_batch_size={config.per_device_batch_size} gives a global batch "
+             f"of {batch_size}, which")
+    wanted = "a global batch that is a multiple"
+  need(batch_size % parts == 0, f"{given} does not divide over {over}; use {wanted} of {parts}, "
+       f"e.g. {max(1, round(batch_size / parts)) * parts}.")
   if config.dataset == "synthetic":
     spec = config.synthetic
     need(len(spec.image_shape) == 3 and all(is_int(d, 1) for d in spec.image_shape),
