@@ -68,12 +68,13 @@ import runs
 import steps
 import write_arrayrecord
 from configs import default, tiny
-from model import create_model
 
 NUM_DEVICES = 8
 MODELS = ("digits", "large")  # the config's CNN on the digits; a wider CNN on bigger images
 PATHS = ("single", "spmd", "pmap", "fsdp")
 LOOP_PATHS = ("spmd", "pmap")
+EMA = "spmd+ema"  # the cost of the moving average of the parameters: spmd's step with it
+EMA_DECAY = 0.999
 WARMUP_STEPS = 2  # untimed calls of each compiled step before the timed ones
 REPEATS = 3  # paired (bare step, loop) runs per path: the median of their ratios is reported
 PIPELINE = dict(image_shape=(64, 64, 3), batch_size=1024)
@@ -116,14 +117,10 @@ def step_state_batch(config, path: str):
   config.steps_per_dispatch = 1
   splits, info = input_pipeline.get_datasets(config)
   batch = input_pipeline.train_batches(splits["train"], config)[0]  # [1, batch, ...]
-  model = create_model(config, info.image_shape, info.num_classes, nnx.Rngs(config.seed))
-  optimizer = nnx.Optimizer(model, runs.create_optimizer(config, 1000), wrt=nnx.Param)
-  graphdef, state = nnx.split((model, optimizer))
+  graphdef, state = nnx.split(runs.build_state(config, info.image_shape, info.num_classes, 1000))
   if path == "single":
     device = jax.devices()[0]
-    step = jax.jit(functools.partial(steps.train_step, graphdef,
-                                     grad_accum_steps=config.grad_accum_steps,
-                                     max_shift=config.augment_max_shift, seed=config.seed),
+    step = jax.jit(functools.partial(steps.train_step, graphdef, **steps.step_options(config)),
                    donate_argnums=(0, 1))
     one_batch = jax.tree.map(lambda x: x[0], batch)
     return step, *jax.device_put((state, steps.TrainMetrics.empty(), one_batch), device)
@@ -178,12 +175,16 @@ class Runner:
 
 
 def measure_steps(config) -> dict:
-  """Every path's compile time and median step time, the paths taking turns."""
-  runners = {path: Runner(config, path) for path in PATHS}
-  seconds = {path: [] for path in PATHS}
+  """Every path's compile time and median step time, the paths (and spmd with the moving
+  average, `EMA`) taking turns."""
+  with_ema = config.copy_and_resolve_references()
+  with_ema.ema_decay = EMA_DECAY
+  runners = {path: Runner(config, path) for path in PATHS} | {EMA: Runner(with_ema, "spmd")}
+  names = list(runners)
+  seconds = {name: [] for name in names}
   for turn in range(config.rounds):
-    for path in PATHS[turn % len(PATHS):] + PATHS[:turn % len(PATHS)]:  # rotate who goes first
-      seconds[path] += runners[path].times(config.turn_steps)
+    for name in names[turn % len(names):] + names[:turn % len(names)]:  # rotate who goes first
+      seconds[name] += runners[name].times(config.turn_steps)
   results = {}
   for path, runner in runners.items():
     step_s = statistics.median(seconds[path])
@@ -327,7 +328,8 @@ def measure(what: str, is_tiny: bool) -> dict:
   kind, *rest = what.split(":")
   if kind == "steps":
     config = get_config(rest[0], is_tiny)
-    result = dict(paths=measure_steps(config), **describe(config))
+    paths = measure_steps(config)
+    result = dict(paths=paths, ema=paths.pop(EMA), **describe(config))
   elif kind == "memory":
     Runner(get_config(rest[0], is_tiny), rest[1])  # compiled, and WARMUP_STEPS steps run
     result = {}
@@ -399,7 +401,9 @@ def benchmark(is_tiny: bool) -> dict:
     models[model] = dict(
         {key: measured[key] for key in ("image_shape", "features", "dtype", "batch_size",
                                         "timed_steps")}, paths=paths,
-        pmap_over_spmd_step_time=paths["pmap"]["step_ms"] / paths["spmd"]["step_ms"])
+        pmap_over_spmd_step_time=paths["pmap"]["step_ms"] / paths["spmd"]["step_ms"],
+        ema_over_spmd_step_time=measured["ema"]["step_ms"] / paths["spmd"]["step_ms"],
+        ema_state_mb_per_device=measured["ema"]["state_mb_per_device"])
   loop = {f"{model}:{path}": summarize_loop([results[f"loop:{m}:{p}:{i}"]
                                              for m, p, i in loops if (m, p) == (model, path)])
           for model, path in dict.fromkeys((m, p) for m, p, _ in loops)}
@@ -427,6 +431,9 @@ def report(results: dict) -> str:
                    f"{r['state_mb_per_device']:>17.3f}{r['step_peak_mb_per_device']:>21.3f}")
   for name, model in results["models"].items():
     lines.append(f"pmap/spmd step time: {model['pmap_over_spmd_step_time']:.2f} ({name})")
+    lines.append(f"moving average: spmd step time x{model['ema_over_spmd_step_time']:.2f}, state "
+                 f"{model['ema_state_mb_per_device']:.3f} MB/device against "
+                 f"{model['paths']['spmd']['state_mb_per_device']:.3f} ({name})")
   for key, loop in results["loop"].items():
     pairs = " ".join(f"{e:.2f}" for e in loop["efficiencies"])
     shape = "x".join(map(str, loop["image_shape"]))

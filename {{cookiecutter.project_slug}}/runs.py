@@ -58,21 +58,67 @@ def checkpoint_manager(workdir: str, max_to_keep: int | None = None, create: boo
           state=ocp.PyTreeCheckpointHandler(type_handler_registry=array_handlers())))
 
 
+def global_batch_size(config, num_devices: int | None = None) -> int:
+  """Examples per optimizer step, over all devices and processes: `config.batch_size`, or
+  `config.per_device_batch_size` x the devices (default: all of them) when that is set."""
+  if config.per_device_batch_size:
+    return config.per_device_batch_size * (num_devices or jax.device_count())
+  return config.batch_size
+
+
+def peak_learning_rate(config) -> float:
+  """`config.learning_rate`, scaled by the global batch over `config.base_batch_size`."""
+  ratio = config.batch_size / config.base_batch_size
+  return config.learning_rate * {"none": 1.0, "linear": ratio, "sqrt": ratio**0.5}[
+      config.lr_scaling]
+
+
+def create_schedule(config, num_train_steps: int) -> optax.Schedule:
+  """The learning rate of update n (n = 0, 1, ...): a linear warmup from 0 to the peak over
+  `config.warmup_steps`, then `config.schedule` over the remaining steps (cosine and linear: to
+  0 at `num_train_steps`)."""
+  peak, warmup = peak_learning_rate(config), config.warmup_steps
+  decay_steps = max(num_train_steps - warmup, 1)
+  decay = {"cosine": lambda: optax.cosine_decay_schedule(peak, decay_steps),
+           "linear": lambda: optax.linear_schedule(peak, 0.0, decay_steps),
+           "constant": lambda: optax.constant_schedule(peak)}[config.schedule]()
+  if not warmup:
+    return decay
+  return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
+
+
 def create_optimizer(config, num_train_steps: int) -> optax.GradientTransformation:
-  schedule = optax.cosine_decay_schedule(config.learning_rate, num_train_steps)
-  if config.optimizer == "adamw":
-    return optax.adamw(schedule, weight_decay=config.weight_decay)
-  return {"adam": optax.adam, "sgd": optax.sgd}[config.optimizer](schedule)
+  schedule = create_schedule(config, num_train_steps)
+  if config.optimizer == "adamw":  # decays the weights only: not biases, nor norms' scales
+    optimizer = optax.adamw(schedule, weight_decay=config.weight_decay,
+                            mask=lambda params: jax.tree.map(lambda p: p.ndim > 1, params))
+  else:
+    optimizer = {"adam": optax.adam, "sgd": optax.sgd}[config.optimizer](schedule)
+  if config.grad_clip_norm:
+    return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), optimizer)
+  return optimizer
+
+
+def build_state(config, image_shape, num_classes, num_train_steps: int) -> tuple:
+  """The training state's objects: (model, optimizer), and with `config.ema_decay` a third, the
+  moving average of the model (a copy of it, which the train step moves and evaluation uses)."""
+  model = create_model(config, image_shape, num_classes, nnx.Rngs(config.seed))
+  optimizer = nnx.Optimizer(model, create_optimizer(config, num_train_steps), wrt=nnx.Param)
+  if not config.ema_decay:
+    return model, optimizer
+  average = nnx.clone(model)
+  nnx.update(average, jax.tree.map(jnp.copy, nnx.state(average)))  # its own buffers
+  return model, optimizer, average
 
 
 def initial_state(config, info, mesh, num_train_steps: int):
-  """The model and optimizer's graph, their state's abstract value (shapes, dtypes, shardings)
-  and a function that builds the state: under jit, each shard where it lives, so that no host
-  and no device ever holds more of it than its share (the same values as built eagerly)."""
+  """The model and optimizer's graph (`build_state`), their state's abstract value (shapes,
+  dtypes, shardings; fsdp splits the average like the parameters) and a function that builds
+  the state: under jit, each shard where it lives, so that no host and no device ever holds more
+  of it than its share (the same values as built eagerly)."""
 
   def build():
-    model = create_model(config, info.image_shape, info.num_classes, nnx.Rngs(config.seed))
-    return model, nnx.Optimizer(model, create_optimizer(config, num_train_steps), wrt=nnx.Param)
+    return build_state(config, info.image_shape, info.num_classes, num_train_steps)
 
   graphdef, abstract = nnx.split(nnx.eval_shape(build))
   shardings = parallel.state_shardings(abstract, mesh, config.fsdp_min_size)
@@ -141,7 +187,7 @@ def read_description(workdir: str):
 class Restored:
   """A checkpoint of a workdir, on the devices of `mesh`: the config and data it was trained
   with, the model and optimizer `graphdef` and `state`, and the model alone (`model_graphdef`,
-  `model_state`)."""
+  `model_state`: the moving average of the parameters, when the run kept one)."""
 
   def __init__(self, workdir: str, step: int | None = None, mesh=None):
     self.config, self.info = read_description(workdir)
@@ -161,8 +207,8 @@ class Restored:
                         f"{', '.join(map(str, available))}.")
     self.state = restore_state(checkpoints, self.step, abstract, workdir)
     checkpoints.close()
-    model, _ = nnx.merge(self.graphdef, self.state)
-    self.model_graphdef, self.model_state = nnx.split(model)
+    objects = nnx.merge(self.graphdef, self.state)  # (model, optimizer[, moving average])
+    self.model_graphdef, self.model_state = nnx.split(objects[2 if len(objects) > 2 else 0])
 
 
 def probabilities(graphdef, state, images_BHWC, mask_B=None) -> jax.Array:
@@ -252,9 +298,10 @@ def init_from(source: str, abstract, init):
     raise ConfigError(f"config.init_from={source!r}: {name.removesuffix('/value')[2:]} is "
                       f"{there} (a missing or extra layer); only the shapes of leaves may "
                       "differ.")
-  learned = {f"{leaf_name(path)}/value" for path, v in jax.tree_util.tree_leaves_with_path(
+  learned = {name for path, v in jax.tree_util.tree_leaves_with_path(
       abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
-      if isinstance(v, (nnx.Param, nnx.BatchStat))}
+      if isinstance(v, (nnx.Param, nnx.BatchStat))
+      and (name := f"{leaf_name(path)}/value").startswith("0/")}
   fresh = sorted(name for name in learned if saved[name] != ours[name])
   logging.info("Fine-tuning from step %d of %s%s", step, source, "; initialised afresh "
                "(another shape): " + ", ".join(f"{n.removesuffix('/value')[2:]} {saved[n]} -> "
@@ -274,6 +321,8 @@ def init_from(source: str, abstract, init):
 
     def take(path, x):
       name = leaf_name(path)
+      if name.startswith("2/"):  # the moving average (config.ema_decay) starts as the model
+        name = "0/" + name[2:]
       if name not in copied:
         return x
       host = read

@@ -5,7 +5,7 @@ stacked on a leading axis, so the host dispatches once per k steps:
   image [k, B, H, W, C] in its stored dtype (uint8 pixels are divided by 255 on the device),
   label [k, B] int32, mask [k, B] bool (False on padding), position [k, B] uint32 (each
   example's place in the stream: it keys the augmentation, so that any batching, any number
-  of processes and any resume give the same shifts).
+  of processes and any resume give the same shifts, flips and crops).
 A step whose batch holds no real example (padding at the end of training, or before the first
 batch of a resumed run) changes nothing, so k steps in one call equal k single calls.
 """
@@ -80,12 +80,27 @@ class NonFinite(metrics.Metric):
 
 
 @flax.struct.dataclass
+class StepAverage(metrics.Average):
+  """The mean of a value over the merged steps that applied their update."""
+
+  @classmethod
+  def from_step(cls, value, applied):
+    return cls(total=jnp.where(applied, value, 0.0).astype(jnp.float32),
+               count=applied.astype(jnp.int32))
+
+
+@flax.struct.dataclass
 class TrainMetrics(metrics.Collection):
-  """Metrics, and the steps that were skipped. (CLU reads only a class's own fields.)"""
+  """Metrics, the steps that were skipped, and the global norms (big_vision's) of the
+  gradient (before any clipping), of the parameters and of the update, averaged over the
+  steps. (CLU reads only a class's own fields.)"""
 
   loss: metrics.Average.from_output("loss")
   accuracy: metrics.Accuracy
   nonfinite_steps: NonFinite
+  l2_grads: StepAverage
+  l2_params: StepAverage
+  l2_updates: StepAverage
 
 
 def with_confusion(num_classes: int) -> type[metrics.Collection]:
@@ -119,35 +134,73 @@ def with_confusion(num_classes: int) -> type[metrics.Collection]:
   return MetricsWithConfusion
 
 
-def prepare_images(batch, max_shift: int = 0, seed: int = 0) -> jax.Array:
+def random_resized_crop(key, image_HWC, scale, ratio) -> jax.Array:
+  """A crop of a random fraction of the area in `scale` and aspect (width / height) in `ratio`
+  (log-uniform), resized back to the image's size (bilinear): the first of 10 draws that fits
+  in the image, or the whole image. The crop need not fall on whole pixels."""
+  height, width, _ = image_HWC.shape
+  area_key, ratio_key, place_key = jax.random.split(key, 3)
+  area = height * width * jax.random.uniform(area_key, (10,), minval=scale[0], maxval=scale[1])
+  aspect = jnp.exp(jax.random.uniform(ratio_key, (10,), minval=math.log(ratio[0]),
+                                      maxval=math.log(ratio[1])))
+  crop_h, crop_w = jnp.sqrt(area / aspect), jnp.sqrt(area * aspect)
+  fits = (crop_h <= height) & (crop_w <= width)
+  first = jnp.argmax(fits)
+  size_2 = jnp.where(fits.any(), jnp.stack([crop_h[first], crop_w[first]]),
+                     jnp.array([height, width], jnp.float32))
+  corner_2 = jax.random.uniform(place_key, (2,)) * (jnp.array([height, width]) - size_2)
+  # (jax.image.resize takes static sizes only; this is the resampling that it runs.)
+  zoom_2 = jnp.array([height, width]) / size_2
+  return jax.image.scale_and_translate(image_HWC, image_HWC.shape, (0, 1), zoom_2,
+                                       -corner_2 * zoom_2, method="linear")
+
+
+def prepare_images(batch, max_shift: int = 0, seed: int = 0, flip: bool = False,
+                   crop: tuple | None = None) -> jax.Array:
   """Stored pixels -> float32 model input, on the device. Integer pixels are divided by 255.
-  With `max_shift`, each image is shifted by up to that many pixels each way (zero fill); the
-  shift is a function of `seed` and the example's stream position alone."""
+  Augmentations, each a function of `seed` and the example's stream position alone: with
+  `crop` ((scale range, aspect range), see `random_resized_crop`) a random resized crop, with
+  `flip` a horizontal flip of half the images, with `max_shift` a shift by up to that many
+  pixels each way (zero fill), in that order."""
   images_BHWC = batch["image"].astype(jnp.float32)
   if jnp.issubdtype(batch["image"].dtype, jnp.integer):
     images_BHWC = images_BHWC / 255.0
+  if not (max_shift or flip or crop):
+    return images_BHWC
+  key = jax.random.fold_in(jax.random.key(seed), AUGMENT_STREAM)
+  keys_B = jax.vmap(lambda position: jax.random.fold_in(key, position))(batch["position"])
+  if crop:
+    images_BHWC = jax.vmap(lambda key, image: random_resized_crop(
+        jax.random.fold_in(key, 1), image, *crop))(keys_B, images_BHWC)
+  if flip:
+    flips_B = jax.vmap(lambda key: jax.random.bernoulli(jax.random.fold_in(key, 2)))(keys_B)
+    images_BHWC = jnp.where(flips_B[:, None, None, None], images_BHWC[:, :, ::-1], images_BHWC)
   if not max_shift:
     return images_BHWC
   _, height, width, channels = images_BHWC.shape
-  key = jax.random.fold_in(jax.random.key(seed), AUGMENT_STREAM)
-  shifts_B2 = jax.vmap(lambda position: jax.random.randint(
-      jax.random.fold_in(key, position), (2,), 0, 2 * max_shift + 1))(batch["position"])
+  shifts_B2 = jax.vmap(lambda key: jax.random.randint(key, (2,), 0, 2 * max_shift + 1))(keys_B)
   padded = jnp.pad(images_BHWC, ((0, 0), (max_shift,) * 2, (max_shift,) * 2, (0, 0)))
   return jax.vmap(lambda image, shift: jax.lax.dynamic_slice(
       image, (shift[0], shift[1], 0), (height, width, channels)))(padded, shifts_B2)
 
 
-def loss_and_metrics(model, batch, collection=Metrics):
+def loss_and_metrics(model, batch, collection=Metrics, label_smoothing: float = 0.0):
   """The SUM of the losses of the real examples (normalised later, by the global count), in
   float32 whatever the model's dtype. `batch["image"]` is the model's input (see
   `prepare_images`); a model whose `__call__` has an `example_mask` parameter gets
   `batch["mask"]` there too, `[batch]`, False on padding (BatchNorm must leave the padding out).
-  The metrics: a `collection` of the step's real examples.
+  The metrics: a `collection` of the step's real examples. `label_smoothing` a: the targets
+  are (1 - a) x one-hot + a / classes.
   """
   takes_mask = "example_mask" in inspect.signature(model.__call__).parameters
   logits_BK = model(batch["image"], **({"example_mask": batch["mask"]} if takes_mask else {}))
   logits_BK = logits_BK.astype(jnp.float32)
-  losses_B = optax.softmax_cross_entropy_with_integer_labels(logits_BK, batch["label"])
+  if label_smoothing:
+    targets_BK = optax.smooth_labels(jax.nn.one_hot(batch["label"], logits_BK.shape[-1]),
+                                     label_smoothing)
+    losses_B = optax.softmax_cross_entropy(logits_BK, targets_BK)
+  else:
+    losses_B = optax.softmax_cross_entropy_with_integer_labels(logits_BK, batch["label"])
   loss_sum = jnp.sum(jnp.where(batch["mask"], losses_B, 0.0))
   step_metrics = collection.single_from_model_output(
       loss=losses_B, logits=logits_BK, labels=batch["label"], mask=batch["mask"])
@@ -160,10 +213,11 @@ def micro_batches(batch, num: int):
   return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, num, *x.shape[1:]), 0, 1), batch)
 
 
-def summed_gradients(model, batch, num_micro_batches: int = 1):
+def summed_gradients(model, batch, num_micro_batches: int = 1, label_smoothing: float = 0.0):
   """Gradient of the summed loss, and metrics, over `batch` in `num_micro_batches` sequential
   pieces (gradient accumulation: the memory of one piece, the result of the whole batch)."""
-  grad_fn = nnx.grad(loss_and_metrics, has_aux=True)
+  grad_fn = nnx.grad(functools.partial(loss_and_metrics, label_smoothing=label_smoothing),
+                     has_aux=True)
   if num_micro_batches == 1:
     return grad_fn(model, batch)
   micro = micro_batches(batch, num_micro_batches)
@@ -198,23 +252,37 @@ def fold_in_device_index(model, axis_name):
   return restore
 
 
+def step_options(config) -> dict:
+  """`train_step`'s keyword arguments from the config (all hashable: static arguments)."""
+  crop = (tuple(config.augment_crop_scale), tuple(config.augment_crop_ratio))
+  return dict(grad_accum_steps=config.grad_accum_steps, max_shift=config.augment_max_shift,
+              seed=config.seed, flip=config.augment_flip,
+              crop=crop if config.augment_crop else None,
+              label_smoothing=config.label_smoothing, ema_decay=config.ema_decay)
+
+
+# What the moving average of the parameters averages: every Param, and BatchNorm's statistics.
+AVERAGED = (nnx.Param, nnx.BatchStat)
+
+
 def train_step(graphdef, state, running, batch, *, grad_accum_steps=1, max_shift=0, seed=0,
-               axis_name=None):
+               flip=False, crop=None, label_smoothing=0.0, ema_decay=0.0, axis_name=None):
   """One optimizer step on one batch (no leading k axis); `running` (TrainMetrics) comes back
   with this step's metrics merged in. Under pmap (`axis_name` set) sums are reduced across
-  devices.
+  devices. A state of (model, optimizer, average) also updates the average: a copy of the model
+  whose `AVERAGED` variables move to the model's by a fraction 1 - `ema_decay` each step.
 
   The gradient is sum(gradients of the real examples' losses) / (number of real examples),
   both summed globally: exact for any padding, on any number of devices and micro-batches.
   Only gradients and metrics are reduced; the optimizer's counters are never averaged.
   """
   old_state = jax.tree.map(lambda x: x, state)  # kept for a step that changes nothing
-  model, optimizer = nnx.merge(graphdef, state)
+  model, optimizer, *average = nnx.merge(graphdef, state)
   model.train()
-  batch = dict(batch, image=prepare_images(batch, max_shift, seed))
+  batch = dict(batch, image=prepare_images(batch, max_shift, seed, flip, crop))
   if axis_name is not None:
     restore_keys = fold_in_device_index(model, axis_name)
-  grads, step_metrics = summed_gradients(model, batch, grad_accum_steps)
+  grads, step_metrics = summed_gradients(model, batch, grad_accum_steps, label_smoothing)
   if axis_name is not None:
     restore_keys()
     grads, step_metrics = jax.lax.psum((grads, step_metrics), axis_name)
@@ -223,24 +291,42 @@ def train_step(graphdef, state, running, batch, *, grad_accum_steps=1, max_shift
   # So does a batch of padding alone (no real example). Decided before the update, which runs
   # under lax.cond: in place, where selecting between the updated state and the old one would
   # hold a second copy of the whole state.
-  finite = jnp.isfinite(step_metrics.loss.total) & jnp.all(
-      jnp.stack([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]))
+  # One reduction for both: the squared norm of the summed gradient (for the metrics), which
+  # is not finite when an entry is not (nor when it overflows float32: a gradient beyond 1e19).
+  grads_squared = sum(jnp.sum(jnp.square(g), dtype=jnp.float32) for g in jax.tree.leaves(grads))
+  finite = jnp.isfinite(step_metrics.loss.total) & jnp.isfinite(grads_squared)
   real = count > 0
 
   def update(current, _):  # the optimizer step, on the state as the forward pass left it
-    model, optimizer = nnx.merge(graphdef, current)
-    optimizer.update(model, jax.tree.map(lambda g: g / jnp.maximum(count, 1), grads))
-    return nnx.state((model, optimizer))
+    model, optimizer, *average = nnx.merge(graphdef, current)
+    updates = optimizer.update(model, jax.tree.map(lambda g: g / jnp.maximum(count, 1), grads))
+    for ema in average:
+      moved = jax.tree.map(lambda e, m: ema_decay * e + (1 - ema_decay) * m,
+                           nnx.state(ema, AVERAGED), nnx.state(model, AVERAGED))
+      nnx.update(ema, moved)
+    norms = [optax.tree.norm(tree).astype(jnp.float32)
+             for tree in (nnx.state(model, nnx.Param), updates)]
+    return nnx.state((model, optimizer, *average)), norms
 
-  new_state = jax.lax.cond(finite & real, update, lambda _, old: old,
-                           nnx.state((model, optimizer)), old_state)
-  step_metrics = TrainMetrics(**vars(step_metrics),
-                              nonfinite_steps=NonFinite.from_step(finite, real))
+  def skip(_, old):
+    return old, [jnp.zeros((), jnp.float32)] * 2
+
+  applied = finite & real
+  new_state, (l2_params, l2_updates) = jax.lax.cond(
+      applied, update, skip, nnx.state((model, optimizer, *average)), old_state)
+  step_metrics = TrainMetrics(
+      **vars(step_metrics), nonfinite_steps=NonFinite.from_step(finite, real),
+      # (of the whole gradient, on every path: under pmap, the psum'd one; before clipping)
+      l2_grads=StepAverage.from_step(jnp.sqrt(grads_squared) / jnp.maximum(count, 1), applied),
+      l2_params=StepAverage.from_step(l2_params, applied),
+      l2_updates=StepAverage.from_step(l2_updates, applied))
   return new_state, running.merge(step_metrics)
 
 
 def eval_step(graphdef, state, running, batch, axis_name=None):
-  model, _ = nnx.merge(graphdef, state)
+  """Metrics of the model, or of its moving average when the state holds one."""
+  model, _, *average = nnx.merge(graphdef, state)
+  model = average[0] if average else model
   model.eval()
   _, step_metrics = loss_and_metrics(model, dict(batch, image=prepare_images(batch)),
                                      type(running))
@@ -284,8 +370,7 @@ def make(graphdef, config, mesh, unroll: bool | None = None) -> Steps:
   the k steps of a call as straight-line code (True) or a rolled loop (False); None: unrolled
   on the CPU, whose XLA runs convolution gradients ~100x slower inside a loop, rolled elsewhere
   (it compiles once, whatever k)."""
-  options = dict(grad_accum_steps=config.grad_accum_steps, max_shift=config.augment_max_shift,
-                 seed=config.seed)
+  options = step_options(config)
   if unroll is None:
     unroll = jax.default_backend() == "cpu"
   if config.parallelism == "pmap":

@@ -35,9 +35,19 @@ import input_pipeline
 import parallel
 import runs
 import steps
-from runs import ConfigError, initial_state, summarize, sync_every
+from runs import (
+  ConfigError,
+  create_schedule,
+  global_batch_size,
+  initial_state,
+  peak_learning_rate,
+  summarize,
+  sync_every,
+)
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
+LR_SCALINGS = ("none", "linear", "sqrt")
+SCHEDULES = ("cosine", "linear", "constant")
 # What a remote --workdir needs without TensorFlow: Orbax reaches it through etils' fsspec
 # backend, the TensorBoard writer (tensorboardX) through the cloud's own client.
 REMOTE_WORKDIRS = {"gs": (("gcsfs", "google.cloud.storage"), 'pip install -e ".[gcs]"'),
@@ -70,12 +80,16 @@ def validate_config(config: ml_collections.ConfigDict, workdir: str | None = Non
        f"config.parallelism={config.parallelism!r} is unknown; use one of {steps.PARALLELISMS}.")
   need(config.optimizer in OPTIMIZERS,
        f"config.optimizer={config.optimizer!r} is unknown; use one of {OPTIMIZERS}.")
-  for key in ("batch_size", "grad_accum_steps", "num_epochs", "log_every_steps",
+  need(config.lr_scaling in LR_SCALINGS,
+       f"config.lr_scaling={config.lr_scaling!r} is unknown; use one of {LR_SCALINGS}.")
+  need(config.schedule in SCHEDULES,
+       f"config.schedule={config.schedule!r} is unknown; use one of {SCHEDULES}.")
+  for key in ("batch_size", "base_batch_size", "grad_accum_steps", "num_epochs", "log_every_steps",
               "eval_every_steps", "checkpoint_every_steps", "max_checkpoints_to_keep",
               "cpu_sync_every_steps", "profile_num_steps"):
     need(is_int(config[key], 1), f"config.{key}={config[key]!r} must be a positive integer.")
   for key in ("augment_max_shift", "read_threads", "prefetch_batches", "prefetch_to_device",
-              "profile_first_step", "seed"):
+              "profile_first_step", "seed", "per_device_batch_size", "warmup_steps"):
     need(is_int(config[key], 0), f"config.{key}={config[key]!r} must be an integer >= 0.")
   slices = parallel.num_slices()
   devices = jax.device_count() // slices  # fsdp groups stay within a TPU slice
@@ -115,17 +129,34 @@ def validate_config(config: ml_collections.ConfigDict, workdir: str | None = Non
   for key in ("learning_rate", "eval_fraction"):
     need(isinstance(config[key], (int, float)) and config[key] > 0,
          f"config.{key}={config[key]!r} must be a positive number.")
-  for key in ("weight_decay", "peak_flops_per_device", "compilation_cache_min_seconds"):
+  for key in ("weight_decay", "peak_flops_per_device", "compilation_cache_min_seconds",
+              "grad_clip_norm"):
     need(isinstance(config[key], (int, float)) and config[key] >= 0,
          f"config.{key}={config[key]!r} must be a number >= 0.")
+  for key in ("label_smoothing", "ema_decay"):
+    need(isinstance(config[key], (int, float)) and 0 <= config[key] < 1,
+         f"config.{key}={config[key]!r} must be a number in [0, 1); 0 turns it off.")
+  for key in ("augment_flip", "augment_crop"):
+    need(isinstance(config[key], bool), f"config.{key}={config[key]!r} must be True or False.")
+  for key, top in (("augment_crop_scale", 1), ("augment_crop_ratio", float("inf"))):
+    low_high = config[key]
+    need(isinstance(low_high, (tuple, list)) and len(low_high) == 2 and all(
+        isinstance(x, (int, float)) for x in low_high) and 0 < low_high[0] <= low_high[1] <= top,
+         f"config.{key}={low_high!r} must be (low, high) with 0 < low <= high"
+         f"{' <= 1' if top == 1 else ''}, e.g. --config.{key}='(0.5,1.0)'.")
   need(config.eval_fraction < 1, f"config.eval_fraction={config.eval_fraction} must be below 1.")
+  batch_size = global_batch_size(config)
   parts = jax.device_count() * config.grad_accum_steps
   over = f"{jax.device_count()} devices" + (
       f" on {jax.process_count()} processes" if jax.process_count() > 1 else "") + (
       f" x {config.grad_accum_steps} micro-batches" if config.grad_accum_steps > 1 else "")
-  need(config.batch_size % parts == 0,
-       f"config.batch_size={config.batch_size} does not divide over {over}; use a multiple of "
-       f"{parts}, e.g. {max(1, round(config.batch_size / parts)) * parts}.")
+  given, wanted = f"config.batch_size={batch_size}", "a multiple"
+  if config.per_device_batch_size:
+    given = (f"config.per_device_batch_size={config.per_device_batch_size} gives a global batch "
+             f"of {batch_size}, which")
+    wanted = "a global batch that is a multiple"
+  need(batch_size % parts == 0, f"{given} does not divide over {over}; use {wanted} of {parts}, "
+       f"e.g. {max(1, round(batch_size / parts)) * parts}.")
   if config.dataset == "synthetic":
     spec = config.synthetic
     need(len(spec.image_shape) == 3 and all(is_int(d, 1) for d in spec.image_shape),
@@ -202,8 +233,9 @@ class Speed:
     # Under pmap, traced with its axis (of size 1: the global batch on one device), for models
     # whose layers reduce over it (BatchNorm).
     axis = parallel.PMAP_AXIS if config.parallelism == "pmap" else None
-    step = functools.partial(steps.train_step, graphdef, grad_accum_steps=config.grad_accum_steps,
-                             max_shift=config.augment_max_shift, seed=config.seed, axis_name=axis)
+    # (The crop's resampling is left out: it is a matrix product, but not the model's.)
+    step = functools.partial(steps.train_step, graphdef, **dict(
+        steps.step_options(config), crop=None), axis_name=axis)
     spec = lambda shape, dtype: jax.ShapeDtypeStruct((config.batch_size, *shape), dtype)  # noqa: E731
     batch = {"image": spec(image_shape, jnp.uint8), "label": spec((), jnp.int32),
              "mask": spec((), jnp.bool_), "position": spec((), jnp.uint32)}  # one global batch
@@ -306,6 +338,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   validate_config(config, workdir)
   config = config.copy_and_resolve_references()  # with the backend's choices made:
   config.steps_per_dispatch = steps.steps_per_dispatch(config)
+  config.batch_size = global_batch_size(config)
   workdir = workdir if "://" in workdir else os.path.abspath(workdir)
   process = dict(process_index=jax.process_index(), process_count=jax.process_count())
   devices = jax.device_count()
@@ -322,6 +355,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                info.num_examples["train"], info.num_examples["eval"],
                "x".join(map(str, info.image_shape)), info.num_classes, names and f" ({names})")
 
+  schedule = create_schedule(config, num_train_steps)
+  logging.info("global batch %d%s; peak learning rate %.4g%s, %d warmup steps, %s decay",
+               config.batch_size, f" ({config.per_device_batch_size} x {devices} devices)"
+               if config.per_device_batch_size else "", peak_learning_rate(config),
+               "" if config.lr_scaling == "none" else f" ({config.lr_scaling} scaling of "
+               f"{config.learning_rate:g} at batch {config.base_batch_size})",
+               config.warmup_steps, config.schedule)
   mesh = parallel.make_mesh(config)
   graphdef, abstract, init = initial_state(config, info, mesh, num_train_steps)
   compiled = steps.make(graphdef, config, mesh)
@@ -414,6 +454,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           summary["examples_per_sec"] = summary["examples"] * timed / (step - since + 1) / (
               now - last_log)
           summary.update(speed.report(timed / (now - last_log)))
+        # The rate of the interval's last update (n = step - 1), from the schedule, on the host.
+        summary["learning_rate"] = float(schedule(step - 1))
         writer.write_scalars(step, {f"train_{name}": v for name, v in summary.items()})
         progress.report(step, summary)
         if summary["nonfinite_steps"]:

@@ -14,6 +14,13 @@ def get_config() -> ml_collections.ConfigDict:
   config.synthetic = ml_collections.ConfigDict(
       dict(image_shape=(32, 32, 3), num_classes=10, num_train=8192, num_eval=1024))
   config.augment_max_shift = 1  # random shifts of up to this many pixels; 0 turns them off
+  # Photo augmentation (README: Scaling to more devices), off for the digits; evaluation never
+  # augments. A random horizontal flip, and a random crop of a fraction of the image's area in
+  # `augment_crop_scale` and of aspect (width / height) in `augment_crop_ratio`, resized back.
+  config.augment_flip = False
+  config.augment_crop = False
+  config.augment_crop_scale = (0.08, 1.0)  # Inception's (and timm's) defaults
+  config.augment_crop_ratio = (3 / 4, 4 / 3)
   # Grain worker processes: -1 chooses from the host's cores (none for data held in memory,
   # whose batches are one NumPy gather); 0 reads in the main process.
   config.num_workers = -1
@@ -25,9 +32,19 @@ def get_config() -> ml_collections.ConfigDict:
   config.model = ml_collections.ConfigDict(
       dict(features=(32, 64), dtype="float32", param_dtype="float32"))
   config.optimizer = "adam"  # 'adam', 'adamw' or 'sgd'
-  config.learning_rate = 3e-3  # peak; cosine decay to 0 over training
-  config.weight_decay = 1e-4  # adamw only
+  config.learning_rate = 3e-3  # peak at `base_batch_size` (scaled by `lr_scaling`)
+  # The global batch over the base one scales the peak: 'none', 'linear' (Goyal et al. 2017,
+  # "Accurate, Large Minibatch SGD") or 'sqrt'.
+  config.lr_scaling = "none"
+  config.base_batch_size = 128  # the global batch at which `learning_rate` is the peak
+  config.warmup_steps = 0  # linear rise from 0 to the peak over this many steps
+  config.schedule = "cosine"  # after the warmup, to the end: 'cosine' or 'linear' to 0, 'constant'
+  config.weight_decay = 1e-4  # adamw only, on the weights (arrays of 2 or more dimensions)
+  config.grad_clip_norm = 0.0  # clip the gradient's global norm to this; 0: no clipping
+  config.label_smoothing = 0.0  # the targets: 1 - this on the label, this / classes on all
+  config.ema_decay = 0.0  # evaluate an exponential moving average of the parameters; 0: off
   config.batch_size = 128  # global: over all devices and processes, per optimizer step
+  config.per_device_batch_size = 0  # > 0: the global batch is this x the devices (not batch_size)
   config.grad_accum_steps = 1  # split each batch into this many sequential micro-batches
   # Optimizer steps per compiled call (lax.scan over as many stacked batches): the host's
   # per-call work is paid once per k steps. The log, eval and checkpoint intervals must be

@@ -35,11 +35,21 @@ from absl import flags  # noqa: E402
 flags.FLAGS.mark_as_parsed()  # absl flags are parsed by app.run in train.py, not under pytest
 
 
+# The recipe's options, all on (off in configs/default.py): the runs of `two_epochs` check that
+# they keep every path, resume and process count exact. The global batch: 8 x 8 devices = 64,
+# as tiny.py's; its peak learning rate 2 x tiny.py's.
+RECIPE = dict(optimizer="adamw", per_device_batch_size=8, lr_scaling="linear", base_batch_size=32,
+              warmup_steps=10, schedule="linear", label_smoothing=0.1, grad_clip_norm=1.0,
+              ema_decay=0.9, augment_flip=True, augment_crop=True, augment_crop_scale=(0.5, 1.0))
+
+
 def two_epochs(parallelism):
-  """The tiny config for 2 epochs (45 steps), every checkpoint kept, on `parallelism`."""
+  """The tiny config with the `RECIPE`, for 2 epochs (45 steps), every checkpoint kept, on
+  `parallelism`."""
   from configs import tiny
 
   config = tiny.get_config()
+  config.update(RECIPE)
   config.num_epochs, config.max_checkpoints_to_keep, config.parallelism = 2, 10, parallelism
   config.fsdp_min_size = 0  # fsdp: split every leaf of the tiny CNN that divides over 8
   return config

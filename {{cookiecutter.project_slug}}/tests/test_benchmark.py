@@ -37,7 +37,9 @@ def test_tiny_benchmark_measures_every_model_and_path(tmp_path):
                                        "step_peak_mb_per_device"), f"{name}:{path}")
       # The step holds the state (donated: updated in place), the batch and its temporaries.
       assert numbers["step_peak_mb_per_device"] > numbers["state_mb_per_device"], (name, path)
-    assert_positive_finite(model, ("pmap_over_spmd_step_time",), name)
+    assert_positive_finite(model, ("pmap_over_spmd_step_time", "ema_over_spmd_step_time"), name)
+    # The moving average: one more copy of the parameters (and BatchNorm's statistics).
+    assert model["ema_state_mb_per_device"] > model["paths"]["spmd"]["state_mb_per_device"]
   ours = results["config_parallelism"]  # configs/default.py's
   other = ({"spmd", "pmap"} - {ours}).pop()
   assert set(results["loop"]) == {"digits:spmd", "digits:pmap", f"large:{ours}"}
@@ -58,6 +60,7 @@ def test_tiny_benchmark_measures_every_model_and_path(tmp_path):
 
   for line in (r"loop efficiency: \d+\.\d\d", r"loop efficiency \(large\): \d+\.\d\d",
                rf"loop efficiency \({other}\): \d+\.\d\d", r"pmap/spmd step time: \d+\.\d\d",
+               r"moving average: spmd step time x\d+\.\d\d, state \d+\.\d+ MB/device against",
                r"input pipeline \(64x64x3, batch 1024\): \d+ images/s",
                r"image decoding \(JPEG 64x64, \d+ workers\): \d+ images/s",
                r"default run \(configs/tiny.py, k=1, no compilation cache\): \d+\.\d s as a whole "

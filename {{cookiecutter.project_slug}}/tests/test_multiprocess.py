@@ -10,6 +10,7 @@ import time
 
 import portpicker
 import pytest
+from conftest import RECIPE
 from test_train import read_scalars
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,9 +45,11 @@ def assert_same_run(multi, single):
 
 def test_two_processes_train_like_the_straight_spmd_run(straight_runs, tmp_path):
   """2 processes of 4 devices over loopback train like one process of 8: the same losses,
-  accuracies and example counts at every step as conftest's spmd run (2 epochs, in-process)."""
+  accuracies and example counts at every step as conftest's spmd run (2 epochs, in-process),
+  with the recipe's options on (a per-device batch of 8: the global batch of 8 devices)."""
   multi = train(tmp_path, 2, "--config.parallelism=spmd", "--config.num_epochs=2",
-                "--config.max_checkpoints_to_keep=10", "--config.fsdp_min_size=0")
+                "--config.max_checkpoints_to_keep=10", "--config.fsdp_min_size=0",
+                *[f"--config.{key}={value}" for key, value in RECIPE.items()])
   assert_same_run(multi, read_scalars(str(straight_runs["spmd"][0])))
   assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1  # only process 0 writes
   # Its workdir describes itself: evaluate.py's set-up, from the workdir alone, in this process

@@ -15,6 +15,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import parallel
+import runs
 import steps
 import train
 from model import create_model
@@ -56,14 +57,12 @@ def stacked(batch_list, k: int):
 
 
 def single_step(config, graphdef):
-  return jitted_single_step(graphdef, config.grad_accum_steps, config.augment_max_shift,
-                            config.seed)
+  return jitted_single_step(graphdef, tuple(steps.step_options(config).items()))
 
 
 @functools.cache
-def jitted_single_step(graphdef, grad_accum_steps, max_shift, seed):
-  return jax.jit(functools.partial(steps.train_step, graphdef, grad_accum_steps=grad_accum_steps,
-                                   max_shift=max_shift, seed=seed))
+def jitted_single_step(graphdef, options):
+  return jax.jit(functools.partial(steps.train_step, graphdef, **dict(options)))
 
 
 @functools.cache
@@ -80,7 +79,9 @@ def steps_for(config, parallelism, graphdef, k=1, unroll=None):
   return compiled_steps(graphdef, tuple(
       (key, config[key]) for key in ("parallelism", "steps_per_dispatch", "grad_accum_steps",
                                      "augment_max_shift", "seed", "fsdp_devices",
-                                     "fsdp_min_size")), unroll)
+                                     "fsdp_min_size", "augment_flip", "augment_crop",
+                                     "augment_crop_scale", "augment_crop_ratio",
+                                     "label_smoothing", "ema_decay")), unroll)
 
 
 def run(config, parallelism, batch_list, graphdef=None, state=None, k=1, unroll=None):
@@ -157,6 +158,35 @@ def test_fsdp_equals_spmd_equals_single_device(tiny_config, fsdp_devices):
       split += 1
   # Every kernel and bias (and their Adam mu and nu) but, over 4 or 8, the dense bias [10].
   assert split == 3 * (6 if fsdp_devices == 2 else 5)
+
+
+def test_every_path_equals_one_device_with_the_recipe_on(tiny_config):
+  """conftest's RECIPE (adamw on the weights only, warmup, clipping, label smoothing, flips,
+  crops, the moving average): spmd, pmap and fsdp over 8 devices, two steps a call (the last
+  padded), give the state and the metrics, norms included, of single calls on one device. fsdp
+  splits the average like the parameters."""
+  from conftest import RECIPE
+
+  tiny_config.update(RECIPE)
+  tiny_config.fsdp_min_size = 0
+  graphdef, state = nnx.split(runs.build_state(tiny_config, (8, 8, 1), 10, 100))
+  assert len(state) == 3  # model, optimizer, average
+  data = batches([64, 20, 64])
+  copy = lambda: jax.tree.map(jnp.copy, state)  # (the steps donate it)  # noqa: E731
+  single, single_metrics = run(tiny_config, "single", data, graphdef, copy())
+  assert single_metrics["l2_grads"] > 0 and single_metrics["l2_updates"] > 0
+  for parallelism in ("spmd", "pmap", "fsdp"):
+    got, metrics = run(tiny_config, parallelism, data, graphdef, copy(), k=2)
+    assert_trees_close(got, single, atol=1e-6)
+    assert metrics["examples"] == 148 and metrics["accuracy"] == single_metrics["accuracy"]
+    for name in ("loss", "l2_grads", "l2_params", "l2_updates"):
+      assert metrics[name] == pytest.approx(single_metrics[name], rel=1e-6), name
+  for param, average in zip(jax.tree.leaves(got[0]), jax.tree.leaves(got[2]), strict=True):
+    assert average.sharding == param.sharding  # (fsdp's)
+  # The average moved towards the parameters, from the initial ones.
+  kernel = lambda model: np.asarray(model["dense"]["kernel"][...])  # noqa: E731
+  assert not np.array_equal(kernel(got[2]), kernel(state[0]))
+  assert not np.array_equal(kernel(got[2]), kernel(got[0]))
 
 
 def test_fsdp_keeps_one_share_of_a_large_state_per_device(tiny_config):

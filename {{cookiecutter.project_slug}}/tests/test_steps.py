@@ -13,6 +13,7 @@ from flax import nnx
 
 import input_pipeline
 import parallel
+import runs
 import steps
 import train
 from configs import default
@@ -146,15 +147,16 @@ def test_skipping_a_step_keeps_no_second_copy_of_the_state(tiny_config, parallel
   batch = compiled.put_batch(stacked(batches([64]), 1)[0])
   step = compiled.train.lower(placed, compiled.empty(steps.TrainMetrics), batch).compile()
 
-  def bare_update(state, batch):  # the gradient and the update, nothing else
+  def bare_update(state, batch):  # the gradient, the update and their norms, nothing else
     model, optimizer = nnx.merge(graphdef, state)
     batch = jax.tree.map(lambda x: x[0], batch)
     grads, _ = steps.summed_gradients(model, dict(batch, image=steps.prepare_images(batch)))
-    optimizer.update(model, grads)
-    return nnx.state((model, optimizer))
+    updates = optimizer.update(model, grads)
+    norms = [optax.tree.norm(tree) for tree in (grads, nnx.state(model, nnx.Param), updates)]
+    return nnx.state((model, optimizer)), norms
 
-  bare = jax.jit(bare_update, donate_argnums=0, out_shardings=parallel.state_shardings(
-      state, mesh, tiny_config.fsdp_min_size)).lower(placed, batch).compile()
+  bare = jax.jit(bare_update, donate_argnums=0, out_shardings=(parallel.state_shardings(
+      state, mesh, tiny_config.fsdp_min_size), None)).lower(placed, batch).compile()
   held = parallel.bytes_per_device(placed)
   step_temp, bare_temp = (c.memory_analysis().temp_size_in_bytes for c in (step, bare))
   print(f"{parallelism}: temp {step_temp / 1e6:.2f} MB, the bare update's {bare_temp / 1e6:.2f} "
@@ -178,3 +180,93 @@ def test_augmentation_keys_are_not_parameter_initialisation_keys():
     from_params_keys = np.array([jax.random.randint(rngs.params(), (2,), 0, 3) for _ in positions])
     # Independent streams agree on a position 1 time in 9; the same stream, always.
     assert (applied == from_params_keys).all(axis=1).mean() < 0.25
+
+
+PHOTO = dict(flip=True, crop=((0.3, 1.0), (3 / 4, 4 / 3)))
+
+
+def test_flips_and_crops_depend_on_the_seed_and_the_stream_position_alone():
+  """The same image at the same position: the same result in another batch, at another place
+  (another process, a resumed run: the position is all that they share); another seed or
+  position, another result. Flipping a flipped image gives the original back."""
+  rng = np.random.default_rng(0)
+  images = rng.integers(0, 256, (64, 12, 12, 3), dtype=np.uint8)
+  positions = np.arange(1000, 1064, dtype=np.uint32)
+  augment = jax.jit(functools.partial(steps.prepare_images, seed=3, **PHOTO))
+  out = np.asarray(augment({"image": images, "position": positions}))
+  assert out.shape == images.shape and out.dtype == np.float32
+  order = rng.permutation(64)[:16]  # another, smaller batch, in another order
+  again = np.asarray(augment({"image": images[order], "position": positions[order]}))
+  np.testing.assert_array_equal(again, out[order])
+  other_seed = jax.jit(functools.partial(steps.prepare_images, seed=4, **PHOTO))
+  assert (np.asarray(other_seed({"image": images, "position": positions})) != out).any(axis=(
+      1, 2, 3)).all()
+  shifted = np.asarray(augment({"image": images, "position": positions + 1}))
+  assert (shifted != out).any(axis=(1, 2, 3)).all()
+
+  flip = jax.jit(functools.partial(steps.prepare_images, seed=3, flip=True))
+  floats = images / np.float32(255)
+  once = np.asarray(flip({"image": floats, "position": positions}))
+  mirrored = (once == floats[:, :, ::-1]).all(axis=(1, 2, 3))
+  assert ((once == floats).all(axis=(1, 2, 3)) | mirrored).all()
+  assert 16 < mirrored.sum() < 48  # about half
+  np.testing.assert_array_equal(flip({"image": once, "position": positions}), floats)
+
+
+def test_a_crop_of_the_whole_image_is_the_image_and_smaller_crops_zoom_in():
+  """scale (1, 1), ratio (1, 1): the crop is the image, resampled in place. A crop of a quarter
+  of a checkerboard of 16 x 16 squares, zoomed x2, is another image, within the board's
+  values."""
+  board = np.kron(np.array([[0.0, 1.0], [1.0, 0.0]], np.float32), np.ones((16, 16), np.float32))
+  batch = {"image": np.repeat(board[None, :, :, None], 8, axis=0),
+           "position": np.arange(8, dtype=np.uint32)}
+  whole = steps.prepare_images(batch, crop=((1.0, 1.0), (1.0, 1.0)))
+  np.testing.assert_allclose(whole, batch["image"], atol=1e-6)
+  quarter = np.asarray(steps.prepare_images(batch, crop=((0.25, 0.25), (1.0, 1.0))))
+  assert not np.allclose(quarter, batch["image"])  # zoomed in: no longer the board
+  assert quarter.min() >= -1e-6 and quarter.max() <= 1 + 1e-6  # (no zero fill beyond the edge)
+
+
+def test_evaluation_uses_the_moving_average(tiny_config):
+  """With a moving average in the state, eval_step's metrics are those of a model holding the
+  average's parameters; training leaves the average between the start and the parameters."""
+  from test_parallel import batches
+
+  tiny_config.ema_decay = 0.5
+  graphdef, state = nnx.split(runs.build_state(tiny_config, (8, 8, 1), 10, 10))
+  batch = batches([64])[0]
+  state, _ = jax.jit(functools.partial(steps.train_step, graphdef, ema_decay=0.5))(
+      state, steps.TrainMetrics.empty(), batch)
+  model, average = state[0], state[2]
+  # One step from equal values: the average moved halfway to the parameters.
+  start = nnx.split(runs.build_state(tiny_config, (8, 8, 1), 10, 10))[1][0]
+  for p, a, s in zip(jax.tree.leaves(model), jax.tree.leaves(average), jax.tree.leaves(start),
+                     strict=True):
+    np.testing.assert_allclose(a, 0.5 * s + 0.5 * p, rtol=1e-6, atol=1e-7)
+  evaluate = jax.jit(functools.partial(steps.eval_step, graphdef))
+  got = evaluate(state, steps.Metrics.empty(), batch).compute()
+  as_average = nnx.State(dict(state))
+  as_average[0] = average
+  expected = evaluate(as_average, steps.Metrics.empty(), batch).compute()
+  plain = dict(state)
+  no_average = evaluate(nnx.State({**plain, 2: model}), steps.Metrics.empty(), batch).compute()
+  assert float(got["loss"]) == float(expected["loss"])
+  assert float(got["loss"]) != float(no_average["loss"])
+
+
+def test_label_smoothing_is_the_cross_entropy_of_the_smoothed_targets_of_real_examples():
+  """a = 0.1 over 4 classes: the target of the label 1 - a + a / 4, of the others a / 4; the
+  padding (mask False) is left out."""
+
+  class Fixed:  # logits that do not depend on the images
+    def __call__(self, images):
+      return jnp.tile(jnp.array([[2.0, 0.0, -1.0, 0.5]]), (images.shape[0], 1))
+
+  batch = {"image": jnp.zeros((3, 1, 1, 1)), "label": jnp.array([0, 3, 2]),
+           "mask": jnp.array([True, True, False])}
+  loss_sum, _ = steps.loss_and_metrics(Fixed(), batch, label_smoothing=0.1)
+  log_p = np.log(np.exp([2.0, 0.0, -1.0, 0.5]) / np.exp([2.0, 0.0, -1.0, 0.5]).sum())
+  expected = sum(-(np.full(4, 0.1 / 4) + 0.9 * np.eye(4)[label]) @ log_p for label in (0, 3))
+  assert float(loss_sum) == pytest.approx(expected, rel=1e-6)
+  plain, _ = steps.loss_and_metrics(Fixed(), batch)
+  assert float(plain) == pytest.approx(-log_p[0] - log_p[3], rel=1e-6)

@@ -13,7 +13,9 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 import portpicker
 import pytest
@@ -96,6 +98,114 @@ def test_every_path_ends_with_the_same_eval_metrics_as_spmd(straight_runs, paral
   assert spmd["examples"] == other["examples"] == 360
   assert other["loss"] == pytest.approx(spmd["loss"], abs=1e-5)
   assert other["accuracy"] == pytest.approx(spmd["accuracy"], abs=1e-9)
+
+
+FLOAT32_EPS = float(np.finfo(np.float32).eps)
+
+
+def expected_learning_rate(n, peak, warmup, decay, num_steps):
+  """The rate of update n, written out: linear from 0 to the peak over the warmup, then the
+  decay over the remaining steps."""
+  if n < warmup:
+    return peak * n / warmup
+  done = min(n - warmup, num_steps - warmup) / (num_steps - warmup)
+  return peak * {"cosine": 0.5 * (1 + np.cos(np.pi * done)), "linear": 1 - done,
+                 "constant": 1.0}[decay]
+
+
+@pytest.mark.parametrize("scaling", ["none", "linear", "sqrt"])
+@pytest.mark.parametrize("warmup", [0, 7])
+@pytest.mark.parametrize("decay", ["cosine", "linear", "constant"])
+def test_the_schedule_follows_the_batch_the_warmup_and_the_decay(tiny_config, scaling, warmup,
+                                                                 decay):
+  tiny_config.lr_scaling, tiny_config.warmup_steps, tiny_config.schedule = scaling, warmup, decay
+  tiny_config.learning_rate, tiny_config.base_batch_size = 0.1, 16  # the batch is 64: 4 x
+  peak = 0.1 * {"none": 1, "linear": 4, "sqrt": 2}[scaling]
+  assert runs.peak_learning_rate(tiny_config) == pytest.approx(peak, rel=1e-12)
+  schedule = runs.create_schedule(tiny_config, 30)
+  for n in range(35):  # beyond the end too; (optax computes in float32: a few ulps of the peak)
+    assert float(schedule(n)) == pytest.approx(expected_learning_rate(n, peak, warmup, decay, 30),
+                                               rel=0, abs=4 * FLOAT32_EPS * peak), n
+
+
+def test_the_straight_runs_log_the_learning_rate_of_each_interval(straight_runs):
+  """The learning rate of the last update of each log interval (update n = step - 1), as the
+  straight runs of conftest's RECIPE wrote it: 8 per device on 8 devices, a global batch of 64
+  (the example counts and the steps say so), scaled linearly from 0.01 at batch 32 to a peak of
+  0.02, a warmup of 10 steps, then a linear decay to 0 at step 45."""
+  scalars = read_scalars(str(straight_runs["spmd"][0]))
+  assert sorted(scalars["train_learning_rate"]) == [5, 10, 15, 20, 25, 30, 35, 40, 45]
+  for step, rate in scalars["train_learning_rate"].items():
+    assert rate == pytest.approx(expected_learning_rate(step - 1, 0.02, 10, "linear", 45),
+                                 rel=0, abs=4 * FLOAT32_EPS * 0.02), step
+  assert scalars["train_examples"][5] == 5 * 64 and sum(scalars["train_examples"].values()) == (
+      2 * 1437)
+  for name in ("l2_grads", "l2_params", "l2_updates"):  # written at each log step
+    assert sorted(scalars[f"train_{name}"]) == sorted(scalars["train_learning_rate"])
+    assert all(v > 0 for v in scalars[f"train_{name}"].values())
+
+
+def test_the_global_batch_of_a_per_device_batch_follows_the_device_count(tiny_config):
+  tiny_config.per_device_batch_size = 8
+  assert runs.global_batch_size(tiny_config) == 64  # the 8 devices here
+  assert runs.global_batch_size(tiny_config, num_devices=4) == 32
+  tiny_config.per_device_batch_size = 0  # the global batch_size, whatever the devices
+  assert runs.global_batch_size(tiny_config, num_devices=4) == tiny_config.batch_size == 64
+
+
+@pytest.mark.slow
+def test_a_per_device_batch_on_4_devices_is_a_global_batch_of_4(tmp_path):
+  """train.py on 4 CPU devices with 8 examples per device: steps of 32 examples (the straight
+  runs, on 8 devices, have 64), and the learning rate scaled to them."""
+  flags = os.environ.get("XLA_FLAGS", "").replace("device_count=8", "device_count=4")
+  out, _ = run_cli(tmp_path, "--config.per_device_batch_size=8", "--config.lr_scaling=linear",
+                   "--config.base_batch_size=64", env={"XLA_FLAGS": flags})
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "4 cpu devices" in out.stderr
+  assert ("global batch 32 (8 x 4 devices); peak learning rate 0.005 (linear scaling of 0.01 at "
+          "batch 64)") in out.stderr, out.stderr
+  scalars = read_scalars(str(tmp_path))
+  assert scalars["train_examples"][5] == 5 * 32 and max(scalars["train_examples"]) == 45
+
+
+def test_adamw_decays_the_weights_only(tiny_config):
+  """A zero gradient: one adamw step leaves biases and BatchNorm's scales (and statistics) as
+  they were, and shrinks every kernel by exactly the decay, lr x weight_decay."""
+  from flax import nnx
+  from test_parallel import BatchNormCNN
+
+  tiny_config.optimizer, tiny_config.weight_decay, tiny_config.learning_rate = "adamw", 0.1, 0.5
+  model = BatchNormCNN(None, nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, runs.create_optimizer(tiny_config, 10), wrt=nnx.Param)
+  before = {jax.tree_util.keystr(p): np.asarray(x)
+            for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(model))}
+  optimizer.update(model, jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param)))
+  after = {jax.tree_util.keystr(p): np.asarray(x)
+           for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(model))}
+  kernels = [name for name in before if "['kernel']" in name]
+  assert len(kernels) == 2 and len(before) == 7  # conv and dense kernels; biases, scale, stats
+  for name, value in before.items():
+    if name in kernels:  # the first update's rate is the peak (no warmup)
+      np.testing.assert_allclose(after[name], value * (1 - 0.5 * 0.1), rtol=1e-6, err_msg=name)
+      assert not np.array_equal(after[name], value)
+    else:
+      np.testing.assert_array_equal(after[name], value, err_msg=name)
+
+
+def test_clipping_scales_a_gradient_over_the_norm_to_the_norm(tiny_config):
+  tiny_config.optimizer, tiny_config.grad_clip_norm, tiny_config.learning_rate = "sgd", 2.0, 1.0
+  tiny_config.schedule = "constant"
+  sgd = runs.create_optimizer(tiny_config, 10)
+  params = {"w": jnp.ones(4), "b": jnp.ones(())}
+  state = sgd.init(params)
+  under = {"w": jnp.array([1.0, -1.0, 0.5, 0.0]), "b": jnp.array(0.5)}  # norm 1.58
+  updates, _ = sgd.update(under, state, params)
+  for name in under:  # sgd at rate 1: the update is minus the gradient, untouched
+    np.testing.assert_array_equal(updates[name], -under[name])
+  over = {"w": jnp.array([3.0, 0.0, 0.0, 4.0]), "b": jnp.array(0.0)}  # norm 5
+  updates, _ = sgd.update(over, state, params)
+  assert float(optax.tree.norm(updates)) == pytest.approx(2.0, rel=1e-6)
+  np.testing.assert_allclose(updates["w"], -np.array([3.0, 0.0, 0.0, 4.0]) * 2 / 5, rtol=1e-6)
 
 
 @pytest.mark.slow
@@ -198,7 +308,7 @@ def test_the_log_is_quiet_one_short_line_per_interval(tmp_path, data):
   assert steps_logged == [5, 10, 15, 20, 23]
   assert any("23 steps of 64 examples, 1 per call" in line for line in lines)  # k=1 on the CPU
   assert re.search(r"first calls \(.*\): train \d+\.\d\d s, eval \d+\.\d\d s", out.stderr)
-  assert len(lines) <= 5 + 5 + 3 + 1, out.stderr  # start, intervals, evals, final
+  assert len(lines) <= 6 + 5 + 3 + 1, out.stderr  # start, intervals, evals, final
 
 
 @pytest.mark.slow
@@ -262,6 +372,23 @@ BAD_CONFIGS = [
                                                           "[1, 2, 4, 8] (0: all of them)."),
     ("--config.init_from=configs", "config.init_from='configs' holds no checkpoints/; give the "
                                    "--workdir of the training run to start from."),
+    ("--config.per_device_batch_size=-8", "config.per_device_batch_size=-8 must be an integer "
+                                          ">= 0."),
+    ("--config.per_device_batch_size=3 --config.grad_accum_steps=2",
+     "config.per_device_batch_size=3 gives a global batch of 24, which does not divide over 8 "
+     "devices x 2 micro-batches; use a global batch that is a multiple of 16"),
+    ("--config.base_batch_size=0", "config.base_batch_size=0 must be a positive integer."),
+    ("--config.lr_scaling=square", "config.lr_scaling='square' is unknown; use one of"),
+    ("--config.schedule=step", "config.schedule='step' is unknown; use one of"),
+    ("--config.warmup_steps=-1", "config.warmup_steps=-1 must be an integer >= 0."),
+    ("--config.grad_clip_norm=-1", "config.grad_clip_norm=-1.0 must be a number >= 0."),
+    ("--config.label_smoothing=1", "config.label_smoothing=1.0 must be a number in [0, 1); 0 "
+                                   "turns it off."),
+    ("--config.ema_decay=1.5", "config.ema_decay=1.5 must be a number in [0, 1); 0 turns it off."),
+    ("--config.augment_crop_scale=(0.5,2.0)", "config.augment_crop_scale=(0.5, 2.0) must be (low, "
+                                              "high) with 0 < low <= high <= 1"),
+    ("--config.augment_crop_ratio=(2.0,1.0)", "config.augment_crop_ratio=(2.0, 1.0) must be (low, "
+                                              "high) with 0 < low <= high, e.g."),
 ]
 
 
