@@ -278,7 +278,8 @@ def evaluate(compiled: steps.Steps, state, batches, config, metrics=steps.Metric
 
 def init_from(source: str, abstract, init):
   """Fine-tuning: a function like `init` (the fresh state) whose model parameters and batch
-  statistics are those of the latest checkpoint of workdir `source`; the optimizer is fresh.
+  statistics are those of the latest checkpoint of workdir `source` (those of its moving
+  average, when it kept one: what its evaluation used); the optimizer is fresh.
   Leaves whose shape differs there (a classifier for another number of classes) stay fresh,
   and are logged. Raises ConfigError, having read only the checkpoint's metadata, when a model
   leaf is absent on either side."""
@@ -289,8 +290,10 @@ def init_from(source: str, abstract, init):
   step = checkpoints.latest_step()
   if step is None:
     raise ConfigError(f"config.init_from={source!r} holds no checkpoint yet.")
-  saved = {n: s for n, s in shapes(checkpoints.item_metadata(step)["state"]).items()
-           if n.startswith("0/")}  # the model's leaves (1/: the optimizer's)
+  there = shapes(checkpoints.item_metadata(step)["state"])
+  # The model's leaves (0/; 1/: the optimizer's), or its moving average's (2/), named as ours.
+  prefix = "2/" if any(name.startswith("2/") for name in there) else "0/"
+  saved = {"0/" + n[2:]: s for n, s in there.items() if n.startswith(prefix)}
   ours = {n: s for n, s in shapes(abstract).items() if n.startswith("0/")}
   for name in sorted(saved.keys() ^ ours.keys()):
     there = "in the checkpoint but not in this model" if name in saved else (
@@ -303,7 +306,8 @@ def init_from(source: str, abstract, init):
       if isinstance(v, (nnx.Param, nnx.BatchStat))
       and (name := f"{leaf_name(path)}/value").startswith("0/")}
   fresh = sorted(name for name in learned if saved[name] != ours[name])
-  logging.info("Fine-tuning from step %d of %s%s", step, source, "; initialised afresh "
+  logging.info("Fine-tuning from step %d of %s%s%s", step, source,
+               " (its moving average)" if prefix == "2/" else "", "; initialised afresh "
                "(another shape): " + ", ".join(f"{n.removesuffix('/value')[2:]} {saved[n]} -> "
                                                f"{ours[n]}" for n in fresh) if fresh else "")
   copied = learned - set(fresh)
@@ -311,7 +315,7 @@ def init_from(source: str, abstract, init):
   def build():
     item = {}
     for name in copied:  # a nested dict of the leaves to read, as NumPy arrays
-      *parents, last = name.split("/")
+      *parents, last = (prefix + name[2:]).split("/")
       node = item
       for key in parents:
         node = node.setdefault(key, {})
@@ -326,7 +330,7 @@ def init_from(source: str, abstract, init):
       if name not in copied:
         return x
       host = read
-      for key in name.split("/"):
+      for key in (prefix + name[2:]).split("/"):
         host = host[key]
       host = np.asarray(host, x.dtype)
       return jax.make_array_from_callback(host.shape, x.sharding, lambda index: host[index])

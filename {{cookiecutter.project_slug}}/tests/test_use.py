@@ -69,7 +69,8 @@ def test_fine_tuning_copies_the_convolutions_and_starts_a_new_classifier(folder_
   root, workdir, metrics, lines = folder_run
   source = str(straight_runs["spmd"][0])
   assert [line for line in lines if "afresh" in line] == [
-      f"Fine-tuning from step 45 of {source}; initialised afresh (another shape): dense/bias "
+      f"Fine-tuning from step 45 of {source} (its moving average); initialised afresh (another "
+      "shape): dense/bias "
       "(10,) -> (4,), dense/kernel (64, 10) -> (64, 4)"]
   assert metrics["examples"] == 144 and metrics["accuracy"] > 0.9, metrics  # chance: 0.25
 
@@ -84,10 +85,13 @@ def test_fine_tuning_copies_the_convolutions_and_starts_a_new_classifier(folder_
   for i in range(2):
     for name in ("kernel", "bias"):
       np.testing.assert_array_equal(start[0]["convs"][i][name][...],
-                                    trained["0"]["convs"][str(i)][name]["value"])
+                                    trained["2"]["convs"][str(i)][name]["value"])
   for name in ("kernel", "bias"):
     np.testing.assert_array_equal(start[0]["dense"][name][...], fresh[0]["dense"][name][...])
   assert int(start[1]["step"][...]) == 0  # a fresh optimizer
+  assert len(start) == 3  # two_epochs keeps a moving average (ema_decay): it starts as the model
+  for x, y in zip(jax.tree.leaves(start[2]), jax.tree.leaves(start[0]), strict=True):
+    np.testing.assert_array_equal(x, y)
 
   config.init_from = source  # resuming its own checkpoints: nothing left to train
   assert train.train_and_evaluate(config, workdir) == metrics
