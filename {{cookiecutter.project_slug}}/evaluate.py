@@ -40,7 +40,7 @@ def image_folder_source(folder: str, info) -> input_pipeline.ArraySource:
       raise runs.ConfigError(f"--image_folder: {entry.path} is no class of the run; its classes "
                              f"are {', '.join(info.class_names)}.")
     for path in runs.find_images([entry.path]):
-      image = runs.read_image(path, info.image_shape)
+      image = input_pipeline.read_image(path, info.image_shape)
       if isinstance(image, str):
         print(f"skipped {path}: {image}", file=sys.stderr)
         continue

@@ -64,6 +64,21 @@ def decode_image(data: bytes, image_shape: tuple[int, int, int]) -> np.ndarray:
     return np.asarray(image).reshape(height, width, channels)
 
 
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")  # the image files that folders are read for
+
+
+def read_image(path: str, image_shape, keep_encoded: bool = False) -> np.ndarray | bytes | str:
+  """The file decoded to `image_shape` (`decode_image`; with keep_encoded, the file's bytes
+  once they decode), or why it could not be read."""
+  try:
+    with open(path, "rb") as f:
+      data = f.read()
+    image = decode_image(data, image_shape)
+    return data if keep_encoded else image
+  except Exception as e:  # noqa: BLE001  (any unreadable file is reported and skipped)
+    return f"{type(e).__name__}: {e}"
+
+
 class RecordSource:
   """Examples in ArrayRecord files, one msgpack-encoded example per record. Images stored
   encoded (`write_arrayrecord.py --keep_encoded`) are decoded here, to `image_shape`: in the

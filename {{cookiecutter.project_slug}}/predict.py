@@ -38,7 +38,8 @@ def predict(run: runs.Restored, paths: list[str], batch_size: int = 0):
   with concurrent.futures.ThreadPoolExecutor(input_pipeline.available_cpus()) as pool:
     for start in range(0, len(paths), batch_size):
       chunk = paths[start:start + batch_size]
-      images = list(pool.map(runs.read_image, chunk, [run.info.image_shape] * len(chunk)))
+      images = list(pool.map(input_pipeline.read_image, chunk,
+                             [run.info.image_shape] * len(chunk)))
       read = [i for i, image in enumerate(images) if not isinstance(image, str)]
       batch = np.zeros((batch_size, height, width, channels), np.uint8)  # padding: masked out
       for row, i in enumerate(read):

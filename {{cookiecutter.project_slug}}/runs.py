@@ -29,7 +29,6 @@ import steps
 from model import create_model
 
 CONFIG_FILE, DATA_FILE = "config.json", "data.json"
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 
 
 class ConfigError(ValueError):
@@ -231,23 +230,13 @@ def find_images(paths: list[str]) -> list[str]:
   for path in paths:
     if os.path.isdir(path):
       under = glob.glob(os.path.join(glob.escape(path), "**", "*"), recursive=True)
-      found += sorted(p for p in under if p.lower().endswith(IMAGE_SUFFIXES)
+      found += sorted(p for p in under if p.lower().endswith(input_pipeline.IMAGE_SUFFIXES)
                       and os.path.isfile(p))
     elif os.path.exists(path):
       found.append(path)
     else:
       raise ConfigError(f"{path!r} does not exist; give image files or folders of them.")
   return found
-
-
-def read_image(path: str, image_shape) -> np.ndarray | str:
-  """The file decoded to `image_shape` as training's data are (`input_pipeline.decode_image`:
-  gray or RGB, scaled to cover and center-cropped), or why it could not be."""
-  try:
-    with open(path, "rb") as f:
-      return input_pipeline.decode_image(f.read(), image_shape)
-  except Exception as e:  # noqa: BLE001  (any unreadable file is reported and skipped)
-    return f"{type(e).__name__}: {e}"
 
 
 def sync_every(config) -> int:

@@ -37,6 +37,8 @@ def steps_per_dispatch(config) -> int:
   """k: `config.steps_per_dispatch`, or when it is 0, the default of the backend."""
   on_cpu = jax.default_backend() == "cpu"
   return config.steps_per_dispatch or (1 if on_cpu else ACCELERATOR_STEPS_PER_DISPATCH)
+
+
 # Folded into the seed's key before the stream positions: the augmentation keys are then none of
 # the keys that `nnx.Rngs(seed)` hands out (fold_in(key(seed), n), n = 0, 1, ...).
 AUGMENT_STREAM = 0x61756720  # b"aug "

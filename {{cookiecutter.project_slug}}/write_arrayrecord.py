@@ -41,7 +41,6 @@ import input_pipeline
 import writers
 
 KEYS = ("train_images", "train_labels", "eval_images", "eval_labels")
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 GRAY_MODES = ("1", "L", "LA", "I", "I;16", "F")
 
 
@@ -117,7 +116,8 @@ def list_image_folder(folder: str, eval_fraction: float,
   Raises ValueError, naming the folder, for a tree that holds no class or an empty class."""
   def images_in(directory: str) -> list[str]:
     paths = glob.glob(os.path.join(glob.escape(directory), "**", "*"), recursive=True)
-    return sorted(p for p in paths if p.lower().endswith(IMAGE_SUFFIXES) and os.path.isfile(p))
+    return sorted(p for p in paths
+                  if p.lower().endswith(input_pipeline.IMAGE_SUFFIXES) and os.path.isfile(p))
 
   def classes_in(directory: str) -> list[str]:
     return sorted(entry.name for entry in os.scandir(directory) if entry.is_dir())
@@ -169,18 +169,6 @@ def read_header(path: str) -> tuple[tuple[int, int], str] | str:
     return f"{type(e).__name__}: {e}"
 
 
-def read_image(path: str, image_shape, keep_encoded: bool) -> np.ndarray | bytes | str:
-  """The image decoded to `image_shape` (or, with keep_encoded, the file's bytes once they
-  decode), or why it could not be."""
-  try:
-    with open(path, "rb") as f:
-      data = f.read()
-    image = input_pipeline.decode_image(data, image_shape)
-    return data if keep_encoded else image
-  except Exception as e:  # noqa: BLE001
-    return f"{type(e).__name__}: {e}"
-
-
 def write_image_folder(out_dir: str, folder: str, image_size: tuple[int, int] | None = None,
                        keep_encoded: bool = False, eval_fraction: float = 0.2,
                        num_shards: int = 4, num_threads: int | None = None) -> list[str]:
@@ -213,8 +201,8 @@ def write_image_folder(out_dir: str, folder: str, image_size: tuple[int, int] | 
         chunk = 1024  # decoded a chunk at a time, in order, by the threads
         for start in range(0, len(triples), chunk):
           part = triples[start:start + chunk]
-          images = pool.map(read_image, [p for p, _, _ in part], [image_shape] * len(part),
-                            [keep_encoded] * len(part))
+          images = pool.map(input_pipeline.read_image, [p for p, _, _ in part],
+                            [image_shape] * len(part), [keep_encoded] * len(part))
           for i, ((path, label, _), image) in enumerate(zip(part, images, strict=True)):
             if isinstance(image, str):
               skipped.append((path, image))

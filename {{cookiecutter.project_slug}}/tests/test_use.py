@@ -187,7 +187,8 @@ def test_the_exported_model_runs_without_flax_or_the_project(folder_run, tmp_pat
   paths = runs.find_images([str(root / "pngs" / "val")])[:13]
   wanted = np.stack([p for _, p in predict.predict(run, paths)])
   (tmp_path / "model.jax").write_bytes(export.export(run).serialize())
-  np.save(tmp_path / "images.npy", np.stack([runs.read_image(p, (8, 8, 1)) for p in paths]))
+  np.save(tmp_path / "images.npy",
+          np.stack([input_pipeline.read_image(p, (8, 8, 1)) for p in paths]))
   env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
   done = subprocess.run([sys.executable, "-I", "-c", LOAD_EXPORTED], cwd=tmp_path, env=env,
                         capture_output=True, text=True, timeout=120)
