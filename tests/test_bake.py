@@ -252,12 +252,13 @@ def test_requirements_match_pyproject(cookies):
 @pytest.mark.parametrize("tier", ["fast", "slow"])
 def test_baked_suite_default(cookies, tier):
   """A tier of the default project's own test suite passes with the interpreter running this
-  test: the fast one as its README runs it (`pytest -n 2`), the slow one with `-m slow`. Both start
-  cold: the bake holds no compilation cache. Prints the tier's slowest tests."""
+  test, as its README runs them: the fast one with `pytest -n 2`, the slow one with
+  `-m slow -n 2`. Both start cold: the bake holds no compilation cache. Prints the tier's
+  slowest tests."""
   project = bake_ok(cookies)
   env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
   command = [sys.executable, "-m", "pytest", "-q", "-x", "--durations=15"]
-  proc = run(command + (["-m", "slow"] if tier == "slow" else ["-n", "2"]), cwd=project,
+  proc = run(command + (["-m", "slow"] if tier == "slow" else []) + ["-n", "2"], cwd=project,
              timeout=1200, env=env)
   output = proc.stdout + proc.stderr
   summary = output.strip().splitlines()[-1] if output.strip() else ""

@@ -14,9 +14,12 @@ kept for the next run: `pytest --cache-clear` starts cold. Set JAX_COMPILATION_C
 use another directory.
 """
 
+import contextlib
 import fcntl
+import io
 import json
 import os
+import subprocess
 
 ACCELERATOR_ENV = dict(os.environ)
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,29 +59,63 @@ def two_epochs(parallelism):
 
 
 @pytest.fixture(scope="session")
-def straight_runs(tmp_path_factory):
-  """`two_epochs` on each path, uninterrupted: {parallelism: (workdir, eval metrics)}. Several
-  tests resume these runs, or compare other runs with them (reading, never writing, them).
-  Made once per session, in this process; under pytest-xdist once for all workers, by the
-  first that asks (the others wait for it, then read its workdirs)."""
-  import steps
-  import train
-
-  shared = tmp_path_factory.getbasetemp()
+def shared_tmp(tmp_path_factory):
+  """A temporary directory that every pytest-xdist worker of this session sees."""
   if os.environ.get("PYTEST_XDIST_WORKER"):
-    shared = shared.parent  # the workers' common temporary directory
-  done = shared / "straight_runs.json"
-  with open(shared / "straight_runs.lock", "w") as lock:
+    return tmp_path_factory.getbasetemp().parent  # the workers' common temporary directory
+  return tmp_path_factory.getbasetemp()
+
+
+def made_once(directory, name: str, make) -> tuple:
+  """`make(directory / name)`, called once for all pytest-xdist workers, by the first that
+  asks (the others wait for it): (that path, what `make` returned, through JSON)."""
+  done = directory / f"{name}.json"
+  with open(directory / f"{name}.lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
     if not done.exists():
-      metrics = {}
-      for parallelism in steps.PARALLELISMS:
-        workdir = shared / f"straight_{parallelism}"
-        metrics[parallelism] = train.train_and_evaluate(two_epochs(parallelism), str(workdir))
-      done.write_text(json.dumps(metrics))
-    metrics = json.loads(done.read_text())
-  return {parallelism: (shared / f"straight_{parallelism}", metrics[parallelism])
-          for parallelism in steps.PARALLELISMS}
+      done.write_text(json.dumps(make(directory / name)))
+  return directory / name, json.loads(done.read_text())
+
+
+class StraightRuns:
+  """`two_epochs` on each path, uninterrupted: `runs[parallelism]` is (workdir, eval metrics).
+  Several tests resume these runs, or compare other runs with them (reading, never writing,
+  them). Each run is made on first use, once for all workers (`made_once`)."""
+
+  def __init__(self, directory):
+    self.directory = directory
+
+  def __getitem__(self, parallelism):
+    import train
+
+    return made_once(self.directory, f"straight_{parallelism}", lambda workdir: (
+        train.train_and_evaluate(two_epochs(parallelism), str(workdir))))
+
+
+@pytest.fixture(scope="session")
+def straight_runs(shared_tmp):
+  return StraightRuns(shared_tmp)
+
+
+def run_main(module, *args: str) -> subprocess.CompletedProcess:
+  """`python MODULE.py --flag=value...` in this process (no interpreter and JAX to start):
+  absl parses each flag (the values restored after) and `module.main` runs. Its output and
+  exit status as subprocess.run gives them; an exit with a message ends stderr with it, as
+  Python prints it. (Each script's own entry point also runs as a real process, in some test.)"""
+  from absl.testing import flagsaver
+
+  out, err, code = io.StringIO(), io.StringIO(), 0
+  with flagsaver.flagsaver(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    for arg in args:  # (not flags.FLAGS(argv): that checks train.py's required flags too)
+      name, has_value, value = arg.removeprefix("--").partition("=")
+      flags.FLAGS[name].parse(value if has_value else "true")  # (a bare --flag: a boolean)
+    try:
+      module.main([f"{module.__name__}.py"])
+    except SystemExit as exit:
+      code = exit.code if isinstance(exit.code, int) else 1
+      if exit.code is not None and not isinstance(exit.code, int):
+        print(exit.code, file=err)
+  return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import sys
 import grain
 import numpy as np
 import pytest
+from conftest import run_main
 from flax import serialization
 from PIL import Image
 
@@ -32,7 +33,10 @@ def write_digits_as_pngs(root) -> dict[str, input_pipeline.ArraySource]:
   return sources
 
 
-def convert(*args) -> subprocess.CompletedProcess:
+def convert(*args, process: bool = False) -> subprocess.CompletedProcess:
+  """write_arrayrecord.py with these arguments: in this process, or as a real `process`."""
+  if not process:
+    return run_main(write_arrayrecord, *args)
   return subprocess.run([sys.executable, "write_arrayrecord.py", *args], cwd=PROJECT,
                         capture_output=True, text=True, timeout=300)
 
@@ -146,7 +150,7 @@ def test_unreadable_files_and_an_empty_class_are_reported_by_path(tmp_path):
   photos = tmp_path / "photos"
   paths = write_photos(photos, sizes=((24, 24),), per_class=5)
   (photos / "fox").mkdir()  # an empty class folder: stops before anything is written
-  done = convert(f"--out_dir={tmp_path / 'data'}", f"--image_folder={photos}")
+  done = convert(f"--out_dir={tmp_path / 'data'}", f"--image_folder={photos}", process=True)
   assert done.returncode == 1
   assert done.stderr.strip().splitlines() == [
       f"error: class folder {photos / 'fox'} holds no .jpg, .jpeg or .png file; add its images "

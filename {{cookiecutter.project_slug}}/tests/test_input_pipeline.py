@@ -1,12 +1,12 @@
 import os
-import subprocess
-import sys
 
 import ml_collections
 import numpy as np
 import pytest
+from conftest import run_main
 
 import input_pipeline
+import write_arrayrecord
 from write_arrayrecord import write_dataset
 
 
@@ -148,9 +148,6 @@ def test_arrayrecord_round_trip(tmp_path, tiny_config):
   np.testing.assert_array_equal(batch["image"][:11], arrays["eval"][0])  # still uint8
 
 
-PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 @pytest.mark.parametrize("case", ["int64", "dark", "too_large", "missing_key"])
 def test_write_arrayrecord_checks_the_pixels(tmp_path, case):
   """Integer pixels that fit 0..255 are written as uint8; pixels far below 255 (the digits'
@@ -165,9 +162,8 @@ def test_write_arrayrecord_checks_the_pixels(tmp_path, case):
   if case == "missing_key":
     del arrays["eval_labels"]
   np.savez(tmp_path / "mine.npz", **arrays)
-  out = subprocess.run([sys.executable, "write_arrayrecord.py", f"--out_dir={tmp_path / 'data'}",
-                        f"--npz={tmp_path / 'mine.npz'}"], cwd=PROJECT, capture_output=True,
-                       text=True, timeout=120)
+  out = run_main(write_arrayrecord, f"--out_dir={tmp_path / 'data'}",
+                 f"--npz={tmp_path / 'mine.npz'}")
   lines = out.stderr.strip().splitlines()
   if case in ("too_large", "missing_key"):
     assert out.returncode == 1 and len(lines) == 1, out.stderr

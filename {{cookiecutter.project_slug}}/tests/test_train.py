@@ -41,7 +41,7 @@ def read_scalars(workdir: str) -> dict[str, dict[int, float]]:
   return scalars
 
 
-@pytest.mark.parametrize("parallelism", ["spmd", "pmap"])
+@pytest.mark.parametrize("parallelism", ["spmd", pytest.param("pmap", marks=pytest.mark.slow)])
 def test_train_and_evaluate_writes_metrics_and_checkpoints(tiny_config, tmp_path, parallelism):
   tiny_config.parallelism = parallelism
   workdir = str(tmp_path)
@@ -224,9 +224,11 @@ def test_a_default_fsdp_run_ends_like_spmd(tmp_path):
   assert results["fsdp"]["accuracy"] == pytest.approx(results["spmd"]["accuracy"], abs=1e-9)
 
 
-@pytest.mark.parametrize("first, second", [("spmd", "spmd"), ("pmap", "pmap"), ("fsdp", "fsdp"),
-                                           ("spmd", "pmap"), ("pmap", "spmd"),
-                                           ("spmd", "fsdp"), ("fsdp", "pmap")])
+# (spmd -> fsdp and fsdp -> pmap: also in the next test; here in the slow tier)
+@pytest.mark.parametrize("first, second", [
+    ("spmd", "spmd"), ("pmap", "pmap"), ("fsdp", "fsdp"), ("spmd", "pmap"), ("pmap", "spmd"),
+    *[pytest.param(*pair, marks=pytest.mark.slow)
+      for pair in (("spmd", "fsdp"), ("fsdp", "pmap"))]])
 def test_resume_from_a_checkpoint_of_either_path(straight_runs, tmp_path, first, second):
   """A workdir holding only the step-20 checkpoint of a `first` run, resumed by `second`."""
   first_workdir, expected = straight_runs[first]
@@ -258,10 +260,11 @@ def test_resume_across_spmd_fsdp_and_pmap(straight_runs, tmp_path):
   assert resumed["accuracy"] == pytest.approx(expected["accuracy"], abs=1e-9)
 
 
-@pytest.mark.parametrize("parallelism", ["spmd", "pmap"])
+@pytest.mark.parametrize("parallelism", ["spmd", pytest.param("pmap", marks=pytest.mark.slow)])
 def test_resume_with_another_steps_per_dispatch(straight_runs, tmp_path, parallelism):
   """The step-20 checkpoint of a k=1 run resumed with k=3 (step 20 falls inside a call of 3:
-  its first two batches are padding alone) ends like the uninterrupted run."""
+  its first two batches are padding alone) ends like the uninterrupted run, the recipe on.
+  (pmap's k steps a call: test_parallel.py; with the recipe on, in the slow tier.)"""
   first_workdir, expected = straight_runs[parallelism]
   shutil.copytree(first_workdir / "checkpoints" / "20", tmp_path / "checkpoints" / "20")
   config = two_epochs(parallelism)
@@ -599,11 +602,13 @@ def test_a_large_fsdp_state_costs_at_most_twice_its_size_in_host_memory(tmp_path
 
 def test_rates_leave_out_evaluation_and_checkpoints(tiny_config, tmp_path, monkeypatch):
   """An evaluation that takes 2 s (at steps 10 and 20) does not lower the training rates of the
-  log intervals that follow it (steps 11-15 and 21-23)."""
-  evaluate = train.evaluate
+  log intervals that follow it (steps 11-15 and 21-23). (The final one, at step 23, is quick.)"""
+  evaluate, calls = train.evaluate, []
 
   def slow_evaluate(*args, **kwargs):
-    time.sleep(2.0)
+    calls.append(None)
+    if len(calls) <= 2:
+      time.sleep(2.0)
     return evaluate(*args, **kwargs)
 
   monkeypatch.setattr(train, "evaluate", slow_evaluate)

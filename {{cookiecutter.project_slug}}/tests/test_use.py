@@ -4,6 +4,7 @@ One small run serves most tests: the digits 0-3 as PNG files in class folders, c
 write_arrayrecord.py and fine-tuned from the 10-class straight spmd run (`folder_run`).
 """
 
+import functools
 import json
 import logging
 import os
@@ -15,7 +16,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import two_epochs
+from conftest import made_once, two_epochs
 from PIL import Image
 from tensorboard.backend.event_processing import event_accumulator
 
@@ -33,11 +34,17 @@ PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLASSES = ("zero", "one", "two", "three")  # the digits 0-3; labels follow the sorted names
 
 
-@pytest.fixture(scope="module")
-def folder_run(straight_runs, tmp_path_factory):
+@pytest.fixture(scope="session")
+def folder_run(straight_runs, shared_tmp):
   """The digits 0-3 as root/pngs/{train,val}/NAME/*.png, written as ArrayRecord and fine-tuned
-  for 6 epochs from the straight spmd run: (root, workdir, final eval metrics, log lines)."""
-  root = tmp_path_factory.mktemp("folder")
+  for 6 epochs from the straight spmd run: (root, workdir, final eval metrics, log lines).
+  Made once for all workers (conftest.made_once)."""
+  root, (metrics, lines) = made_once(shared_tmp, "folder_run", functools.partial(
+      fine_tune_on_a_folder, str(straight_runs["spmd"][0])))
+  return root, str(root / "workdir"), metrics, lines
+
+
+def fine_tune_on_a_folder(source, root):
   sources, _ = input_pipeline.get_datasets(default.get_config())
   for split, folder in (("train", "train"), ("eval", "val")):
     for i, (image, label) in enumerate(zip(sources[split].images, sources[split].labels,
@@ -49,7 +56,7 @@ def folder_run(straight_runs, tmp_path_factory):
   config = two_epochs("spmd")
   config.num_epochs = 6
   config.dataset, config.data_dir, config.num_workers = "arrayrecord", str(root / "data"), 0
-  config.init_from = str(straight_runs["spmd"][0])
+  config.init_from = source
   lines = []
   handler = logging.Handler()
   handler.emit = lambda record: lines.append(record.getMessage())
@@ -61,11 +68,11 @@ def folder_run(straight_runs, tmp_path_factory):
   finally:
     logger.removeHandler(handler)
     logger.setLevel(level)
-  return root, str(root / "workdir"), metrics, lines
+  return metrics, lines
 
 
 def test_fine_tuning_copies_the_convolutions_and_starts_a_new_classifier(folder_run,
-                                                                         straight_runs):
+                                                                         straight_runs, tmp_path):
   root, workdir, metrics, lines = folder_run
   source = str(straight_runs["spmd"][0])
   assert [line for line in lines if "afresh" in line] == [
@@ -94,7 +101,8 @@ def test_fine_tuning_copies_the_convolutions_and_starts_a_new_classifier(folder_
     np.testing.assert_array_equal(x, y)
 
   config.init_from = source  # resuming its own checkpoints: nothing left to train
-  assert train.train_and_evaluate(config, workdir) == metrics
+  shutil.copytree(workdir, tmp_path / "workdir")  # (other tests read the run while this one runs)
+  assert train.train_and_evaluate(config, str(tmp_path / "workdir")) == metrics
 
 
 def test_another_model_is_not_fine_tuned_and_the_workdir_is_kept(straight_runs, tiny_config,
