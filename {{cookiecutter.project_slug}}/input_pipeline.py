@@ -67,6 +67,12 @@ def decode_image(data: bytes, image_shape: tuple[int, int, int]) -> np.ndarray:
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")  # the image files that folders are read for
 
 
+def images_under(directory: str) -> list[str]:
+  """The image files (`IMAGE_SUFFIXES`) anywhere under `directory`, sorted."""
+  paths = glob.glob(os.path.join(glob.escape(directory), "**", "*"), recursive=True)
+  return sorted(p for p in paths if p.lower().endswith(IMAGE_SUFFIXES) and os.path.isfile(p))
+
+
 def read_image(path: str, image_shape, keep_encoded: bool = False) -> np.ndarray | bytes | str:
   """The file decoded to `image_shape` (`decode_image`; with keep_encoded, the file's bytes
   once they decode), or why it could not be read."""

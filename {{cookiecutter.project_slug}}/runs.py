@@ -8,7 +8,6 @@ so that a checkpoint can be used with nothing but the workdir (`restore`).
 """
 
 import contextlib
-import glob
 import inspect
 import json
 import os
@@ -229,9 +228,7 @@ def find_images(paths: list[str]) -> list[str]:
   found = []
   for path in paths:
     if os.path.isdir(path):
-      under = glob.glob(os.path.join(glob.escape(path), "**", "*"), recursive=True)
-      found += sorted(p for p in under if p.lower().endswith(input_pipeline.IMAGE_SUFFIXES)
-                      and os.path.isfile(p))
+      found += input_pipeline.images_under(path)
     elif os.path.exists(path):
       found.append(path)
     else:

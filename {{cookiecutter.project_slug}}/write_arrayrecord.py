@@ -114,11 +114,6 @@ def list_image_folder(folder: str, eval_fraction: float,
                       ) -> tuple[list[str], dict[str, list[tuple[str, int]]]]:
   """The class names and, for 'train' and 'eval', the (path, label) of every image file.
   Raises ValueError, naming the folder, for a tree that holds no class or an empty class."""
-  def images_in(directory: str) -> list[str]:
-    paths = glob.glob(os.path.join(glob.escape(directory), "**", "*"), recursive=True)
-    return sorted(p for p in paths
-                  if p.lower().endswith(input_pipeline.IMAGE_SUFFIXES) and os.path.isfile(p))
-
   def classes_in(directory: str) -> list[str]:
     return sorted(entry.name for entry in os.scandir(directory) if entry.is_dir())
 
@@ -131,7 +126,7 @@ def list_image_folder(folder: str, eval_fraction: float,
   if not classes:
     raise ValueError(f"{root} has no class folders: put each class's images (.jpg, .jpeg, .png) "
                      f"in {os.path.join(root, 'CLASS_NAME')}/.")
-  files = {name: images_in(os.path.join(root, name)) for name in classes}
+  files = {name: input_pipeline.images_under(os.path.join(root, name)) for name in classes}
   for name, paths in files.items():
     if not paths:
       raise ValueError(f"class folder {os.path.join(root, name)} holds no .jpg, .jpeg or .png "
@@ -144,7 +139,7 @@ def list_image_folder(folder: str, eval_fraction: float,
     examples = {
         "train": [(p, label) for label, name in enumerate(classes) for p in files[name]],
         "eval": [(p, label) for label, name in enumerate(classes)
-                 for p in images_in(os.path.join(split_dirs["eval"], name))]}
+                 for p in input_pipeline.images_under(os.path.join(split_dirs["eval"], name))]}
   else:
     if not 0 < eval_fraction < 1:
       raise ValueError(f"--eval_fraction={eval_fraction} must be between 0 and 1 (or put the "
