@@ -25,7 +25,9 @@ EXPECTED_FILES = [
     ".gitignore",
     "LICENSE",
     "README.md",
+    "aot.py",
     "benchmark.py",
+    "chips.py",
     "configs/default.py",
     "configs/tiny.py",
     "evaluate.py",
@@ -34,12 +36,14 @@ EXPECTED_FILES = [
     "launch.py",
     "model.py",
     "parallel.py",
+    "plan.py",
     "predict.py",
     "pyproject.toml",
     "runs.py",
     "steps.py",
     "tests/conftest.py",
     "tests/test_accelerator.py",
+    "tests/test_aot.py",
     "tests/test_benchmark.py",
     "tests/test_image_folder.py",
     "tests/test_input_pipeline.py",
@@ -239,7 +243,8 @@ def requirement_set(lines) -> set[tuple[str, str]]:
 
 def test_requirements_match_pyproject(cookies):
   meta = pyproject(bake_ok(cookies))["project"]
-  wanted = requirement_set(meta["dependencies"] + meta["optional-dependencies"]["dev"])
+  extras = meta["optional-dependencies"]
+  wanted = requirement_set(meta["dependencies"] + extras["dev"] + extras["tpu"])
   lines = (TEMPLATE / "requirements-test.txt").read_text(encoding="utf-8").splitlines()
   lines = [line.split("#")[0].strip() for line in lines]
   listed = requirement_set(line for line in lines if line)

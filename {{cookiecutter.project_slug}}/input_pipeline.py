@@ -155,6 +155,26 @@ def get_datasets(config) -> tuple[dict[str, ArraySource | RecordSource], Dataset
   return sources, info
 
 
+DIGITS_SHAPE, DIGITS_CLASSES, DIGITS_EXAMPLES = (8, 8, 1), 10, 1797  # load_digits()
+
+
+def describe(config) -> DatasetInfo:
+  """What `get_datasets(config)` would say of the data, without reading it (for aot.py): the
+  digits' figures, the synthetic config, or an ArrayRecord directory's metadata.json."""
+  if config.dataset == "arrayrecord":
+    with open(os.path.join(config.data_dir, "metadata.json")) as f:
+      meta = json.load(f)
+    return DatasetInfo(tuple(meta["image_shape"]), int(meta["num_classes"]),
+                       dict(meta["num_examples"]), tuple(meta.get("class_names", ())))
+  if config.dataset == "synthetic":
+    spec = config.synthetic
+    return DatasetInfo(tuple(spec.image_shape), spec.num_classes,
+                       {"train": spec.num_train, "eval": spec.num_eval})
+  num_eval = math.ceil(config.eval_fraction * DIGITS_EXAMPLES)  # train_test_split's rounding
+  return DatasetInfo(DIGITS_SHAPE, DIGITS_CLASSES,
+                     {"train": DIGITS_EXAMPLES - num_eval, "eval": num_eval})
+
+
 def num_batches(num_examples: int, global_batch_size: int) -> int:
   return math.ceil(num_examples / global_batch_size)
 

@@ -45,11 +45,12 @@ def device_grid(shape: tuple[int, ...], devices) -> np.ndarray:
                                               devices)
 
 
-def make_mesh(config=None) -> Mesh:
+def make_mesh(config=None, devices=None) -> Mesh:
   """A 1-D mesh ('data') over every device of every process; for `config.parallelism='fsdp'`,
   ('data', 'fsdp') of (devices // f, f), f = `config.fsdp_devices` (0: all of them; on several
-  TPU slices, those of one slice). Auto axes: XLA inserts the collectives."""
-  devices = jax.devices()
+  TPU slices, those of one slice). Auto axes: XLA inserts the collectives. `devices`: default
+  `jax.devices()` (aot.py: a topology's)."""
+  devices = devices or jax.devices()
   if config is None or config.parallelism != "fsdp":
     shape, names = (len(devices),), (DATA_AXIS,)
   else:

@@ -33,9 +33,10 @@ PARALLELISMS = ("spmd", "pmap", "fsdp")
 ACCELERATOR_STEPS_PER_DISPATCH = 10
 
 
-def steps_per_dispatch(config) -> int:
-  """k: `config.steps_per_dispatch`, or when it is 0, the default of the backend."""
-  on_cpu = jax.default_backend() == "cpu"
+def steps_per_dispatch(config, platform: str | None = None) -> int:
+  """k: `config.steps_per_dispatch`, or when it is 0, the default of `platform` (default: the
+  backend's)."""
+  on_cpu = (platform or jax.default_backend()) == "cpu"
   return config.steps_per_dispatch or (1 if on_cpu else ACCELERATOR_STEPS_PER_DISPATCH)
 
 
@@ -268,7 +269,8 @@ AVERAGED = (nnx.Param, nnx.BatchStat)
 
 
 def train_step(graphdef, state, running, batch, *, grad_accum_steps=1, max_shift=0, seed=0,
-               flip=False, crop=None, label_smoothing=0.0, ema_decay=0.0, axis_name=None):
+               flip=False, crop=None, label_smoothing=0.0, ema_decay=0.0, axis_name=None,
+               skip_by="cond"):
   """One optimizer step on one batch (no leading k axis); `running` (TrainMetrics) comes back
   with this step's metrics merged in. Under pmap (`axis_name` set) sums are reduced across
   devices. A state of (model, optimizer, average) also updates the average: a copy of the model
@@ -289,10 +291,6 @@ def train_step(graphdef, state, running, batch, *, grad_accum_steps=1, max_shift
     restore_keys()
     grads, step_metrics = jax.lax.psum((grads, step_metrics), axis_name)
   count = step_metrics.loss.count
-  # A non-finite loss or gradient leaves the state as it was; the loop decides what to do.
-  # So does a batch of padding alone (no real example). Decided before the update, which runs
-  # under lax.cond: in place, where selecting between the updated state and the old one would
-  # hold a second copy of the whole state.
   # One reduction for both: the squared norm of the summed gradient (for the metrics), which
   # is not finite when an entry is not (nor when it overflows float32: a gradient beyond 1e19).
   grads_squared = sum(jnp.sum(jnp.square(g), dtype=jnp.float32) for g in jax.tree.leaves(grads))
@@ -313,9 +311,19 @@ def train_step(graphdef, state, running, batch, *, grad_accum_steps=1, max_shift
   def skip(_, old):
     return old, [jnp.zeros((), jnp.float32)] * 2
 
+  # A non-finite loss or gradient leaves the state as it was (the loop decides what to do), and
+  # so does a batch of padding alone (no real example). `skip_by`: 'cond' runs the update under
+  # lax.cond, in place (selecting after the update holds more temporaries: a second copy of
+  # the optimizer state on XLA:CPU); 'select' updates, then keeps the old value of each leaf
+  # (jnp.where): on a GPU, where a conditional copies its predicate to the host and waits at
+  # every one of the k steps, and where selecting costs no memory (README: Will it fit?).
   applied = finite & real
-  new_state, (l2_params, l2_updates) = jax.lax.cond(
-      applied, update, skip, nnx.state((model, optimizer, *average)), old_state)
+  current = nnx.state((model, optimizer, *average))
+  if skip_by == "select":
+    new_state, (l2_params, l2_updates) = update(current, None)
+    new_state = jax.tree.map(lambda new, old: jnp.where(applied, new, old), new_state, old_state)
+  else:
+    new_state, (l2_params, l2_updates) = jax.lax.cond(applied, update, skip, current, old_state)
   step_metrics = TrainMetrics(
       **vars(step_metrics), nonfinite_steps=NonFinite.from_step(finite, real),
       # (of the whole gradient, on every path: under pmap, the psum'd one; before clipping)
@@ -356,6 +364,26 @@ def scanned_eval(step, unroll: bool = False):
   return lambda state, running, batches: run(state, running, batches)[1]
 
 
+def xla_options(config) -> dict[str, bool | int | float | str]:
+  """`config.xla_options` ('name=value,...') as XLA's compiler options; {} when empty. Raises
+  ValueError for text that is not of that form."""
+  options = {}
+  for item in filter(None, (part.strip() for part in config.get("xla_options", "").split(","))):
+    name, equals, value = item.partition("=")
+    if not (equals and name.strip().isidentifier() and value.strip()):
+      raise ValueError(f"{item!r} is not name=value")
+    value = value.strip()
+    lowered = value.lower()
+    for parse in (int, float):
+      try:
+        value = parse(value)
+        break
+      except ValueError:
+        pass
+    options[name.strip()] = {"true": True, "false": False}.get(lowered, value)
+  return options
+
+
 class Steps(NamedTuple):
   """The compiled steps of one parallelism, and how to move state and batches to them."""
 
@@ -367,18 +395,22 @@ class Steps(NamedTuple):
   empty: callable  # a metrics class -> its empty value, placed for the steps
 
 
-def make(graphdef, config, mesh, unroll: bool | None = None) -> Steps:
+def make(graphdef, config, mesh, unroll: bool | None = None, pmap_devices=None) -> Steps:
   """The train and eval steps of `config.parallelism`, each running stacked batches. `unroll`:
   the k steps of a call as straight-line code (True) or a rolled loop (False); None: unrolled
   on the CPU, whose XLA runs convolution gradients ~100x slower inside a loop, rolled elsewhere
-  (it compiles once, whatever k)."""
-  options = step_options(config)
+  (it compiles once, whatever k). `pmap_devices`: pmap's devices (default: the local ones;
+  aot.py: a topology's). A non-finite step is skipped by selection on GPUs, under lax.cond
+  elsewhere (`train_step`'s `skip_by`)."""
+  platform = (pmap_devices or mesh.devices.flat)[0].platform
+  options = dict(step_options(config), skip_by="select" if platform == "gpu" else "cond")
   if unroll is None:
-    unroll = jax.default_backend() == "cpu"
+    unroll = platform == "cpu"
   if config.parallelism == "pmap":
     axis = parallel.PMAP_AXIS
     # State and batch: one slice per device (axis 0). Metrics: one value, the same everywhere.
-    pmap = functools.partial(jax.pmap, axis_name=axis, in_axes=(0, None, 0))
+    pmap = functools.partial(jax.pmap, axis_name=axis, in_axes=(0, None, 0),
+                             devices=pmap_devices)
     local = parallel.replicated(parallel.local_devices_mesh())
     return Steps(
         train=pmap(scanned(functools.partial(train_step, graphdef, axis_name=axis, **options),
@@ -397,10 +429,10 @@ def make(graphdef, config, mesh, unroll: bool | None = None) -> Steps:
     where = parallel.state_shardings(state, mesh, config.fsdp_min_size)
     return jax.lax.with_sharding_constraint(state, where), running
 
+  jit = functools.partial(jax.jit, compiler_options=xla_options(config) or None)
   return Steps(
-      train=jax.jit(train_in_place, donate_argnums=(0, 1)),
-      eval=jax.jit(scanned_eval(functools.partial(eval_step, graphdef), unroll),
-                   donate_argnums=1),
+      train=jit(train_in_place, donate_argnums=(0, 1)),
+      eval=jit(scanned_eval(functools.partial(eval_step, graphdef), unroll), donate_argnums=1),
       put_state=lambda state: state,
       get_state=lambda state: state,
       put_batch=lambda batch: parallel.global_batch(batch, mesh),

@@ -65,6 +65,9 @@ def get_config() -> ml_collections.ConfigDict:
   # would cost more time than the memory it saves. 16384 float32 elements: 64 KiB.
   config.fsdp_min_size = 16384
   config.print_shardings = False  # log where the state and the first batch live, at start-up
+  # XLA compiler options for the jit-compiled steps (spmd, fsdp), as 'name=value,...', e.g.
+  # 'xla_gpu_enable_latency_hiding_scheduler=false' (README: Will it fit?); '': none.
+  config.xla_options = ""
 
   # JAX's persistent compilation cache (train.py): a program compiled once is loaded by later
   # runs, a resumed one too, instead of compiled again; '' turns it off (as does JAX itself by

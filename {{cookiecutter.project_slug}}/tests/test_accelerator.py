@@ -1,6 +1,6 @@
 """On the host's real accelerator (GPU or TPU), when it has one: a few epochs of the tiny config
-on both paths, pmap = spmd, resume, and a non-zero MFU; with 2 or more devices, the collectives
-of the compiled fsdp step. Every other test runs on the CPU (see
+on both paths, pmap = spmd, resume, and a non-zero MFU. (What the TPU's and the GPU's compilers
+can tell without one, test_aot.py asks them here.) Every other test runs on the CPU (see
 conftest.py); these run in subprocesses given the environment as it was before pytest pinned
 the CPU, and are skipped, with the reason, on a host without an accelerator.
 
@@ -61,7 +61,7 @@ def accelerator() -> dict:
 
 
 def test_train_pmap_equals_spmd_resume_and_mfu_on_the_accelerator(accelerator):
-  import train
+  import chips
 
   done = subprocess.run([sys.executable, "-c", DRIVER], cwd=PROJECT, capture_output=True,
                         text=True, timeout=1200,
@@ -76,53 +76,7 @@ def test_train_pmap_equals_spmd_resume_and_mfu_on_the_accelerator(accelerator):
   assert abs(pmap["accuracy"] - spmd["accuracy"]) <= 2 / 360
   assert resumed["loss"] == pytest.approx(spmd["loss"], rel=1e-3, abs=1e-4)
   assert abs(resumed["accuracy"] - spmd["accuracy"]) <= 2 / 360
-  if any(name in accelerator["kind"] for name in train.PEAK_FLOPS):
+  if chips.peak_flops(accelerator["kind"]):
     assert out["spmd_mfu"] and all(mfu > 0 for mfu in out["spmd_mfu"] + out["pmap_mfu"])
   else:
     print(f"no peak FLOP/s known for {accelerator['kind']!r}: MFU not logged")
-
-
-# Compiles (does not run) the fsdp step of an MLP, every leaf split; prints the compiled
-# program's collectives: {op: [elements of each result]}, and the largest kernel's elements.
-FSDP_COLLECTIVES = r"""
-import json, math, re
-from absl import flags
-flags.FLAGS.mark_as_parsed()
-import jax
-from flax import nnx
-import parallel, steps
-from configs import tiny
-from test_parallel import MLP, batches, initial_state, stacked
-
-config = tiny.get_config()
-config.parallelism, config.steps_per_dispatch, config.fsdp_min_size = "fsdp", 1, 0
-graphdef, state = initial_state(config, MLP(512, 3, nnx.Rngs(0)))
-mesh = parallel.make_mesh(config)
-compiled = steps.make(graphdef, config, mesh)
-placed = parallel.place_state(state, mesh, config.fsdp_min_size)
-batch = compiled.put_batch(stacked(batches([64]), 1)[0])
-text = compiled.train.lower(placed, compiled.empty(steps.TrainMetrics), batch).compile().as_text()
-found = {}
-for line in text.splitlines():
-  op = re.search(r"= (.*?) (all-reduce|reduce-scatter|all-gather)(-start)?\(", line)
-  if op:  # the largest array among its results
-    shapes = re.findall(r"\[([\d,]*)\]", op[1])
-    found.setdefault(op[2], []).append(max(
-        (math.prod(int(d) for d in shape.split(",") if d) for shape in shapes), default=1))
-print(json.dumps(dict(devices=jax.device_count(), collectives=found, kernel=512 * 512)))
-"""
-
-
-def test_fsdp_step_reduce_scatters_the_gradients_on_the_accelerator(accelerator):
-  """XLA:CPU all-reduces the whole gradients (README.md); on a GPU or TPU the compiled fsdp
-  step should reduce-scatter them: a reduce-scatter, and no all-reduce of a kernel's size."""
-  done = subprocess.run([sys.executable, "-c", FSDP_COLLECTIVES], cwd=PROJECT,
-                        capture_output=True, text=True, timeout=600,
-                        env=accelerator["env"] | {"PYTHONPATH": os.path.join(PROJECT, "tests")})
-  assert done.returncode == 0, done.stderr[-4000:]
-  out = json.loads(done.stdout.splitlines()[-1])
-  if out["devices"] < 2:
-    pytest.skip(f"fsdp needs 2 or more devices; this host has {out['devices']}")
-  print(out["collectives"])
-  assert out["collectives"].get("reduce-scatter"), out["collectives"]
-  assert max(out["collectives"].get("all-reduce", [0])) < out["kernel"], out["collectives"]

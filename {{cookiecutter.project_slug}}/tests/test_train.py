@@ -24,6 +24,7 @@ from conftest import two_epochs
 from tensorboard.backend.event_processing import event_accumulator
 from test_preemption import final_state
 
+import plan
 import runs
 import train
 
@@ -369,6 +370,13 @@ BAD_CONFIGS = [
      "not a multiple of config.steps_per_dispatch=5; use 5 or 10, or another steps_per_dispatch."),
     ("--config.steps_per_dispatch=-1", "config.steps_per_dispatch=-1 must be an integer >= 0 (0: "
                                        "chosen per backend)."),
+    ("--config.xla_options=xla_gpu_enable_latency_hiding_scheduler",
+     "config.xla_options='xla_gpu_enable_latency_hiding_scheduler': "
+     "'xla_gpu_enable_latency_hiding_scheduler' is not name=value; give XLA options as "
+     "'name=value,name=value'"),
+    ("--config.xla_options=xla_cpu_enable_fast_math=false --config.parallelism=pmap",
+     "config.xla_options='xla_cpu_enable_fast_math=false' is for the jit-compiled steps (spmd, "
+     "fsdp); jax.pmap takes no compiler options"),
     ("--config.num_workers=-2", "config.num_workers=-2 must be -1 (chosen from the cores), 0 or"),
     ("--config.parallelism=fsdp --config.fsdp_devices=3", "config.fsdp_devices=3 does not "
                                                           "divide the 8 devices; use one of "
@@ -403,7 +411,7 @@ def run_in_process(*args: str) -> str:
   flags.FLAGS.unparse_flags()
   try:
     with pytest.raises(SystemExit) as stopped:
-      train.main(train.parse_flags(sys.argv))
+      train.main(plan.parse_flags(sys.argv))
   finally:
     sys.argv = argv
     for name in [name for name in flags.FLAGS if name.startswith("config.")]:
@@ -530,76 +538,6 @@ def test_the_state_is_built_in_shards_with_the_values_of_an_eager_build(tiny_con
   assert kernel.addressable_shards[0].data.size == kernel.size // 8
 
 
-# A wide MLP whose parameters and Adam moments take 1.22 GB: written over model.py in a copy of
-# the project.
-WIDE_MLP = '''
-from flax import nnx
-
-
-class MLP(nnx.Module):
-  def __init__(self, in_features, num_classes, rngs, width=5800, depth=3):
-    self.first = nnx.Linear(in_features, width, rngs=rngs)
-    self.hidden = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(depth)])
-    self.last = nnx.Linear(width, num_classes, rngs=rngs)
-
-  def __call__(self, images):
-    x = nnx.relu(self.first(images.reshape(images.shape[0], -1)))
-    for layer in self.hidden:
-      x = nnx.relu(layer(x))
-    return self.last(x)
-
-
-def create_model(config, image_shape, num_classes, rngs):
-  return MLP(image_shape[0] * image_shape[1] * image_shape[2], num_classes, rngs)
-'''
-
-# Runs train.py as the command line does; prints the process's peak memory at exit (Linux's
-# VmHWM: unlike ru_maxrss, not inherited from the process that started it).
-PEAK_RSS = """
-import re, runpy, sys
-sys.argv = ["train.py", *sys.argv[1:]]
-try:
-  runpy.run_path("train.py", run_name="__main__")
-finally:
-  status = open("/proc/self/status").read()
-  print("peak_rss_mb", int(re.search(r"VmHWM:\\s+(\\d+)", status)[1]) / 1024)
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="XLA:CPU's fsdp step all-reduces the whole gradients and "
-                   "gathers the parameters on each of the 8 devices (README.md): 6.0 copies")
-def test_a_large_fsdp_state_costs_at_most_twice_its_size_in_host_memory(tmp_path):
-  """fsdp on 8 CPU devices (whose memory is the host's): 4 steps, 2 evaluations and 2
-  checkpoints of a model whose state takes 1.22 GB raise the process's peak memory above the
-  default CNN's run by at most twice the state: the state built in shards, never whole beside
-  them, and nothing keeping extra copies. Measured: 7.10 copies when the state was built whole
-  on the host, then placed; 6.00 built in shards. The rest is mostly the step's temporaries."""
-  flags = ["--config=configs/tiny.py", "--config.parallelism=fsdp", "--config.dataset=synthetic",
-           "--config.synthetic.image_shape=(8,8,1)", "--config.synthetic.num_train=128",
-           "--config.synthetic.num_eval=64", "--config.num_epochs=2", "--config.num_workers=0",
-           "--config.steps_per_dispatch=1", "--config.log_every_steps=2",
-           "--config.eval_every_steps=2", "--config.checkpoint_every_steps=2"]
-  peaks, wholes = {}, {}
-  for name in ("cnn", "mlp"):
-    project = tmp_path / name
-    shutil.copytree(PROJECT, project, ignore=shutil.ignore_patterns("__pycache__", ".*"))
-    if name == "mlp":
-      (project / "model.py").write_text(WIDE_MLP)
-    done = subprocess.run([sys.executable, "-c", PEAK_RSS, *flags,
-                           f"--workdir={tmp_path / (name + '_run')}"], cwd=project,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    peaks[name] = float(re.search(r"peak_rss_mb (\S+)", done.stdout).group(1))
-    wholes[name] = float(re.search(r"a whole copy: (\S+) MB", done.stderr).group(1))
-  state_mb = wholes["mlp"]
-  print(f"peak host memory: {peaks['mlp']:.0f} MB (state {state_mb:.0f} MB) against "
-        f"{peaks['cnn']:.0f} MB for the CNN: {(peaks['mlp'] - peaks['cnn']) / state_mb:.2f} "
-        "copies of the state more")
-  assert state_mb > 1000
-  assert peaks["mlp"] - peaks["cnn"] <= 2 * state_mb
-
-
 def test_rates_leave_out_evaluation_and_checkpoints(tiny_config, tmp_path, monkeypatch):
   """An evaluation that takes 2 s (at steps 10 and 20) does not lower the training rates of the
   log intervals that follow it (steps 11-15 and 21-23). (The final one, at step 23, is quick.)"""
@@ -635,13 +573,13 @@ def test_a_float16_model_is_refused(tiny_config):
 def test_a_bucket_workdir_without_its_packages_is_refused(tiny_config, monkeypatch, missing):
   """Without the `gcs` extra (and without TensorFlow), a gs:// workdir stops before anything is
   read, written or compiled, instead of deep inside Orbax or the TensorBoard writer."""
-  monkeypatch.setattr(train, "_installed", lambda module: module not in [*missing, "tensorflow"])
+  monkeypatch.setattr(plan, "_installed", lambda module: module not in [*missing, "tensorflow"])
   with pytest.raises(train.ConfigError) as refused:
     train.validate_config(tiny_config, "gs://bucket/run")
   assert str(refused.value) == (
       f"--workdir='gs://bucket/run' needs {' and '.join(missing)}, which are not installed; "
       'install them: pip install -e ".[gcs]"')
-  monkeypatch.setattr(train, "_installed", lambda module: module != "tensorflow")
+  monkeypatch.setattr(plan, "_installed", lambda module: module != "tensorflow")
   train.validate_config(tiny_config, "gs://bucket/run")  # with the packages: accepted
   with pytest.raises(train.ConfigError, match="ftp:// is not supported"):
     train.validate_config(tiny_config, "ftp://host/run")
@@ -717,7 +655,7 @@ def gcs_emulator(tmp_path):
   array writer, which has its own client), and any credentials lookup to 127.0.0.1 (never to
   a metadata server)."""
   for module in ("gcsfs", "google.cloud.storage", "gcp_storage_emulator"):
-    if not train._installed(module):
+    if not plan._installed(module):
       pytest.skip(f"needs {module}: pip install -e '.[gcs]' gcp-storage-emulator")
   port = portpicker.pick_unused_port()
   url = f"http://127.0.0.1:{port}"

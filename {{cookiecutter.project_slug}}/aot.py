@@ -1,0 +1,270 @@
+"""Will it fit? Compiles the train step, the eval step and the initial state of a config for a
+TPU or GPU topology that need not be here, with the TPU's or the GPU's own compiler, and says
+what a device holds, what the step moves and how fast it can be at best.
+
+  python aot.py --config=configs/default.py --topology=v5e:4x4 [--num_slices=2]
+      [--config.KEY=VALUE ...] [--json=FILE]
+
+TPUs need the `tpu` extra (libtpu), NVIDIA GPUs the `cuda12` extra; neither needs the device.
+Nothing is read or built: the state and the batches are abstract (shapes, dtypes, shardings),
+from the data's description (`input_pipeline.describe`). The mesh, shardings, k (rolled, as on
+an accelerator) and steps are train.py's own (plan.py, parallel.py, steps.py, runs.py). The
+figures are the compiler's; they leave out the input pipeline and the host's memory.
+"""
+
+import os
+
+# Compile only: JAX's own backend stays the CPU, the GPU plugin does not look for a driver,
+# libtpu asks no metadata server for the TPU it is on and lets other processes load it too.
+# Set before JAX is imported.
+for _key, _value in (("JAX_PLATFORMS", "cpu"), ("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1"),
+                     ("TPU_SKIP_MDS_QUERY", "1"), ("TPU_ACCELERATOR_TYPE", "v5litepod-8"),
+                     ("TPU_WORKER_HOSTNAMES", "localhost"), ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
+  os.environ.setdefault(_key, _value)
+
+import collections  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from absl import app, flags  # noqa: E402
+from absl.flags import FLAGS  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+import chips  # noqa: E402
+import input_pipeline  # noqa: E402
+import parallel  # noqa: E402
+import plan  # noqa: E402
+import runs  # noqa: E402
+import steps  # noqa: E402
+
+COLLECTIVES = ("all-reduce-scatter", "reduce-scatter", "all-gather", "all-reduce", "all-to-all",
+               "collective-permute", "collective-broadcast")
+
+
+class DoesNotFit(Exception):
+  """The program needs more memory than a device has; the message says how much of each."""
+
+
+def abstract_batches(config, info, num_devices: int, mesh, pmap: bool):
+  """k stacked global batches as train.py feeds them (`input_pipeline`: uint8 pixels), abstract:
+  split over the mesh (spmd, fsdp), or `[devices, k, batch / devices, ...]` (pmap)."""
+  k, batch = config.steps_per_dispatch, config.batch_size
+  shapes = {"image": ((*info.image_shape,), jnp.uint8), "label": ((), jnp.int32),
+            "mask": ((), jnp.bool_), "position": ((), jnp.uint32)}
+  if pmap:
+    return {name: jax.ShapeDtypeStruct((num_devices, k, batch // num_devices, *shape), dtype)
+            for name, (shape, dtype) in shapes.items()}
+  where = parallel.data_sharded(mesh)
+  return {name: jax.ShapeDtypeStruct((k, batch, *shape), dtype, sharding=where)
+          for name, (shape, dtype) in shapes.items()}
+
+
+def abstract(tree, sharding=None, leading: int | None = None):
+  """Shapes and dtypes of `tree` (with `sharding`, or a leading axis of `leading` entries)."""
+  lead = () if leading is None else (leading,)
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct((*lead, *x.shape), x.dtype,
+                                                     sharding=sharding), tree)
+
+
+def bytes_per_device(tree) -> int:
+  """The bytes that the abstract arrays of `tree` hold on their most loaded device."""
+  held = collections.Counter()
+  for x in jax.tree.leaves(tree):
+    per_shard = math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+    for device in x.sharding.device_set:
+      held[device] += per_shard
+  return max(held.values())
+
+
+def count_collectives(hlo_text: str) -> dict[str, int]:
+  """The collectives of a compiled program, by op name: each instruction that is one (its
+  asynchronous `-start` half counted once), and each fusion that the compiler named after
+  one (the TPU's `all-reduce-scatter`: a reduce-scatter fused with what feeds it). Ops inside
+  the k-step loop are counted once: they run k times a call."""
+  found = collections.Counter()
+  for line in hlo_text.splitlines():
+    match = re.match(r"\s*(?:ROOT )?%?[\w.-]+ = .*? ([\w-]+)\(", line)
+    if not match:
+      continue
+    op = match[1].removesuffix("-start")
+    if op == "fusion":
+      calls = re.search(r"calls=%?([\w-]+)", line)
+      op = next((c for c in COLLECTIVES if calls and calls[1].startswith(c)), op)
+    if op in COLLECTIVES:
+      found[op] += 1
+  return dict(sorted(found.items()))
+
+
+def memory(compiled) -> dict[str, int]:
+  """Bytes a device holds while the program runs: its arguments, its temporaries, and its
+  outputs that do not reuse a donated argument's buffer (`peak`)."""
+  stats = compiled.memory_analysis()
+  new_outputs = stats.output_size_in_bytes - stats.alias_size_in_bytes
+  return dict(argument=stats.argument_size_in_bytes, temp=stats.temp_size_in_bytes,
+              peak=stats.argument_size_in_bytes + new_outputs + stats.temp_size_in_bytes)
+
+
+def compile_timed(lowered_fn, what: str, device_kind: str, memory_bytes: int):
+  """(compiled, seconds); the compiler's own refusal (a TPU's HBM out-of-memory) reworded."""
+  start = time.perf_counter()
+  try:
+    compiled = lowered_fn().compile()
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    needs = re.search(r"\(([\d.]+[KMGT]?)\) exceeds available HBM \(([\d.]+[KMGT]?)\)", str(e))
+    detail = (f"{needs[1]}B of temporaries and arguments, where {device_kind} has {needs[2]}B "
+              "for them" if needs else str(e).splitlines()[0][:300])
+    raise DoesNotFit(f"the {what} does not fit a device: the compiler says it needs {detail} "
+                     f"({memory_bytes / 2**30:.1f} GiB in all)") from None
+  return compiled, time.perf_counter() - start
+
+
+def analyze(config, devices) -> dict:
+  """Compiles `config`'s train step, eval step and initial state for `devices` (compile-only,
+  from `chips.compile_only_devices`) as train.py would build them there; returns the figures
+  (see the README: Will it fit?). Raises runs.ConfigError for a config that train.py would
+  refuse on those devices, DoesNotFit for one that the compiler refuses."""
+  # JAX's persistent cache cannot load what was compiled for devices that are not here.
+  cache = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    return _analyze(config, devices)
+  finally:
+    jax.config.update("jax_enable_compilation_cache", cache)
+
+
+def _analyze(config, devices) -> dict:
+  plan.validate_config(config, devices=devices)
+  config = plan.resolved(config, devices)
+  info = input_pipeline.describe(config)
+  kind, num_devices = devices[0].device_kind, len(devices)
+  device = chips.chip(kind)
+  memory_bytes = device.memory_bytes if device else 0
+  num_train_steps = input_pipeline.num_batches(
+      config.num_epochs * info.num_examples["train"], config.batch_size)
+  mesh = parallel.make_mesh(config, devices)
+  graphdef, state, init = runs.initial_state(config, info, mesh, num_train_steps)
+  pmap = config.parallelism == "pmap"
+  compiled_steps = steps.make(graphdef, config, mesh, unroll=False,
+                              pmap_devices=devices if pmap else None)
+  batches = abstract_batches(config, info, num_devices, mesh, pmap)
+  where = None if pmap else parallel.replicated(mesh)
+  train_args = (abstract(state, leading=num_devices) if pmap else state,
+                abstract(steps.TrainMetrics.empty(), where), batches)
+  eval_args = (train_args[0], abstract(steps.Metrics.empty(), where), batches)
+
+  def lowered(fn, args):
+    return lambda: fn.lower(*args)
+
+  train, train_s = compile_timed(lowered(compiled_steps.train, train_args), "train step", kind,
+                                 memory_bytes)
+  evaluate, eval_s = compile_timed(lowered(compiled_steps.eval, eval_args), "eval step", kind,
+                                   memory_bytes)
+  initial, init_s = compile_timed(init.lower, "initial state", kind, memory_bytes)
+  train_memory, eval_memory, init_memory = memory(train), memory(evaluate), memory(initial)
+  train_text = train.as_text()
+  state_bytes = bytes_per_device(state) if not pmap else bytes_per_device(
+      abstract(state, parallel.replicated(mesh)))
+  speed = plan.Speed(graphdef, abstract(state), info.image_shape, config, devices)
+  flops_per_step = speed.flops_per_step
+  cost = train.cost_analysis() or {}
+  k = config.steps_per_dispatch
+  compute_s = flops_per_step / speed.peak if speed.peak else 0.0
+  # The compiler's cost analysis counts a loop's body once: its figures are a step's. Every
+  # step reads the state at least once (the parameters, the optimizer's moments).
+  accessed = max(cost.get("bytes accessed", 0.0), state_bytes)
+  memory_s = accessed / device.memory_bandwidth if device else 0.0
+  lower_bound = max(compute_s, memory_s)
+  peak = max(train_memory["peak"], eval_memory["peak"], init_memory["peak"])
+  return dict(
+      topology=None, num_devices=num_devices, device_kind=kind,
+      num_slices=parallel.num_slices(devices),
+      num_hosts=len({d.process_index for d in devices}), parallelism=config.parallelism,
+      mesh=dict(mesh.shape), steps_per_dispatch=k, batch_size=config.batch_size,
+      fits=bool(memory_bytes) and peak <= memory_bytes, state_bytes=state_bytes,
+      whole_state_bytes=sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state)),
+      temp_bytes=train_memory["temp"], peak_bytes=peak, memory_bytes=memory_bytes,
+      train=train_memory, eval=eval_memory, init=init_memory,
+      collectives=count_collectives(train_text), flops_per_step=flops_per_step,
+      # (XLA:GPU runs a conditional by copying its predicate to the host and waiting.)
+      conditionals=len(re.findall(r" conditional\(", train_text)),
+      compiler_flops_per_step=cost.get("flops"), compute_seconds_lower_bound=compute_s,
+      memory_seconds_lower_bound=memory_s, step_seconds_lower_bound=lower_bound,
+      images_per_second_upper_bound=config.batch_size / lower_bound if lower_bound else None,
+      compile_seconds=dict(train=train_s, eval=eval_s, init=init_s))
+
+
+def gb(n: float) -> str:
+  return f"{n / 2**30:.3g} GiB" if n >= 2**27 else f"{n / 2**20:.3g} MiB"
+
+
+def seconds(s: float) -> str:
+  return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
+
+
+def describe(r: dict) -> str:
+  """The figures as a few lines that a person reads."""
+  slices = f" in {r['num_slices']} slices" if r["num_slices"] > 1 else ""
+  hosts = f" on {r['num_hosts']} hosts" if r["num_hosts"] > 1 else ""
+  headroom = r["memory_bytes"] - r["peak_bytes"]
+  spare = round(100 * headroom / r["memory_bytes"]) if r["memory_bytes"] else 0
+  fits = (f"fits, {gb(headroom)} ({spare}%) to spare" if r["fits"]
+          else f"does NOT fit: {gb(-headroom)} over")
+  collectives = ", ".join(f"{n} {op}" for op, n in r["collectives"].items()) or "none"
+  bound = r["step_seconds_lower_bound"]
+  return "\n".join([
+      f"{r['topology']}: {r['num_devices']} x {r['device_kind']}{slices}{hosts}; "
+      f"{r['parallelism']} over mesh {r['mesh']}, global batch {r['batch_size']}, "
+      f"k = {r['steps_per_dispatch']} steps a call (rolled)",
+      f"memory a device: state {gb(r['state_bytes'])} (a whole copy: "
+      f"{gb(r['whole_state_bytes'])}), train step temporaries "
+      f"{gb(r['temp_bytes'])}, peak {gb(r['peak_bytes'])} of {gb(r['memory_bytes'])}: {fits}",
+      f"train step collectives (each once in the program): {collectives}",
+      f"FLOPs a step: {r['flops_per_step']:.3g} (the model's matrix products and convolutions)"
+      + (f"; the compiler's, a device: {r['compiler_flops_per_step']:.3g}"
+         if r["compiler_flops_per_step"] else ""),
+      f"at best {seconds(bound)} a step (compute {seconds(r['compute_seconds_lower_bound'])}, "
+      f"memory {seconds(r['memory_seconds_lower_bound'])}), at most "
+      f"{r['images_per_second_upper_bound']:,.0f} images/s" if bound else
+      "no step-time bound: the device's peak FLOP/s and bandwidth are unknown (chips.CHIPS)",
+      "compile: " + ", ".join(f"{what} {s:.2f} s" for what, s in r["compile_seconds"].items()),
+  ])
+
+
+def main(argv):
+  del argv
+  topology, num_slices, out = FLAGS.topology, FLAGS.num_slices, FLAGS.json
+  try:
+    devices = chips.compile_only_devices(topology, num_slices)
+    result = analyze(FLAGS.config, devices)
+  except (chips.TopologyError, runs.ConfigError) as e:
+    raise SystemExit(f"error: {e}") from None
+  except DoesNotFit as e:
+    result, error = dict(topology=topology, num_slices=num_slices, fits=False), str(e)
+  else:
+    result["topology"] = topology + (f" x {num_slices} slices" if num_slices > 1 else "")
+    print(describe(result))
+    error = None if result["fits"] else (
+        f"the {result['parallelism']} step needs {gb(result['peak_bytes'])} a device at its "
+        f"peak, and a {result['device_kind']} has {gb(result['memory_bytes'])}")
+  if out:
+    with open(out, "w") as f:
+      json.dump(result, f, indent=2)
+  if error:
+    raise SystemExit(f"error: {error}; try --config.parallelism=fsdp, a smaller batch "
+                     "(--config.batch_size) or more devices.")
+
+
+if __name__ == "__main__":  # flags defined here: the functions above can be imported
+  config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
+  flags.mark_flag_as_required("config")
+  flags.DEFINE_string("topology", None, f"The devices to compile for: {chips.KNOWN}.",
+                      required=True)
+  flags.DEFINE_integer("num_slices", 1, "TPU slices (multi-slice).")
+  flags.DEFINE_string("json", None, "Also write the figures to this JSON file.")
+  app.run(main, flags_parser=plan.parse_flags)

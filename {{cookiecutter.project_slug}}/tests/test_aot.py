@@ -1,0 +1,296 @@
+"""aot.py: the train step, the eval step and the initial state compiled for TPUs and NVIDIA GPUs
+that are not here, by their own compilers (README: Will it fit?). TPU tests need libtpu (the
+`tpu` extra), GPU tests the GPU compiler (the `cuda12` extra); each is skipped, with the
+reason, where its compiler is missing. Nothing is built: the state and batches are abstract, so a
+model of gigabytes costs only its compile time. Every compile for a TPU or GPU is in the slow
+tier; the fast tier checks what aot.py reads and refuses.
+
+  python -m pytest -m aot -rs
+"""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from flax import nnx
+
+import aot
+import chips
+import input_pipeline
+import parallel
+import runs
+from configs import default
+
+PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.aot
+needs_tpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                               reason="no TPU compiler: libtpu is not installed "
+                                      "(pip install -e \".[tpu]\")")
+needs_gpu = pytest.mark.skipif(importlib.util.find_spec("jax_cuda12_plugin") is None,
+                               reason="no GPU compiler: jax-cuda12-plugin is not installed "
+                                      "(pip install -e \".[cuda12]\")")
+
+
+class MLP(nnx.Module):
+  """Six dense layers of 4096: with Adam a 1.16 GB state, made abstract only (never built)."""
+
+  def __init__(self, image_shape, num_classes, rngs, width=4096, depth=6):
+    widths = (math.prod(image_shape), *[width] * depth)
+    self.layers = nnx.List([nnx.Linear(widths[i], widths[i + 1], rngs=rngs) for i in range(depth)])
+    self.out = nnx.Linear(width, num_classes, rngs=rngs)
+
+  def __call__(self, images):
+    x = images.reshape(images.shape[0], -1)
+    for layer in self.layers:
+      x = nnx.relu(layer(x))
+    return self.out(x)
+
+
+@pytest.fixture
+def mlp(monkeypatch):
+  """model.py's `create_model` replaced by `MLP` (runs.build_state calls it), on 32x32x3 images."""
+  monkeypatch.setattr(runs, "create_model",
+                      lambda config, image_shape, num_classes, rngs: MLP(image_shape, num_classes,
+                                                                         rngs))
+  config = default.get_config()
+  config.dataset, config.synthetic.image_shape = "synthetic", (32, 32, 3)
+  return config
+
+
+def config_for(parallelism, **overrides):
+  config = default.get_config()
+  config.parallelism = parallelism
+  config.update(overrides)
+  return config
+
+
+def analyze(config, topology, num_slices=1) -> dict:
+  return aot.analyze(config, chips.compile_only_devices(topology, num_slices))
+
+
+def run_aot(*args, timeout=600) -> subprocess.CompletedProcess:
+  """`python aot.py ARGS` as a user runs it (a real process)."""
+  return subprocess.run([sys.executable, "aot.py", *args], cwd=PROJECT, capture_output=True,
+                        text=True, timeout=timeout)
+
+
+def test_describe_is_what_get_datasets_reads(tmp_path):
+  """aot.py never reads the data: `input_pipeline.describe` gives the same description."""
+  import write_arrayrecord
+
+  config = default.get_config()
+  config.synthetic.num_train, config.synthetic.num_eval = 40, 8
+  for dataset in ("digits", "synthetic", "arrayrecord"):
+    if dataset == "arrayrecord":
+      sources = input_pipeline.get_datasets(config)[0]  # the synthetic ones, written
+      write_arrayrecord.write_dataset(str(tmp_path), {
+          split: (source.images, source.labels) for split, source in sources.items()})
+      config.data_dir = str(tmp_path)
+    config.dataset = dataset
+    assert input_pipeline.describe(config) == input_pipeline.get_datasets(config)[1], dataset
+
+
+def test_xla_options_reach_the_compiler(tiny_config):
+  """`config.xla_options` are parsed and given to XLA with the jit-compiled steps: an option
+  that XLA does not know fails the compile."""
+  import steps
+
+  tiny_config.xla_options = "xla_cpu_enable_fast_math=false, xla_no_such_option=1"
+  assert steps.xla_options(tiny_config) == {"xla_cpu_enable_fast_math": False,
+                                            "xla_no_such_option": 1}
+  info = input_pipeline.describe(tiny_config)
+  mesh = parallel.make_mesh(tiny_config)
+  graphdef, state, _ = runs.initial_state(tiny_config, info, mesh, 10)
+  batches = aot.abstract_batches(tiny_config, info, 8, mesh, pmap=False)
+  compiled = steps.make(graphdef, tiny_config, mesh)
+  metrics = aot.abstract(steps.Metrics.empty(), parallel.replicated(mesh))
+  with pytest.raises(Exception, match="xla_no_such_option"):
+    compiled.eval.lower(state, metrics, batches).compile()
+  tiny_config.xla_options = "xla_cpu_enable_fast_math=false"
+  steps.make(graphdef, tiny_config, mesh).eval.lower(state, metrics, batches).compile()
+
+
+def test_unknown_topology_lists_the_known_ones():
+  with pytest.raises(chips.TopologyError, match=r"'v9:2x4' is unknown; known: TPU: v4:AxB.*"
+                                                r"GPU: h100:N.*h100:2x8"):
+    chips.compile_only_devices("v9:2x4")
+  with pytest.raises(chips.TopologyError, match="--num_slices=2 is for TPUs"):
+    chips.compile_only_devices("h100:8", num_slices=2)
+
+
+@pytest.mark.slow
+@needs_tpu
+def test_default_cnn_compiles_for_v5e_at_the_accelerator_k():
+  """The default config as train.py would run it on 8 v5e chips: k = 10 (rolled), the state
+  replicated, the gradients all-reduced, and what each part costs."""
+  result = analyze(config_for("spmd"), "v5e:2x4")
+  assert (result["device_kind"], result["num_devices"], result["steps_per_dispatch"]) == (
+      "TPU v5 lite", 8, 10)
+  assert result["fits"] and result["memory_bytes"] == 16 * 2**30
+  assert result["state_bytes"] == result["whole_state_bytes"] > 0  # replicated
+  assert result["peak_bytes"] >= result["state_bytes"] + result["temp_bytes"]
+  assert result["collectives"].get("all-reduce") and "all-gather" not in result["collectives"]
+  assert result["flops_per_step"] > 0 and 0 < result["step_seconds_lower_bound"] < 1
+  # The compiler's FLOPs (its loop body once: a step's) over the devices vs the jaxpr count.
+  assert 0.5 < result["compiler_flops_per_step"] * 8 / result["flops_per_step"] < 2
+
+
+@pytest.mark.slow
+@needs_tpu
+@pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4"])
+@pytest.mark.parametrize("parallelism", ["spmd", "fsdp", "pmap"])
+def test_every_path_compiles_for_tpus(topology, parallelism):
+  config = config_for(parallelism, fsdp_min_size=0)  # fsdp: split what divides over 8
+  result = analyze(config, topology)
+  assert result["fits"] and result["steps_per_dispatch"] == 10
+  assert result["parallelism"] == parallelism
+  if parallelism == "fsdp":
+    assert result["state_bytes"] < result["whole_state_bytes"] / 2
+    assert result["collectives"].get("all-gather")
+  else:
+    assert result["state_bytes"] == result["whole_state_bytes"]
+    assert "all-gather" not in result["collectives"]
+  assert all(s > 0 for s in result["compile_seconds"].values())
+
+
+@pytest.mark.slow
+@needs_tpu
+def test_fsdp_holds_an_eighth_of_a_large_state_and_reduce_scatters(mlp):
+  """A 1.16 GB state (MLP + Adam) over 8 v5e chips: each holds at most 1.02x its eighth, and at
+  its peak 1.6x; the gradients are reduce-scattered (the TPU fuses them as
+  `all-reduce-scatter`), never all-reduced whole. Under spmd each chip holds a whole copy."""
+  mlp.parallelism = "fsdp"
+  fsdp = analyze(mlp, "v5e:2x4")
+  eighth = fsdp["whole_state_bytes"] / 8
+  assert fsdp["whole_state_bytes"] > 1e9
+  assert fsdp["state_bytes"] <= 1.02 * eighth
+  assert fsdp["peak_bytes"] <= 1.6 * eighth, fsdp["peak_bytes"] / eighth
+  collectives = fsdp["collectives"]
+  scatters = collectives.get("all-reduce-scatter", 0) + collectives.get("reduce-scatter", 0)
+  assert scatters >= 6, collectives  # one per 4096-wide weight matrix
+  print(json.dumps({k: fsdp[k] for k in ("state_bytes", "temp_bytes", "peak_bytes")}))
+  mlp.parallelism = "spmd"
+  spmd = analyze(mlp, "v5e:2x4")
+  assert spmd["state_bytes"] == spmd["whole_state_bytes"] == fsdp["whole_state_bytes"]
+  assert spmd["temp_bytes"] > fsdp["temp_bytes"]
+
+
+@pytest.mark.slow
+@needs_tpu
+def test_two_slices_fsdp_within_a_slice():
+  """Multi-slice: the mesh's 'data' axis crosses the slices, 'fsdp' stays within one."""
+  config = config_for("fsdp", fsdp_min_size=0)
+  devices = chips.compile_only_devices("v5e:2x4", num_slices=2)
+  mesh = parallel.make_mesh(config, devices)
+  assert dict(mesh.shape) == {"data": 2, "fsdp": 8}
+  for i, row in enumerate(mesh.devices):
+    assert {d.slice_index for d in row} == {i}
+  result = aot.analyze(config, devices)
+  assert result["fits"] and result["num_slices"] == 2 and result["num_devices"] == 16
+  assert result["mesh"] == {"data": 2, "fsdp": 8}
+
+
+# A CNN whose dense layer alone is 8.4e9 parameters: 100 GB with Adam.
+TOO_LARGE = ("--config.dataset=synthetic", "--config.synthetic.image_shape=(512,512,3)",
+             "--config.synthetic.num_classes=1000", "--config.model.features=(128,)")
+
+
+@pytest.mark.slow
+@needs_tpu
+def test_aot_command_refuses_what_does_not_fit_and_bad_topologies(tmp_path):
+  out = tmp_path / "aot.json"
+  done = run_aot("--config=configs/default.py", "--topology=v5e:2x4", *TOO_LARGE,
+                 f"--json={out}")
+  assert done.returncode == 1, done.stderr[-3000:]
+  last = done.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: the train step does not fit a device: the compiler says it "
+                         "needs "), last
+  assert "TPU v5 lite has" in last and "--config.parallelism=fsdp" in last
+  assert json.loads(out.read_text())["fits"] is False
+  done = run_aot("--config=configs/default.py", "--topology=v5e:2x4", "--num_slices=2",
+                 "--config.parallelism=fsdp", f"--json={out}")
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "16 x TPU v5 lite in 2 slices" in done.stdout
+  figures = json.loads(out.read_text())
+  for key in ("topology", "num_devices", "device_kind", "parallelism", "fits", "state_bytes",
+              "temp_bytes", "peak_bytes", "memory_bytes", "collectives", "flops_per_step",
+              "step_seconds_lower_bound"):
+    assert key in figures, key
+  done = run_aot("--config=configs/default.py", "--topology=v9:2x4")
+  assert done.returncode == 1
+  assert done.stderr.strip().splitlines()[-1].startswith(
+      "error: --topology='v9:2x4' is unknown; known: TPU: v4"), done.stderr[-2000:]
+
+
+@pytest.mark.slow
+@needs_gpu
+@pytest.mark.parametrize("topology", ["h100:8", "h100:2x8"])
+def test_every_path_compiles_for_h100s_without_a_host_round_trip(topology, tmp_path):
+  """On the GPU compiler: every path of the default config, k = 10 rolled, with no
+  `conditional` in the step (XLA:GPU copies a conditional's predicate to the host and waits,
+  which would drain the GPU at every one of the k steps)."""
+  for parallelism in ("spmd", "fsdp", "pmap"):
+    out = tmp_path / f"{parallelism}.json"
+    done = run_aot("--config=configs/default.py", f"--topology={topology}",
+                   f"--config.parallelism={parallelism}", f"--json={out}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert figures["device_kind"] == "NVIDIA H100 80GB HBM3" and figures["fits"]
+    assert figures["num_devices"] == (16 if "x" in topology else 8)
+    assert figures["steps_per_dispatch"] == 10 and figures["conditionals"] == 0, figures
+
+
+@pytest.mark.slow
+@needs_gpu
+def test_gpu_refuses_what_does_not_fit(tmp_path):
+  """The GPU compiler compiles a program larger than the device; aot.py refuses it from the
+  compiler's memory figures, in one line, after writing them."""
+  out = tmp_path / "aot.json"
+  done = run_aot("--config=configs/default.py", "--topology=h100:8", *TOO_LARGE, f"--json={out}")
+  assert done.returncode == 1, done.stderr[-3000:]
+  assert done.stderr.strip().splitlines()[-1].startswith(
+      "error: the spmd step needs "), done.stderr[-2000:]
+  figures = json.loads(out.read_text())
+  assert figures["fits"] is False and figures["peak_bytes"] > figures["memory_bytes"]
+
+
+# The 1.16 GB MLP's fsdp step for 8 H100s, with and without XLA options; prints its figures.
+GPU_MLP = """
+import json, sys
+import aot, chips, runs
+from test_aot import MLP
+from configs import default
+runs.create_model = lambda config, image_shape, num_classes, rngs: MLP(image_shape, num_classes,
+                                                                       rngs)
+config = default.get_config()
+config.dataset, config.synthetic.image_shape = "synthetic", (32, 32, 3)
+config.parallelism, config.xla_options = "fsdp", sys.argv[1]
+print(json.dumps(aot.analyze(config, chips.compile_only_devices("h100:8"))))
+"""
+# XLA:GPU's latency-hiding scheduler overlaps the gathers and reduce-scatters with compute, and
+# holds several layers' whole weights and gradients to do so (README: Will it fit?).
+GPU_LOW_MEMORY = ("xla_gpu_enable_latency_hiding_scheduler=false,"
+                  "xla_gpu_all_gather_combine_threshold_bytes=0,"
+                  "xla_gpu_reduce_scatter_combine_threshold_bytes=0")
+
+
+@pytest.mark.slow
+@needs_gpu
+def test_fsdp_on_h100s_holds_an_eighth_and_peaks_under_2x_with_the_low_memory_options():
+  figures = {}
+  for name, options in (("default", ""), ("low_memory", GPU_LOW_MEMORY)):
+    done = subprocess.run([sys.executable, "-c", GPU_MLP, options], cwd=PROJECT, text=True,
+                          capture_output=True, timeout=600,
+                          env=os.environ | {"PYTHONPATH": os.path.join(PROJECT, "tests")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures[name] = json.loads(done.stdout.splitlines()[-1])
+  eighth = figures["default"]["whole_state_bytes"] / 8
+  print({name: round(f["peak_bytes"] / eighth, 2) for name, f in figures.items()})
+  for f in figures.values():
+    assert f["state_bytes"] <= 1.02 * eighth and f["collectives"].get("reduce-scatter")
+  assert figures["low_memory"]["peak_bytes"] <= 2 * eighth
+  assert figures["low_memory"]["peak_bytes"] < figures["default"]["peak_bytes"]
