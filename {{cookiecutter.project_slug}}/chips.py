@@ -75,7 +75,7 @@ def gpu_target_config(name: str) -> str:
           f"dnn_version_info < major: 9 minor: 10 > device_description_str: '{kind}'")
 
 
-KNOWN = (f"TPU: {', '.join(f'{n}:AxB[xC]' for n in TPU_NAMES)} (e.g. v5e:2x4, v4:2x2x1); "
+KNOWN = (f"TPU: {', '.join(f'{n}:AxB[xC]' for n in TPU_NAMES)} (e.g. v5e:2x4, v4:2x2x2); "
          f"GPU: {', '.join(f'{n}:N' for n in GPU_TARGETS)} or NAME:HOSTSxN (e.g. h100:8, h100:2x8)")
 
 
@@ -102,8 +102,10 @@ def compile_only_devices(topology: str, num_slices: int = 1) -> list:
                           "pip install -e \".[cuda12]\"") from None
   if name in TPU_NAMES and re.fullmatch(r"\d+x\d+(x\d+)?", shape):
     try:
-      return topologies.get_topology_desc(topology_name=topology, platform="tpu",
-                                          num_slices=num_slices).devices
+      # (v4 and v5p: one device per chip, both cores, as on their VMs: "megacore")
+      return topologies.get_topology_desc(
+          topology_name=topology, platform="tpu", num_slices=num_slices,
+          chip_config_name="megacore" if name in ("v4", "v5p") else "default").devices
     except Exception as e:  # noqa: BLE001
       missing = importlib.util.find_spec("libtpu") is None
       raise TopologyError(

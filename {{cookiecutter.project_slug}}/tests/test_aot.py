@@ -141,7 +141,7 @@ def test_default_cnn_compiles_for_v5e_at_the_accelerator_k():
 
 @pytest.mark.slow
 @needs_tpu
-@pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4"])
+@pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4", "v4:2x2x2", "v5p:2x2x2"])
 @pytest.mark.parametrize("parallelism", ["spmd", "fsdp", "pmap"])
 def test_every_path_compiles_for_tpus(topology, parallelism):
   config = config_for(parallelism, fsdp_min_size=0)  # fsdp: split what divides over 8
