@@ -46,7 +46,10 @@ COLLECTIVES = ("all-reduce-scatter", "reduce-scatter", "all-gather", "all-reduce
 
 
 class DoesNotFit(Exception):
-  """The program needs more memory than a device has; the message says how much of each."""
+  """The program needs more memory than a device has; the message says how much of each,
+  `figures` what is known without the compiled program."""
+
+  figures: dict = {}
 
 
 def abstract_batches(config, info, num_devices: int, mesh, pmap: bool):
@@ -158,22 +161,32 @@ def _analyze(config, devices) -> dict:
                 abstract(steps.TrainMetrics.empty(), where), batches)
   eval_args = (train_args[0], abstract(steps.Metrics.empty(), where), batches)
 
+  state_bytes = bytes_per_device(state) if not pmap else bytes_per_device(
+      abstract(state, parallel.replicated(mesh)))
+  figures = dict(
+      num_devices=num_devices, device_kind=kind, num_slices=parallel.num_slices(devices),
+      num_hosts=len({d.process_index for d in devices}), parallelism=config.parallelism,
+      mesh=dict(mesh.shape), steps_per_dispatch=config.steps_per_dispatch,
+      batch_size=config.batch_size, memory_bytes=memory_bytes, state_bytes=state_bytes,
+      whole_state_bytes=sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state)))
+
   def lowered(fn, args):
     return lambda: fn.lower(*args)
 
-  train, train_s = compile_timed(lowered(compiled_steps.train, train_args), "train step", kind,
-                                 memory_bytes)
-  evaluate, eval_s = compile_timed(lowered(compiled_steps.eval, eval_args), "eval step", kind,
-                                   memory_bytes)
-  initial, init_s = compile_timed(init.lower, "initial state", kind, memory_bytes)
+  try:
+    train, train_s = compile_timed(lowered(compiled_steps.train, train_args), "train step",
+                                   kind, memory_bytes)
+    evaluate, eval_s = compile_timed(lowered(compiled_steps.eval, eval_args), "eval step", kind,
+                                     memory_bytes)
+    initial, init_s = compile_timed(init.lower, "initial state", kind, memory_bytes)
+  except DoesNotFit as e:
+    e.figures = figures
+    raise
   train_memory, eval_memory, init_memory = memory(train), memory(evaluate), memory(initial)
   train_text = train.as_text()
-  state_bytes = bytes_per_device(state) if not pmap else bytes_per_device(
-      abstract(state, parallel.replicated(mesh)))
   speed = plan.Speed(graphdef, abstract(state), info.image_shape, config, devices)
   flops_per_step = speed.flops_per_step
   cost = train.cost_analysis() or {}
-  k = config.steps_per_dispatch
   compute_s = flops_per_step / speed.peak if speed.peak else 0.0
   # The compiler's cost analysis counts a loop's body once: its figures are a step's. Every
   # step reads the state at least once (the parameters, the optimizer's moments).
@@ -182,13 +195,8 @@ def _analyze(config, devices) -> dict:
   lower_bound = max(compute_s, memory_s)
   peak = max(train_memory["peak"], eval_memory["peak"], init_memory["peak"])
   return dict(
-      topology=None, num_devices=num_devices, device_kind=kind,
-      num_slices=parallel.num_slices(devices),
-      num_hosts=len({d.process_index for d in devices}), parallelism=config.parallelism,
-      mesh=dict(mesh.shape), steps_per_dispatch=k, batch_size=config.batch_size,
-      fits=bool(memory_bytes) and peak <= memory_bytes, state_bytes=state_bytes,
-      whole_state_bytes=sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state)),
-      temp_bytes=train_memory["temp"], peak_bytes=peak, memory_bytes=memory_bytes,
+      topology=None, **figures, fits=bool(memory_bytes) and peak <= memory_bytes,
+      temp_bytes=train_memory["temp"], peak_bytes=peak,
       train=train_memory, eval=eval_memory, init=init_memory,
       collectives=count_collectives(train_text), flops_per_step=flops_per_step,
       # (XLA:GPU runs a conditional by copying its predicate to the host and waiting.)
@@ -245,7 +253,7 @@ def main(argv):
   except (chips.TopologyError, runs.ConfigError) as e:
     raise SystemExit(f"error: {e}") from None
   except DoesNotFit as e:
-    result, error = dict(topology=topology, num_slices=num_slices, fits=False), str(e)
+    result, error = dict(topology=topology, **e.figures, fits=False), str(e)
   else:
     result["topology"] = topology + (f" x {num_slices} slices" if num_slices > 1 else "")
     print(describe(result))

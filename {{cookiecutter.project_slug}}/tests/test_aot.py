@@ -210,7 +210,9 @@ def test_aot_command_refuses_what_does_not_fit_and_bad_topologies(tmp_path):
   assert last.startswith("error: the train step does not fit a device: the compiler says it "
                          "needs "), last
   assert "TPU v5 lite has" in last and "--config.parallelism=fsdp" in last
-  assert json.loads(out.read_text())["fits"] is False
+  refused = json.loads(out.read_text())
+  assert refused["fits"] is False and refused["device_kind"] == "TPU v5 lite"
+  assert refused["state_bytes"] > refused["memory_bytes"] == 16 * 2**30  # 100 GB replicated
   done = run_aot("--config=configs/default.py", "--topology=v5e:2x4", "--num_slices=2",
                  "--config.parallelism=fsdp", f"--json={out}")
   assert done.returncode == 0, done.stderr[-3000:]
