@@ -26,7 +26,8 @@ from jax.extend import core as jex
 import parallel
 
 PARALLELISMS = ("spmd", "pmap", "fsdp")
-# k when `config.steps_per_dispatch` is 0, on a GPU or TPU: enough steps a call to hide the
+# k when `config.steps_per_dispatch` is 0, on a GPU or TPU (or the largest number below it that
+# divides the log, eval and checkpoint intervals): enough steps a call to hide the
 # host's ~1.5 ms of work per call behind the default CNN's 0.4 ms steps (an H100); the rolled
 # loop compiles once whatever k. On the CPU k is 1: its steps are long, the k steps are unrolled
 # there (see `make`), and compiling 10 of them cost more than the dispatches they save (README).
@@ -35,9 +36,14 @@ ACCELERATOR_STEPS_PER_DISPATCH = 10
 
 def steps_per_dispatch(config, platform: str | None = None) -> int:
   """k: `config.steps_per_dispatch`, or when it is 0, the default of `platform` (default: the
-  backend's)."""
-  on_cpu = (platform or jax.default_backend()) == "cpu"
-  return config.steps_per_dispatch or (1 if on_cpu else ACCELERATOR_STEPS_PER_DISPATCH)
+  backend's): 1 on the CPU; on a GPU or TPU, `ACCELERATOR_STEPS_PER_DISPATCH` or the largest
+  number below it that divides the log, eval and checkpoint intervals (multiples of k)."""
+  if config.steps_per_dispatch:
+    return config.steps_per_dispatch
+  if (platform or jax.default_backend()) == "cpu":
+    return 1
+  return math.gcd(ACCELERATOR_STEPS_PER_DISPATCH, config.log_every_steps,
+                  config.eval_every_steps, config.checkpoint_every_steps)
 
 
 # Folded into the seed's key before the stream positions: the augmentation keys are then none of
@@ -218,13 +224,13 @@ def micro_batches(batch, num: int):
 
 def summed_gradients(model, batch, num_micro_batches: int = 1, label_smoothing: float = 0.0):
   """Gradient of the summed loss, and metrics, over `batch` in `num_micro_batches` sequential
-  pieces (gradient accumulation: the memory of one piece, the result of the whole batch)."""
+  pieces (gradient accumulation: the memory of one piece, the result of the whole batch). The
+  pieces run in one loop from zeros: one forward and backward pass in the compiled program."""
   grad_fn = nnx.grad(functools.partial(loss_and_metrics, label_smoothing=label_smoothing),
                      has_aux=True)
   if num_micro_batches == 1:
     return grad_fn(model, batch)
   micro = micro_batches(batch, num_micro_batches)
-  sums = grad_fn(model, jax.tree.map(lambda x: x[0], micro))
   graphdef, state = nnx.split(model)
 
   def add_micro_batch(carry, micro_batch):
@@ -233,8 +239,11 @@ def summed_gradients(model, batch, num_micro_batches: int = 1, label_smoothing: 
     sums = jax.tree.map(jnp.add, sums, grad_fn(model, micro_batch))
     return (nnx.state(model), sums), None
 
-  rest = jax.tree.map(lambda x: x[1:], micro)
-  (state, sums), _ = jax.lax.scan(add_micro_batch, (state, sums), rest)
+  first = jax.tree.map(lambda x: x[0], micro)
+  shapes = jax.eval_shape(lambda state, batch: grad_fn(nnx.merge(graphdef, state), batch),
+                          state, first)
+  zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+  (state, sums), _ = jax.lax.scan(add_micro_batch, (state, zeros), micro)
   nnx.update(model, state)
   return sums
 

@@ -48,7 +48,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.grad_accum_steps = 1  # split each batch into this many sequential micro-batches
   # Optimizer steps per compiled call (lax.scan over as many stacked batches): the host's
   # per-call work is paid once per k steps. The log, eval and checkpoint intervals must be
-  # multiples of it. 0: chosen per backend, 10 on a GPU or TPU, 1 on the CPU (README: Speed).
+  # multiples of it. 0: chosen per backend, 10 on a GPU or TPU (or the largest number below 10
+  # that divides those intervals), 1 on the CPU (README: Speed).
   config.steps_per_dispatch = 0
   config.num_epochs = 50
   config.seed = 0

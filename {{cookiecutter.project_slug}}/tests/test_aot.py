@@ -8,12 +8,15 @@ tier; the fast tier checks what aot.py reads and refuses.
   python -m pytest -m aot -rs
 """
 
+import glob
+import importlib
 import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 from flax import nnx
@@ -22,6 +25,7 @@ import aot
 import chips
 import input_pipeline
 import parallel
+import plan
 import runs
 from configs import default
 
@@ -114,6 +118,24 @@ def test_xla_options_reach_the_compiler(tiny_config):
   steps.make(graphdef, tiny_config, mesh).eval.lower(state, metrics, batches).compile()
 
 
+@pytest.mark.parametrize("platform, k", [("tpu", None), ("gpu", None), ("cpu", 1)])
+def test_every_config_is_valid_at_the_accelerators_k_and_the_cpus(platform, k):
+  """Each file under configs/ validates on 8 devices of each platform, at the k chosen there
+  (on a GPU or TPU the largest k up to 10 that divides the intervals: 5 for tiny.py)."""
+  devices = [types.SimpleNamespace(platform=platform, process_index=0, slice_index=0)] * 8
+  names = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(PROJECT, "configs",
+                                                                           "*.py")))
+  assert "default" in names and "tiny" in names
+  for name in names:
+    config = importlib.import_module(f"configs.{name}").get_config()
+    plan.validate_config(config, devices=devices)
+    resolved = plan.resolved(config, devices)
+    expected = k or {"default": 10, "tiny": 5}.get(name, resolved.steps_per_dispatch)
+    assert resolved.steps_per_dispatch == expected, name
+    for key in ("log_every_steps", "eval_every_steps", "checkpoint_every_steps"):
+      assert config[key] % expected == 0
+
+
 def test_unknown_topology_lists_the_known_ones():
   with pytest.raises(chips.TopologyError, match=r"'v9:2x4' is unknown; known: TPU: v4:AxB.*"
                                                 r"GPU: h100:N.*h100:2x8"):
@@ -155,6 +177,17 @@ def test_every_path_compiles_for_tpus(topology, parallelism):
     assert result["state_bytes"] == result["whole_state_bytes"]
     assert "all-gather" not in result["collectives"]
   assert all(s > 0 for s in result["compile_seconds"].values())
+
+
+@pytest.mark.slow
+@needs_tpu
+def test_tiny_config_compiles_for_tpus_at_their_k():
+  """configs/tiny.py, which test_accelerator.py trains on a GPU or TPU host, as it would run
+  there: k = 5 (the largest up to 10 that divides its log interval), rolled."""
+  from configs import tiny
+
+  result = analyze(tiny.get_config(), "v5e:2x4")
+  assert result["fits"] and result["steps_per_dispatch"] == 5
 
 
 @pytest.mark.slow
@@ -237,6 +270,11 @@ def test_every_path_compiles_for_h100s_without_a_host_round_trip(topology, tmp_p
   which would drain the GPU at every one of the k steps)."""
   for parallelism in ("spmd", "fsdp", "pmap"):
     out = tmp_path / f"{parallelism}.json"
+    if parallelism == "spmd" and "x" not in topology:  # and tiny.py, as test_accelerator trains
+      done = run_aot("--config=configs/tiny.py", f"--topology={topology}", f"--json={out}")
+      assert done.returncode == 0, done.stderr[-3000:]
+      figures = json.loads(out.read_text())
+      assert figures["steps_per_dispatch"] == 5 and figures["conditionals"] == 0
     done = run_aot("--config=configs/default.py", f"--topology={topology}",
                    f"--config.parallelism={parallelism}", f"--json={out}")
     assert done.returncode == 0, done.stderr[-3000:]
