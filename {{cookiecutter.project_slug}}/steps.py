@@ -42,8 +42,9 @@ def steps_per_dispatch(config, platform: str | None = None) -> int:
     return config.steps_per_dispatch
   if (platform or jax.default_backend()) == "cpu":
     return 1
-  return math.gcd(ACCELERATOR_STEPS_PER_DISPATCH, config.log_every_steps,
-                  config.eval_every_steps, config.checkpoint_every_steps)
+  intervals = (config.log_every_steps, config.eval_every_steps, config.checkpoint_every_steps)
+  return next(k for k in range(ACCELERATOR_STEPS_PER_DISPATCH, 0, -1)
+              if all(interval % k == 0 for interval in intervals))
 
 
 # Folded into the seed's key before the stream positions: the augmentation keys are then none of
