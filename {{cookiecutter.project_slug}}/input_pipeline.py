@@ -185,8 +185,10 @@ class LoadBatches:
   padded, masked and stacked: `[k, local_batch, ...]` (the map of the Grain pipeline).
 
   Batches past the end of the stream, and before `first_batch` (a resumed run), are all
-  padding: the steps skip them. Elements are aligned to multiples of k batches from the start
-  of the stream whatever `first_batch`, so the steps of a run are aligned too.
+  padding: the steps skip them. With `trim` the last element holds only the batches left, so no
+  batch is padding alone (evaluation's: its second shape compiles once). Elements are aligned
+  to multiples of k batches from the start of the stream whatever `first_batch`, so the steps
+  of a run are aligned too.
   """
 
   source: ArraySource | RecordSource
@@ -197,10 +199,14 @@ class LoadBatches:
   first_batch: int = 0
   process_index: int = 0
   process_count: int = 1
+  trim: bool = False
 
   def __len__(self) -> int:
-    return math.ceil(num_batches(self.num_epochs * len(self.source), self.global_batch_size)
-                     / self.steps_per_element)
+    return math.ceil(self.num_batches / self.steps_per_element)
+
+  @property
+  def num_batches(self) -> int:
+    return num_batches(self.num_epochs * len(self.source), self.global_batch_size)
 
   @functools.lru_cache(maxsize=4)  # noqa: B019  (an element spans few epochs)
   def permutation(self, epoch: int) -> np.ndarray:
@@ -209,6 +215,9 @@ class LoadBatches:
   def __call__(self, element: int) -> dict[str, np.ndarray]:
     k, local_batch_size = self.steps_per_element, self.global_batch_size // self.process_count
     batch_K1 = element * k + np.arange(k)[:, None]
+    if self.trim:
+      k = min(k, self.num_batches - element * k)
+      batch_K1 = batch_K1[:k]
     positions_KB = (batch_K1 * self.global_batch_size + self.process_index
                     + self.process_count * np.arange(local_batch_size))
     mask_KB = (positions_KB < self.num_epochs * len(self.source)) & (batch_K1 >= self.first_batch)
@@ -237,9 +246,9 @@ def train_batches(source, config, first_step: int = 0, **process) -> grain.MapDa
 
 
 def eval_batches(source, config, **process) -> grain.MapDataset:
-  """The split once, in its order, k batches a step (fewer when the split has fewer)."""
-  k = min(config.steps_per_dispatch, num_batches(len(source), config.batch_size))
-  load = LoadBatches(source, config.batch_size, steps_per_element=k, **process)
+  """The split once, in its order, k batches an element, the last one only those left."""
+  load = LoadBatches(source, config.batch_size, steps_per_element=config.steps_per_dispatch,
+                     trim=True, **process)
   return grain.MapDataset.range(len(load)).map(load)
 
 

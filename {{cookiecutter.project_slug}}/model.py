@@ -2,8 +2,8 @@
 
 Contract with train.py: `create_model(config, image_shape, num_classes, rngs)` returns an
 `nnx.Module` mapping images `[batch, height, width, channels]` to logits `[batch, num_classes]`.
-A model whose `__call__` has an `example_mask` parameter also gets the batch's mask `[batch]`
-(False on padding), for layers that pool over the batch
+A model whose `__call__` has an `example_mask` parameter (or `**kwargs`) also gets the mask
+`[batch]` (False on padding), for layers that pool over the batch
 (`parallel.BatchNorm(...)(x, mask=example_mask)`). The loss is computed in float32 whatever
 the logits' dtype.
 """

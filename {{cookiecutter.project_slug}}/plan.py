@@ -123,10 +123,12 @@ def validate_config(config: ml_collections.ConfigDict, workdir: str | None = Non
               "grad_clip_norm"):
     need(isinstance(config[key], (int, float)) and config[key] >= 0,
          f"config.{key}={config[key]!r} must be a number >= 0.")
-  for key in ("label_smoothing", "ema_decay"):
+  for key in ("label_smoothing", "ema_decay", "momentum"):
     need(isinstance(config[key], (int, float)) and 0 <= config[key] < 1,
          f"config.{key}={config[key]!r} must be a number in [0, 1); 0 turns it off.")
-  for key in ("augment_flip", "augment_crop"):
+  need(not config.nesterov or config.momentum > 0,
+       "config.nesterov=True needs momentum: set config.momentum > 0 (0.9 is usual).")
+  for key in ("augment_flip", "augment_crop", "nesterov"):
     need(isinstance(config[key], bool), f"config.{key}={config[key]!r} must be True or False.")
   for key, top in (("augment_crop_scale", 1), ("augment_crop_ratio", float("inf"))):
     low_high = config[key]

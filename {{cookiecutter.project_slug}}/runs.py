@@ -8,10 +8,10 @@ so that a checkpoint can be used with nothing but the workdir (`restore`).
 """
 
 import contextlib
-import inspect
 import json
 import os
 
+import grain
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -86,15 +86,27 @@ def create_schedule(config, num_train_steps: int) -> optax.Schedule:
 
 
 def create_optimizer(config, num_train_steps: int) -> optax.GradientTransformation:
+  """`config.optimizer` at the schedule's rates, after clipping the gradient's global norm to
+  `grad_clip_norm` (when > 0). `momentum`: sgd's momentum (0: none), adam's and adamw's b1;
+  `nesterov`: Nesterov's momentum (sgd), NAdam (adam, adamw). `weight_decay` acts on the weights
+  only (arrays of 2 or more dimensions: not biases, nor norms' scales). adamw's is decoupled:
+  optax multiplies it by the learning rate, so a step takes lr x weight_decay x w off each
+  weight, as PyTorch's AdamW (0.05-0.1 is usual). adam's and sgd's is L2: weight_decay x w is
+  added to the gradient, as PyTorch's `weight_decay` (1e-4-5e-4 is usual with sgd)."""
   schedule = create_schedule(config, num_train_steps)
-  if config.optimizer == "adamw":  # decays the weights only: not biases, nor norms' scales
-    optimizer = optax.adamw(schedule, weight_decay=config.weight_decay,
-                            mask=lambda params: jax.tree.map(lambda p: p.ndim > 1, params))
+  weights = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)  # noqa: E731
+  momentum, nesterov, decay = config.momentum, config.nesterov, config.weight_decay
+  chain = [optax.clip_by_global_norm(config.grad_clip_norm)] if config.grad_clip_norm else []
+  if config.optimizer == "adamw":
+    chain.append(optax.adamw(schedule, b1=momentum, weight_decay=decay, mask=weights,
+                             nesterov=nesterov))
   else:
-    optimizer = {"adam": optax.adam, "sgd": optax.sgd}[config.optimizer](schedule)
-  if config.grad_clip_norm:
-    return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), optimizer)
-  return optimizer
+    if decay:
+      chain.append(optax.add_decayed_weights(decay, mask=weights))
+    chain.append(optax.adam(schedule, b1=momentum, nesterov=nesterov)
+                 if config.optimizer == "adam" else
+                 optax.sgd(schedule, momentum=momentum or None, nesterov=nesterov))
+  return optax.chain(*chain) if len(chain) > 1 else chain[0]
 
 
 def build_state(config, image_shape, num_classes, num_train_steps: int) -> tuple:
@@ -216,9 +228,7 @@ def probabilities(graphdef, state, images_BHWC, mask_B=None) -> jax.Array:
   model = nnx.merge(graphdef, state)
   model.eval()
   mask_B = jnp.ones(images_BHWC.shape[:1], bool) if mask_B is None else mask_B
-  takes_mask = "example_mask" in inspect.signature(model.__call__).parameters
-  logits_BK = model(steps.prepare_images({"image": images_BHWC}),
-                    **({"example_mask": mask_B} if takes_mask else {}))
+  logits_BK = steps.call_model(model, steps.prepare_images({"image": images_BHWC}), mask_B)
   return jax.nn.softmax(logits_BK.astype(jnp.float32), axis=-1)
 
 
@@ -249,14 +259,23 @@ def summarize(running: steps.Metrics) -> dict[str, float]:
           "examples": int(running.loss.count)}
 
 
-def evaluate(compiled: steps.Steps, state, batches, config, metrics=steps.Metrics):
-  """`metrics` (a collection) over the batches once, read in this process (worker processes
-  would start at every eval); the merged metrics, on the devices."""
+def eval_iterator(batches: grain.MapDataset, config) -> grain.DatasetIterator:
+  """An endless iterator over `batches` repeated, read as training reads (worker processes for
+  encoded data): `evaluate` takes len(batches) elements of it each time, so its workers start
+  once and read the next evaluation's first elements ahead. Close it when done."""
+  return input_pipeline.as_iterator(batches.repeat(), config)
+
+
+def evaluate(compiled: steps.Steps, state, batches, config, metrics=steps.Metrics,
+             iterator=None):
+  """`metrics` (a collection) over the batches once; the merged metrics, on the devices. Read
+  from `iterator` (an `eval_iterator` of `batches`) when given, else from a new one."""
   running, every = compiled.empty(metrics), sync_every(config)
-  iterator = input_pipeline.as_iterator(batches, config, put=compiled.put_batch, num_workers=0)
-  with contextlib.closing(iterator):
-    for i, batch in enumerate(iterator, start=1):
-      running = compiled.eval(state, running, batch)
+  with contextlib.ExitStack() as stack:
+    if iterator is None:
+      iterator = stack.enter_context(contextlib.closing(eval_iterator(batches, config)))
+    for i in range(1, len(batches) + 1):
+      running = compiled.eval(state, running, compiled.put_batch(next(iterator)))
       if every and i % max(every // config.steps_per_dispatch, 1) == 0:
         jax.block_until_ready(running)
   return running

@@ -102,8 +102,8 @@ class StepAverage(metrics.Average):
 @flax.struct.dataclass
 class TrainMetrics(metrics.Collection):
   """Metrics, the steps that were skipped, and the global norms (big_vision's) of the
-  gradient (before any clipping), of the parameters and of the update, averaged over the
-  steps. (CLU reads only a class's own fields.)"""
+  gradient (before any clipping), of the parameters and of the update as applied (their change),
+  averaged over the steps that applied theirs. (CLU reads only a class's own fields.)"""
 
   loss: metrics.Average.from_output("loss")
   accuracy: metrics.Accuracy
@@ -194,16 +194,39 @@ def prepare_images(batch, max_shift: int = 0, seed: int = 0, flip: bool = False,
       image, (shift[0], shift[1], 0), (height, width, channels)))(padded, shifts_B2)
 
 
+def takes_mask(model) -> bool:
+  """Whether the model is called with `example_mask=`: when its class's `__call__` has a
+  parameter of that name or takes `**kwargs`. (inspect.signature sees through a decorator that
+  uses functools.wraps to the function it wraps.)"""
+  parameters = inspect.signature(type(model).__call__).parameters.values()
+  return any(p.name == "example_mask" or p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+def call_model(model, images_BHWC, mask_B) -> jax.Array:
+  """The one place that calls the model: `model(images)`, with `example_mask=mask_B` when it
+  takes it (`takes_mask`)."""
+  return model(images_BHWC, **({"example_mask": mask_B} if takes_mask(model) else {}))
+
+
+def mask_warning(model) -> str | None:
+  """A warning for a model holding BatchNorm that cannot be given the mask, else None."""
+  if takes_mask(model) or not any(isinstance(node, nnx.BatchNorm)
+                                  for _, node in nnx.iter_graph(model)):
+    return None
+  return (f"warning: {type(model).__name__} holds BatchNorm but its __call__ takes no "
+          "example_mask, so its batch statistics include the padding of partial batches; give "
+          "__call__ an example_mask=None parameter and pass it on: "
+          "parallel.BatchNorm(...)(x, mask=example_mask) (model.py's docstring)")
+
+
 def loss_and_metrics(model, batch, collection=Metrics, label_smoothing: float = 0.0):
   """The SUM of the losses of the real examples (normalised later, by the global count), in
   float32 whatever the model's dtype. `batch["image"]` is the model's input (see
-  `prepare_images`); a model whose `__call__` has an `example_mask` parameter gets
-  `batch["mask"]` there too, `[batch]`, False on padding (BatchNorm must leave the padding out).
-  The metrics: a `collection` of the step's real examples. `label_smoothing` a: the targets
-  are (1 - a) x one-hot + a / classes.
+  `prepare_images`), with `batch["mask"]` (`[batch]`, False on padding) where the model takes
+  it (`call_model`: BatchNorm must leave the padding out). The metrics: a `collection` of the
+  step's real examples. `label_smoothing` a: the targets are (1 - a) x one-hot + a / classes.
   """
-  takes_mask = "example_mask" in inspect.signature(model.__call__).parameters
-  logits_BK = model(batch["image"], **({"example_mask": batch["mask"]} if takes_mask else {}))
+  logits_BK = call_model(model, batch["image"], batch["mask"])
   logits_BK = logits_BK.astype(jnp.float32)
   if label_smoothing:
     targets_BK = optax.smooth_labels(jax.nn.one_hot(batch["label"], logits_BK.shape[-1]),
@@ -223,10 +246,19 @@ def micro_batches(batch, num: int):
   return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, num, *x.shape[1:]), 0, 1), batch)
 
 
-def summed_gradients(model, batch, num_micro_batches: int = 1, label_smoothing: float = 0.0):
+def summed_gradients(model, batch, num_micro_batches: int = 1, label_smoothing: float = 0.0,
+                     axis_name=None):
   """Gradient of the summed loss, and metrics, over `batch` in `num_micro_batches` sequential
-  pieces (gradient accumulation: the memory of one piece, the result of the whole batch). The
-  pieces run in one loop from zeros: one forward and backward pass in the compiled program."""
+  pieces (gradient accumulation: the memory of one piece). The pieces run in one loop from
+  zeros: one forward and backward pass in the compiled program. A piece without a real example
+  (a last batch holding fewer than `num_micro_batches`) adds nothing and leaves the model's
+  state as it was (BatchNorm's statistics, RNG counters): its values are not selected, so its
+  NaNs (a mean over no example) go nowhere. Under pmap (`axis_name`) "without a real example"
+  is over all devices.
+
+  The sum equals the whole batch's for a model whose examples do not meet in the forward pass.
+  BatchNorm (train mode) normalises each piece by the piece's own real examples, as a batch of
+  that size would, and moves its running statistics once per piece that holds a real example."""
   grad_fn = nnx.grad(functools.partial(loss_and_metrics, label_smoothing=label_smoothing),
                      has_aux=True)
   if num_micro_batches == 1:
@@ -236,9 +268,16 @@ def summed_gradients(model, batch, num_micro_batches: int = 1, label_smoothing: 
 
   def add_micro_batch(carry, micro_batch):
     state, sums = carry
+    old_state = jax.tree.map(lambda x: x, state)  # its own Variables: the model's change
     model = nnx.merge(graphdef, state)
-    sums = jax.tree.map(jnp.add, sums, grad_fn(model, micro_batch))
-    return (nnx.state(model), sums), None
+    grads_and_metrics = grad_fn(model, micro_batch)
+    real = jnp.sum(micro_batch["mask"], dtype=jnp.int32)
+    if axis_name is not None:
+      real = jax.lax.psum(real, axis_name)
+    keep = lambda new, old: jnp.where(real > 0, new, old)  # noqa: E731
+    sums = jax.tree.map(lambda total, x: total + keep(x, jnp.zeros_like(x)), sums,
+                        grads_and_metrics)
+    return (jax.tree.map(keep, nnx.state(model), old_state), sums), None
 
   first = jax.tree.map(lambda x: x[0], micro)
   shapes = jax.eval_shape(lambda state, batch: grad_fn(nnx.merge(graphdef, state), batch),
@@ -280,15 +319,26 @@ AVERAGED = (nnx.Param, nnx.BatchStat)
 
 def train_step(graphdef, state, running, batch, *, grad_accum_steps=1, max_shift=0, seed=0,
                flip=False, crop=None, label_smoothing=0.0, ema_decay=0.0, axis_name=None,
-               skip_by="cond"):
+               skip_by="select", norms_of="kept"):
   """One optimizer step on one batch (no leading k axis); `running` (TrainMetrics) comes back
   with this step's metrics merged in. Under pmap (`axis_name` set) sums are reduced across
   devices. A state of (model, optimizer, average) also updates the average: a copy of the model
   whose `AVERAGED` variables move to the model's by a fraction 1 - `ema_decay` each step.
 
   The gradient is sum(gradients of the real examples' losses) / (number of real examples),
-  both summed globally: exact for any padding, on any number of devices and micro-batches.
-  Only gradients and metrics are reduced; the optimizer's counters are never averaged.
+  both summed globally: exact for any padding, on any number of devices (and micro-batches:
+  see `summed_gradients`). Only gradients and metrics are reduced; the optimizer's counters are
+  never averaged.
+
+  A non-finite loss or gradient leaves the state as it was (the loop decides what to do), and so
+  does a batch of padding alone. `skip_by`: 'select' updates, then keeps each leaf's old value
+  (`jnp.where`): no conditional, which a GPU runs by copying its predicate to the host and
+  waiting, at every one of the k steps of a call; 'cond' runs the update under `lax.cond`:
+  XLA:CPU's choice, where selecting keeps a second copy of the state. The norms are those of the
+  parameters and of their change (the update as applied), the same values either way but taken
+  from the state `norms_of`: 'kept' (after the choice: what the TPU compiler schedules best) or
+  'updated' (before it: XLA:GPU, which otherwise keeps the old parameters alive when its
+  latency-hiding scheduler is off). README: Will it fit?
   """
   old_state = jax.tree.map(lambda x: x, state)  # kept for a step that changes nothing
   model, optimizer, *average = nnx.merge(graphdef, state)
@@ -296,7 +346,8 @@ def train_step(graphdef, state, running, batch, *, grad_accum_steps=1, max_shift
   batch = dict(batch, image=prepare_images(batch, max_shift, seed, flip, crop))
   if axis_name is not None:
     restore_keys = fold_in_device_index(model, axis_name)
-  grads, step_metrics = summed_gradients(model, batch, grad_accum_steps, label_smoothing)
+  grads, step_metrics = summed_gradients(model, batch, grad_accum_steps, label_smoothing,
+                                         axis_name)
   if axis_name is not None:
     restore_keys()
     grads, step_metrics = jax.lax.psum((grads, step_metrics), axis_name)
@@ -306,40 +357,32 @@ def train_step(graphdef, state, running, batch, *, grad_accum_steps=1, max_shift
   grads_squared = sum(jnp.sum(jnp.square(g), dtype=jnp.float32) for g in jax.tree.leaves(grads))
   finite = jnp.isfinite(step_metrics.loss.total) & jnp.isfinite(grads_squared)
   real = count > 0
+  applied = finite & real
 
   def update(current, _):  # the optimizer step, on the state as the forward pass left it
     model, optimizer, *average = nnx.merge(graphdef, current)
-    updates = optimizer.update(model, jax.tree.map(lambda g: g / jnp.maximum(count, 1), grads))
+    optimizer.update(model, jax.tree.map(lambda g: g / jnp.maximum(count, 1), grads))
     for ema in average:
-      moved = jax.tree.map(lambda e, m: ema_decay * e + (1 - ema_decay) * m,
-                           nnx.state(ema, AVERAGED), nnx.state(model, AVERAGED))
-      nnx.update(ema, moved)
-    norms = [optax.tree.norm(tree).astype(jnp.float32)
-             for tree in (nnx.state(model, nnx.Param), updates)]
-    return nnx.state((model, optimizer, *average)), norms
+      nnx.update(ema, jax.tree.map(lambda e, m: ema_decay * e + (1 - ema_decay) * m,
+                                   nnx.state(ema, AVERAGED), nnx.state(model, AVERAGED)))
+    return nnx.state((model, optimizer, *average))
 
-  def skip(_, old):
-    return old, [jnp.zeros((), jnp.float32)] * 2
-
-  # A non-finite loss or gradient leaves the state as it was (the loop decides what to do), and
-  # so does a batch of padding alone (no real example). `skip_by`: 'cond' runs the update under
-  # lax.cond, in place (selecting after the update holds more temporaries: a second copy of
-  # the optimizer state on XLA:CPU); 'select' updates, then keeps the old value of each leaf
-  # (jnp.where): on a GPU, where a conditional copies its predicate to the host and waits at
-  # every one of the k steps, and where selecting costs no memory (README: Will it fit?).
-  applied = finite & real
   current = nnx.state((model, optimizer, *average))
   if skip_by == "select":
-    new_state, (l2_params, l2_updates) = update(current, None)
-    new_state = jax.tree.map(lambda new, old: jnp.where(applied, new, old), new_state, old_state)
+    updated = update(current, None)
+    new_state = jax.tree.map(lambda new, old: jnp.where(applied, new, old), updated, old_state)
   else:
-    new_state, (l2_params, l2_updates) = jax.lax.cond(applied, update, skip, current, old_state)
+    new_state = jax.lax.cond(applied, update, lambda _, old: old, current, old_state)
+  measured = updated if skip_by == "select" and norms_of == "updated" else new_state
+  new_params, old_params = (nnx.state(nnx.merge(graphdef, s)[0], nnx.Param)
+                            for s in (measured, old_state))
   step_metrics = TrainMetrics(
       **vars(step_metrics), nonfinite_steps=NonFinite.from_step(finite, real),
       # (of the whole gradient, on every path: under pmap, the psum'd one; before clipping)
       l2_grads=StepAverage.from_step(jnp.sqrt(grads_squared) / jnp.maximum(count, 1), applied),
-      l2_params=StepAverage.from_step(l2_params, applied),
-      l2_updates=StepAverage.from_step(l2_updates, applied))
+      l2_params=StepAverage.from_step(optax.tree.norm(new_params).astype(jnp.float32), applied),
+      l2_updates=StepAverage.from_step(optax.tree.norm(jax.tree.map(
+          jnp.subtract, new_params, old_params)).astype(jnp.float32), applied))
   return new_state, running.merge(step_metrics)
 
 
@@ -410,10 +453,11 @@ def make(graphdef, config, mesh, unroll: bool | None = None, pmap_devices=None) 
   the k steps of a call as straight-line code (True) or a rolled loop (False); None: unrolled
   on the CPU, whose XLA runs convolution gradients ~100x slower inside a loop, rolled elsewhere
   (it compiles once, whatever k). `pmap_devices`: pmap's devices (default: the local ones;
-  aot.py: a topology's). A non-finite step is skipped by selection on GPUs, under lax.cond
-  elsewhere (`train_step`'s `skip_by`)."""
+  aot.py: a topology's). A step is skipped by selection on GPUs and TPUs, under lax.cond on the
+  CPU (`train_step`'s `skip_by`, `norms_of`)."""
   platform = (pmap_devices or mesh.devices.flat)[0].platform
-  options = dict(step_options(config), skip_by="select" if platform == "gpu" else "cond")
+  options = dict(step_options(config), skip_by="cond" if platform == "cpu" else "select",
+                 norms_of="updated" if platform == "gpu" else "kept")
   if unroll is None:
     unroll = platform == "cpu"
   if config.parallelism == "pmap":

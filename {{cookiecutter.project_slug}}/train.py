@@ -23,6 +23,7 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import app, flags, logging
+from flax import nnx
 from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
@@ -42,9 +43,9 @@ from runs import (
 )
 
 
-def evaluate(compiled: steps.Steps, state, eval_batches, config) -> dict[str, float]:
+def evaluate(compiled: steps.Steps, state, eval_batches, config, iterator=None) -> dict[str, float]:
   """The eval split once: its loss, accuracy and number of examples."""
-  return summarize(runs.evaluate(compiled, state, eval_batches, config))
+  return summarize(runs.evaluate(compiled, state, eval_batches, config, iterator=iterator))
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -180,16 +181,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   logging.info("%d steps of %d examples, %d per call; %.3g FLOPs a step, peak %s",
                num_train_steps, config.batch_size, k, speed.flops_per_step,
                f"{speed.peak:.3g} FLOP/s" if speed.peak else "unknown")
-  logging.info("model and optimizer state: %.3g MB a device (%s; a whole copy: %.3g MB)",
+  model = nnx.merge(graphdef, state)[0]
+  logging.info("%s: %s parameters; model and optimizer state: %.3g MB a device (%s; a whole "
+               "copy: %.3g MB)", type(model).__name__,
+               f"{sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))):,}",
                parallel.bytes_per_device(state) / 1e6, config.parallelism, whole / 1e6)
+  if warning := steps.mask_warning(model):
+    logging.warning("%s", warning)
   train_iter = input_pipeline.as_iterator(
       input_pipeline.train_batches(splits["train"], config, first_step, **process), config,
       put=compiled.put_batch)
   eval_batches = input_pipeline.eval_batches(splits["eval"], config, **process)
-  eval_example = compiled.put_batch(eval_batches[0])
   if config.print_shardings:
-    logging.info("%s\n%s", parallel.describe(state, "state"),
-                 parallel.describe(eval_example, "batches (the first eval call's)"))
+    logging.info("%s\n%s", parallel.describe(state, "state"), parallel.describe(
+        compiled.put_batch(eval_batches[0]), "batches (the first eval call's)"))
 
   writer = writers.create_writer(workdir, write=jax.process_index() == 0)
   if first_step == 0:
@@ -197,7 +202,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   progress = writers.Progress(num_train_steps, writer, show=jax.process_index() == 0)
   # Compile the eval step now, not mid-training (a call returns once compiled and dispatched).
   start = time.perf_counter()
-  compiled.eval(state, compiled.empty(steps.Metrics), eval_example)
+  for element in {len(e["mask"]): e for e in (eval_batches[0], eval_batches[-1])}.values():
+    compiled.eval(state, compiled.empty(steps.Metrics), compiled.put_batch(element))  # k, last
   eval_compile_s = time.perf_counter() - start
   profiler = Profiler(config, workdir)
 
@@ -218,14 +224,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   # `running` merges the metrics of the training steps from `since` on, on the devices. Each
   # dispatch runs the steps of one element: up to the next multiple of k (or the end).
   running, since, every = compiled.empty(steps.TrainMetrics), first_step + 1, sync_every(config)
-  last_log, eval_metrics, stopped_by = time.perf_counter(), None, None
+  last_log, eval_metrics, stopped_by, waited = time.perf_counter(), None, None, 0.0
   step, loop_start = first_step, None
   # Closed at the end, however it ends: the workers stopped, the progress bar cleared.
-  with stop_signals() as received, contextlib.closing(train_iter), contextlib.closing(progress):
+  eval_iter = runs.eval_iterator(eval_batches, config)
+  with (stop_signals() as received, contextlib.closing(train_iter), contextlib.closing(eval_iter),
+        contextlib.closing(progress)):
     while step < num_train_steps:
       profiler.before(step, k)
       done = min((step // k + 1) * k, num_train_steps)  # `done` counts finished updates
-      batches, call_start = next(train_iter), time.perf_counter()
+      wait_start = time.perf_counter()
+      batches = next(train_iter)
+      call_start = time.perf_counter()
+      waited += call_start - wait_start  # for the input: an input-bound loop shows here
       with (jax.profiler.StepTraceAnnotation("train", step_num=done) if profiler.on
             else contextlib.nullcontext()):
         state, running = compiled.train(state, running, batches)
@@ -240,7 +251,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         progress.log("first calls (compiling, or loading from the cache): train %.2f s, eval "
                      "%.2f s", loop_start - call_start, eval_compile_s)
         progress.start(step)
-        last_log = loop_start
+        last_log, waited = loop_start, 0.0
       is_last = step == num_train_steps
       # (the dispatch number: the same on every process)
       stopped_by = stop_now(received, checkpoints, -(-step // k),
@@ -257,6 +268,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           summary["examples_per_sec"] = summary["examples"] * timed / (step - since + 1) / (
               now - last_log)
           summary.update(speed.report(timed / (now - last_log)))
+          summary["input_wait_fraction"] = waited / (now - last_log)
         # The rate of the interval's last update (n = step - 1), from the schedule, on the host.
         summary["learning_rate"] = float(schedule(step - 1))
         writer.write_scalars(step, {f"train_{name}": v for name, v in summary.items()})
@@ -264,18 +276,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         if summary["nonfinite_steps"]:
           progress.log("Skipped %d of steps %d-%d: non-finite loss or gradient.",
                        int(summary["nonfinite_steps"]), since, step, level=logging.WARNING)
-        running, since, last_log = compiled.empty(steps.TrainMetrics), step + 1, now
-      evaluate_now = step % config.eval_every_steps == 0 or is_last
-      if evaluate_now or step % config.checkpoint_every_steps == 0 or is_last or stopped_by:
+        running, since, last_log, waited = compiled.empty(steps.TrainMetrics), step + 1, now, 0.0
+      # On a stop signal: save, and leave the evaluation (the grace period is for saving).
+      evaluate_now = (step % config.eval_every_steps == 0 or is_last) and not stopped_by
+      save_now = step % config.checkpoint_every_steps == 0 or is_last or stopped_by
+      if evaluate_now or save_now:
         jax.block_until_ready(state)  # the steps queued so far are training time
         paused = time.perf_counter()
+        if save_now:  # first: asynchronous, it writes while the evaluation runs
+          save(step)
         if evaluate_now:
-          eval_metrics = evaluate(compiled, state, eval_batches, config)
+          eval_metrics = evaluate(compiled, state, eval_batches, config, eval_iter)
           writer.write_scalars(step, {f"eval_{name}": v for name, v in eval_metrics.items()})
           progress.log("eval at step %d: loss %.4f  accuracy %.4f  (%d examples)", step,
                        eval_metrics["loss"], eval_metrics["accuracy"], eval_metrics["examples"])
-        if step % config.checkpoint_every_steps == 0 or is_last or stopped_by:
-          save(step)
         paused = time.perf_counter() - paused  # left out of the training rates
         last_log += paused
         progress.pause(paused)

@@ -155,8 +155,10 @@ class Progress:
         "uptime": now - self.t0})
     self.last_step, self.last_time = step, now
     rate = summary.get("examples_per_sec")  # none for the compiling call alone
-    self.log("step %d/%d  loss %.4f  accuracy %.4f  %s examples/s  ETA %s", step, self.num_steps,
-             summary["loss"], summary["accuracy"], "?" if rate is None else f"{rate:.0f}",
+    wait = summary.get("input_wait_fraction")
+    self.log("step %d/%d  loss %.4f  accuracy %.4f  %s examples/s  input wait %s  ETA %s", step,
+             self.num_steps, summary["loss"], summary["accuracy"],
+             "?" if rate is None else f"{rate:.0f}", "?" if wait is None else f"{wait:.0%}",
              self.eta(step, now))
 
 

@@ -39,7 +39,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.base_batch_size = 128  # the global batch at which `learning_rate` is the peak
   config.warmup_steps = 0  # linear rise from 0 to the peak over this many steps
   config.schedule = "cosine"  # after the warmup, to the end: 'cosine' or 'linear' to 0, 'constant'
-  config.weight_decay = 1e-4  # adamw only, on the weights (arrays of 2 or more dimensions)
+  config.momentum = 0.9  # sgd's momentum (0: none); adam's and adamw's b1
+  config.nesterov = False  # Nesterov's momentum (sgd); NAdam (adam, adamw)
+  # On the weights (arrays of 2 or more dimensions) only. adamw: decoupled, lr x this x w taken
+  # off w each step (optax multiplies it by the learning rate; 0.05-0.1 is usual); adam, sgd:
+  # L2, this x w added to the gradient (PyTorch's weight_decay).
+  config.weight_decay = 0.0
   config.grad_clip_norm = 0.0  # clip the gradient's global norm to this; 0: no clipping
   config.label_smoothing = 0.0  # the targets: 1 - this on the label, this / classes on all
   config.ema_decay = 0.0  # evaluate an exponential moving average of the parameters; 0: off

@@ -41,9 +41,10 @@ flags.FLAGS.mark_as_parsed()  # absl flags are parsed by app.run in train.py, no
 # The recipe's options, all on (off in configs/default.py): the runs of `two_epochs` check that
 # they keep every path, resume and process count exact. The global batch: 8 x 8 devices = 64,
 # as tiny.py's; its peak learning rate 2 x tiny.py's.
-RECIPE = dict(optimizer="adamw", per_device_batch_size=8, lr_scaling="linear", base_batch_size=32,
-              warmup_steps=10, schedule="linear", label_smoothing=0.1, grad_clip_norm=1.0,
-              ema_decay=0.9, augment_flip=True, augment_crop=True, augment_crop_scale=(0.5, 1.0))
+RECIPE = dict(optimizer="adamw", weight_decay=0.05, per_device_batch_size=8, lr_scaling="linear",
+              base_batch_size=32, warmup_steps=10, schedule="linear", label_smoothing=0.1,
+              grad_clip_norm=1.0, ema_decay=0.9, augment_flip=True, augment_crop=True,
+              augment_crop_scale=(0.5, 1.0))
 
 
 def two_epochs(parallelism):

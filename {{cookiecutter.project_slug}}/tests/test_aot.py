@@ -166,9 +166,11 @@ def test_default_cnn_compiles_for_v5e_at_the_accelerator_k():
 @pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4", "v4:2x2x2", "v5p:2x2x2"])
 @pytest.mark.parametrize("parallelism", ["spmd", "fsdp", "pmap"])
 def test_every_path_compiles_for_tpus(topology, parallelism):
+  """k = 10 rolled, and no `conditional` in the step: a skipped step selects (README)."""
   config = config_for(parallelism, fsdp_min_size=0)  # fsdp: split what divides over 8
   result = analyze(config, topology)
   assert result["fits"] and result["steps_per_dispatch"] == 10
+  assert result["conditionals"] == 0
   assert result["parallelism"] == parallelism
   if parallelism == "fsdp":
     assert result["state_bytes"] < result["whole_state_bytes"] / 2
@@ -187,7 +189,7 @@ def test_tiny_config_compiles_for_tpus_at_their_k():
   from configs import tiny
 
   result = analyze(tiny.get_config(), "v5e:2x4")
-  assert result["fits"] and result["steps_per_dispatch"] == 5
+  assert result["fits"] and result["steps_per_dispatch"] == 5 and result["conditionals"] == 0
 
 
 @pytest.mark.slow

@@ -1,8 +1,10 @@
 """write_arrayrecord.py --image_folder on real PNG and JPEG files: decoded when written, or kept
 encoded and decoded by the Grain workers while training; unreadable files skipped by path."""
 
+import contextlib
 import io
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -15,6 +17,7 @@ from flax import serialization
 from PIL import Image
 
 import input_pipeline
+import runs
 import train
 import write_arrayrecord
 from configs import default
@@ -130,6 +133,32 @@ def test_images_kept_encoded_are_decoded_by_grain_as_when_written(tmp_path, num_
     for key in ("image", "label", "mask", "position"):
       np.testing.assert_array_equal(decoded[key], encoded[key])
   assert sum(b["mask"].sum() for b in batches["encoded"]) == 27  # 3 epochs of 9, none twice
+
+
+@pytest.mark.slow
+def test_evaluation_decodes_encoded_images_in_worker_processes(tmp_path):
+  """Evaluation reads as training does: encoded images are decoded in Grain's worker processes,
+  which stay between evaluations, into the batches read in this process, pass after pass; the
+  last element holds only the batches left."""
+  write_photos(tmp_path / "photos")
+  done = convert(f"--out_dir={tmp_path / 'data'}", f"--image_folder={tmp_path / 'photos'}",
+                 "--image_size=16,12", "--eval_fraction=0.25", "--keep_encoded")
+  assert done.returncode == 0, done.stderr
+  config = default.get_config()
+  config.dataset, config.data_dir = "arrayrecord", str(tmp_path / "data")
+  config.batch_size, config.steps_per_dispatch = 1, 2
+  splits, _ = input_pipeline.get_datasets(config)
+  batches = input_pipeline.eval_batches(splits["eval"], config)
+  assert [len(e["mask"]) for e in batches] == [2, 1]  # 3 images: no batch of padding alone
+  expected = [batches[i] for i in range(len(batches))]  # read here, in this process
+  assert input_pipeline.default_workers(config) >= 1
+  with contextlib.closing(runs.eval_iterator(batches, config)) as iterator:
+    passes = [[next(iterator) for _ in range(len(batches))] for _ in range(2)]
+    assert multiprocessing.active_children()  # the workers, alive between passes
+  for elements in passes:
+    for element, want in zip(elements, expected, strict=True):
+      for key in ("image", "label", "mask", "position"):
+        np.testing.assert_array_equal(element[key], want[key])
 
 
 def test_decode_image_scales_to_cover_and_crops_the_center():

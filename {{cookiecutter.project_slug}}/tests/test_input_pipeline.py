@@ -31,21 +31,20 @@ def real_labels(batch) -> list[int]:
   return batch["label"][batch["mask"]].tolist()
 
 
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("n, batch_size", [(77, 16), (64, 16), (5, 8)])
 def test_every_example_once_padding_masked(n, batch_size, k):
   elements = list(eval_batches(numbered(n), batch_size, k))
   num_batches = -(-n // batch_size)
-  k = min(k, num_batches)  # never more batches a call than the split has
   assert len(elements) == -(-num_batches // k)
+  assert [len(e["mask"]) for e in elements[:-1]] == [k] * (len(elements) - 1)
   batches = unstacked(elements)
-  assert len(batches) == len(elements) * k  # the last call padded with batches of padding
+  assert len(batches) == num_batches  # the last element: only the batches left
+  assert all(b["mask"].any() for b in batches)  # no batch of padding alone
   assert all(b["image"].shape == (batch_size, 1, 1, 1) for b in batches)
   assert all(b["image"].dtype == np.uint8 for b in batches)  # as stored
   assert [label for b in batches for label in real_labels(b)] == list(range(n))
-  last = batches[num_batches - 1]
-  assert last["mask"].sum() == n - (num_batches - 1) * batch_size
-  assert not any(b["mask"].any() for b in batches[num_batches:])
+  assert batches[-1]["mask"].sum() == n - (num_batches - 1) * batch_size
   for b in batches:
     assert not b["label"][~b["mask"]].any()  # padding is zeros
     assert not b["image"][~b["mask"]].any()

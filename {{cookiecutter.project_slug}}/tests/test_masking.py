@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import input_pipeline
 import parallel
+import runs
 import steps
 import train
 from model import create_model
@@ -103,3 +104,69 @@ def test_eval_counts_every_example_once(tiny_config):
   expected_accuracy = (logits.argmax(-1) == labels).mean()
   assert abs(result["loss"] - float(expected_loss)) < 1e-5
   assert abs(result["accuracy"] - float(expected_accuracy)) < 1e-6
+
+
+def with_wrapper(call):
+  """A decorator, as users write them (functools.wraps)."""
+
+  @functools.wraps(call)
+  def wrapped(*args, **kwargs):
+    return call(*args, **kwargs)
+
+  return wrapped
+
+
+class NormNoMask(nnx.Module):
+  """BatchNorm, and a __call__ that cannot take the mask."""
+
+  def __init__(self, image_shape, num_classes, rngs):
+    self.norm = parallel.BatchNorm(image_shape[-1], rngs=rngs)
+    self.dense = nnx.Linear(int(np.prod(image_shape)), num_classes, rngs=rngs)
+
+  def __call__(self, images):
+    return self.dense(self.norm(images).reshape(images.shape[0], -1))
+
+
+class DecoratedNorm(NormNoMask):
+  @with_wrapper
+  def __call__(self, images, example_mask=None):
+    return self.dense(self.norm(images, mask=example_mask).reshape(images.shape[0], -1))
+
+
+class KeywordsNorm(NormNoMask):
+  def __call__(self, images, **kwargs):
+    return self.dense(self.norm(images, mask=kwargs.get("example_mask")).reshape(
+        images.shape[0], -1))
+
+
+def test_the_mask_reaches_decorated_and_keyword_calls_and_a_batchnorm_without_it_is_named(
+    tiny_config):
+  """The mask goes to a __call__ with an example_mask parameter, behind a decorator too, or
+  taking **kwargs: its BatchNorm statistics are those of the real examples; a model holding
+  BatchNorm that cannot take it gets one warning that names the fix."""
+  batch = digits_batch(5, padded_to=8)
+  batch["image"][5:] = 100.0  # padding far from the data: it would move the mean
+  means = {}
+  for cls in (DecoratedNorm, KeywordsNorm, NormNoMask):
+    model = cls((8, 8, 1), 10, nnx.Rngs(0))
+    assert steps.takes_mask(model) == (cls is not NormNoMask)
+    steps.call_model(model, jax.numpy.asarray(batch["image"]), batch["mask"])
+    means[cls] = float(model.norm.mean[...][0])
+  real_mean = 0.01 * batch["image"][:5].mean()  # momentum 0.99: one step from 0
+  np.testing.assert_allclose([means[DecoratedNorm], means[KeywordsNorm]], real_mean, rtol=1e-5)
+  np.testing.assert_allclose(means[NormNoMask], 0.01 * batch["image"].mean(), rtol=1e-5)  # 100s
+  warning = steps.mask_warning(NormNoMask((8, 8, 1), 10, nnx.Rngs(0)))
+  assert "NormNoMask holds BatchNorm" in warning and "example_mask" in warning
+  assert steps.mask_warning(DecoratedNorm((8, 8, 1), 10, nnx.Rngs(0))) is None
+  assert steps.mask_warning(create_model(tiny_config, (8, 8, 1), 10, nnx.Rngs(0))) is None
+
+
+def test_a_batchnorm_model_without_the_mask_trains_with_one_warning(tiny_config, tmp_path,
+                                                                   monkeypatch, caplog):
+  monkeypatch.setattr(runs, "create_model", lambda config, image_shape, num_classes, rngs:
+                      NormNoMask(image_shape, num_classes, rngs))
+  tiny_config.eval_every_steps = tiny_config.checkpoint_every_steps = 1000
+  result = train.train_and_evaluate(tiny_config, str(tmp_path))
+  assert result["examples"] == 360 and np.isfinite(result["loss"])
+  warnings = [r.getMessage() for r in caplog.records if "holds BatchNorm" in r.getMessage()]
+  assert len(warnings) == 1 and "example_mask=None" in warnings[0], warnings

@@ -348,6 +348,25 @@ def test_batchnorm_leaves_the_padding_out(tiny_config, parallelism):
 
 
 @pytest.mark.parametrize("parallelism", ["spmd", "pmap"])
+def test_accumulation_with_batchnorm_and_micro_batches_without_a_real_example(tiny_config,
+                                                                             parallelism):
+  """Batches of 2 real examples in 4 micro-batches (micro-batch j holds examples j, j + 4, ...:
+  two hold none) give no NaN, and the state of 2 micro-batches, which group the two examples
+  as the 4 do: the empty ones add nothing and move no BatchNorm statistic."""
+  data = batches([2, 2])
+  results = {}
+  for accum in (2, 4):
+    tiny_config.grad_accum_steps = accum
+    results[accum] = run(tiny_config, parallelism, data, *batchnorm_state(parallelism, SGD))
+  (two, _), (four, four_metrics) = results[2], results[4]
+  assert four_metrics["nonfinite_steps"] == 0 and four_metrics["examples"] == 4
+  assert all(np.isfinite(as_numpy(x)).all() for x in jax.tree.leaves(four)
+             if not jnp.issubdtype(x.dtype, jax.dtypes.prng_key))
+  assert_trees_close(four, two, atol=1e-6)
+  assert int(four[1]["step"][...]) == 2
+
+
+@pytest.mark.parametrize("parallelism", ["spmd", "pmap"])
 @pytest.mark.parametrize("variant", ["plain", "accumulation_dropout_nonfinite"])
 def test_k_steps_in_one_call_equal_k_single_calls(tiny_config, parallelism, variant):
   """3 batches (two padded) as 2 calls of k=2 (the second padded with a batch of padding

@@ -16,6 +16,7 @@ from conftest import two_epochs
 import input_pipeline
 import steps
 import train
+import writers
 from write_arrayrecord import write_dataset
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -189,6 +190,31 @@ def digits_with_a_nan(directory, tiny_config):
                                           tiny_config)
   images = np.concatenate([element["image"] for element in elements])  # [batches, ...]
   return next(b + 1 for b in range(len(images)) if np.isnan(images[b]).any())
+
+
+def test_a_stop_signal_on_an_eval_step_saves_first_and_leaves_the_evaluation(
+    tiny_config, tmp_path, monkeypatch):
+  """SIGTERM during step 10 of 23, an eval step (and no regular checkpoint step): the run saves
+  step 10, evaluates nothing (the grace period is for saving) and stops; resumed, it ends."""
+  tiny_config.checkpoint_every_steps = 1000
+  evaluated, evaluate, update = [], train.evaluate, writers.Progress.update
+
+  def recording_evaluate(*args, **kwargs):
+    evaluated.append(True)
+    return evaluate(*args, **kwargs)
+
+  def update_then_signal(self, step):
+    update(self, step)
+    if step == 10:
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  monkeypatch.setattr(train, "evaluate", recording_evaluate)
+  monkeypatch.setattr(writers.Progress, "update", update_then_signal)
+  assert train.train_and_evaluate(tiny_config, str(tmp_path / "run")) is None
+  assert evaluated == [] and final_state(tmp_path / "run")[0] == 10
+  monkeypatch.setattr(writers.Progress, "update", update)
+  result = train.train_and_evaluate(tiny_config, str(tmp_path / "run"))
+  assert result["examples"] == 360 and len(evaluated) == 2  # steps 20 and 23
 
 
 def test_nonfinite_loss_stops_naming_the_step_and_the_last_good_checkpoint(tiny_config, tmp_path):

@@ -193,8 +193,47 @@ def test_adamw_decays_the_weights_only(tiny_config):
       np.testing.assert_array_equal(after[name], value, err_msg=name)
 
 
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_weight_decay_of_adam_and_sgd_is_l2_on_the_weights(tiny_config, optimizer):
+  """adam's and sgd's weight_decay adds weight_decay x w to the gradient of each weight (not of
+  a bias): over two steps their updates are the plain optimizer's given that gradient."""
+  tiny_config.optimizer, tiny_config.learning_rate = optimizer, 0.5
+  tiny_config.schedule = "constant"
+  start = {"kernel": jnp.array([[1.0, -2.0], [0.5, 3.0]]), "bias": jnp.array([1.0, -1.0])}
+  plain = runs.create_optimizer(tiny_config, 10)
+  tiny_config.weight_decay = 0.1
+  decayed = runs.create_optimizer(tiny_config, 10)
+  params, plain_state, decayed_state = start, plain.init(start), decayed.init(start)
+  for scale in (1.0, -2.0):
+    grads = {"kernel": jnp.array([[0.1, 0.2], [-0.3, 0.0]]) * scale, "bias": jnp.ones(2) * scale}
+    l2 = dict(grads, kernel=grads["kernel"] + 0.1 * params["kernel"])
+    expected, plain_state = plain.update(l2, plain_state, params)
+    updates, decayed_state = decayed.update(grads, decayed_state, params)
+    for name in params:
+      np.testing.assert_allclose(updates[name], expected[name], rtol=1e-6, err_msg=name)
+    assert not np.allclose(updates["kernel"], plain.update(grads, plain_state, params)[0]["kernel"])
+    params = optax.apply_updates(params, updates)
+
+
+def test_sgd_momentum_and_nesterov(tiny_config):
+  """sgd with momentum m: velocity v = m v + g, step -lr v; with nesterov, -lr (g + m v)."""
+  tiny_config.optimizer, tiny_config.learning_rate, tiny_config.schedule = "sgd", 0.5, "constant"
+  params = {"w": jnp.zeros(2)}
+  grads = [{"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, 4.0])}]
+  for nesterov in (False, True):
+    tiny_config.nesterov = nesterov
+    sgd = runs.create_optimizer(tiny_config, 10)
+    state, velocity = sgd.init(params), np.zeros(2)
+    for g in grads:
+      updates, state = sgd.update(g, state, params)
+      velocity = 0.9 * velocity + np.asarray(g["w"])
+      expected = -0.5 * (np.asarray(g["w"]) + 0.9 * velocity if nesterov else velocity)
+      np.testing.assert_allclose(updates["w"], expected, rtol=1e-6)
+
+
 def test_clipping_scales_a_gradient_over_the_norm_to_the_norm(tiny_config):
   tiny_config.optimizer, tiny_config.grad_clip_norm, tiny_config.learning_rate = "sgd", 2.0, 1.0
+  tiny_config.momentum = 0.0  # plain sgd: the update is the (clipped) gradient
   tiny_config.schedule = "constant"
   sgd = runs.create_optimizer(tiny_config, 10)
   params = {"w": jnp.ones(4), "b": jnp.ones(())}
