@@ -7,6 +7,7 @@ for a topology is what train.py would run there.
 import functools
 import glob
 import importlib.util
+import json
 import os
 import re
 
@@ -19,6 +20,7 @@ from ml_collections import config_flags
 import chips
 import input_pipeline
 import parallel
+import runs
 import steps
 from runs import ConfigError, global_batch_size
 
@@ -128,7 +130,7 @@ def validate_config(config: ml_collections.ConfigDict, workdir: str | None = Non
          f"config.{key}={config[key]!r} must be a number in [0, 1); 0 turns it off.")
   need(not config.nesterov or config.momentum > 0,
        "config.nesterov=True needs momentum: set config.momentum > 0 (0.9 is usual).")
-  for key in ("augment_flip", "augment_crop", "nesterov"):
+  for key in ("augment_flip", "augment_crop", "nesterov", "ema_warmup"):
     need(isinstance(config[key], bool), f"config.{key}={config[key]!r} must be True or False.")
   for key, top in (("augment_crop_scale", 1), ("augment_crop_ratio", float("inf"))):
     low_high = config[key]
@@ -229,6 +231,61 @@ def resolved(config: ml_collections.ConfigDict, devices=None) -> ml_collections.
   config.steps_per_dispatch = steps.steps_per_dispatch(config, devices[0].platform)
   config.batch_size = global_batch_size(config, len(devices))
   return config
+
+
+# Keys that a resumed run may change: how it runs, not what it computes (the rest, what it
+# optimises and on what data, is the run's own: `resumed`).
+FREE_ON_RESUME = (
+    "num_workers", "read_threads", "prefetch_batches", "prefetch_to_device", "grad_accum_steps",
+    "steps_per_dispatch", "init_from", "parallelism", "fsdp_devices", "fsdp_min_size",
+    "print_shardings", "xla_options", "compilation_cache_dir", "compilation_cache_min_seconds",
+    "peak_flops_per_device", "profile_first_step", "profile_num_steps", "log_every_steps",
+    "eval_every_steps", "checkpoint_every_steps", "max_checkpoints_to_keep",
+    "skip_nonfinite_steps", "cpu_sync_every_steps", "per_device_batch_size", "resume_may_change")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+  flat = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      flat.update(_flat(value, f"{prefix}{key}."))
+    else:
+      flat[f"{prefix}{key}"] = value
+  return flat
+
+
+def resumed(config: ml_collections.ConfigDict, saved: dict, workdir: str,
+            num_devices: int) -> tuple[ml_collections.ConfigDict, list[str]]:
+  """A resolved `config` resuming the run whose resolved config is `saved` (its config.json):
+  the run's contract. A key outside `FREE_ON_RESUME` that differs raises ConfigError, unless
+  `config.resume_may_change` names it; `per_device_batch_size` on another device count keeps
+  the run's global batch (and so its steps and the data's order). Returns the config and the
+  log lines that say what changed. Keys that one of the two configs lacks are not compared."""
+  config, lines = config.copy_and_resolve_references(), []
+  if config.per_device_batch_size and config.batch_size != saved["batch_size"]:
+    run_batch = saved["batch_size"]
+    if run_batch % num_devices:
+      raise ConfigError(
+          f"the run in {workdir!r} has a global batch of {run_batch}, which {num_devices} "
+          f"devices do not divide (config.per_device_batch_size={config.per_device_batch_size}"
+          f"); resume it on a number of devices that divides {run_batch}, or use a new "
+          "--workdir.")
+    lines.append(f"resumed on {num_devices} devices: per_device_batch_size "
+                 f"{config.per_device_batch_size} -> {run_batch // num_devices}, keeping the "
+                 f"run's global batch of {run_batch}")
+    config.per_device_batch_size, config.batch_size = run_batch // num_devices, run_batch
+  may_change = {key.strip() for key in config.resume_may_change.split(",") if key.strip()}
+  given, saved = _flat(json.loads(config.to_json())), _flat(saved)
+  for key in sorted(given.keys() & saved.keys()):
+    if given[key] == saved[key] or key.split(".")[0] in FREE_ON_RESUME:
+      continue
+    if key not in may_change:
+      raise ConfigError(
+          f"config.{key}={given[key]!r} differs from the {saved[key]!r} of the run in "
+          f"{workdir!r} that this resumes ({runs.CONFIG_FILE}); a resumed run keeps its config: "
+          f"use a new --workdir, or --config.resume_may_change={key} to change it (logged).")
+    lines.append(f"resumed with config.{key} changed: {saved[key]!r} -> {given[key]!r}")
+  return config, lines
 
 
 def parse_flags(argv):

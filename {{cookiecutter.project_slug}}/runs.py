@@ -116,8 +116,10 @@ def build_state(config, image_shape, num_classes, num_train_steps: int) -> tuple
   optimizer = nnx.Optimizer(model, create_optimizer(config, num_train_steps), wrt=nnx.Param)
   if not config.ema_decay:
     return model, optimizer
-  average = nnx.clone(model)
-  nnx.update(average, jax.tree.map(jnp.copy, nnx.state(average)))  # its own buffers
+  average = nnx.clone(model)  # its own buffers, its floats in float32 (steps.train_step)
+  nnx.update(average, jax.tree.map(
+      lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.copy(x),
+      nnx.state(average)))
   return model, optimizer, average
 
 
@@ -174,6 +176,18 @@ def write_description(workdir: str, config, info: input_pipeline.DatasetInfo) ->
               class_names=list(names))
   (epath.Path(workdir) / CONFIG_FILE).write_text(config.to_json(indent=2))
   (epath.Path(workdir) / DATA_FILE).write_text(json.dumps(data, indent=2))
+
+
+def saved_config(workdir: str) -> dict | None:
+  """The resolved config (a dict) of the run that a start in `workdir` resumes: that of its
+  config.json when the workdir holds a checkpoint, else None (a new run)."""
+  path = epath.Path(workdir)
+  if not (path / CONFIG_FILE).exists() or not (path / "checkpoints").exists():
+    return None
+  with contextlib.closing(checkpoint_manager(workdir, create=False)) as checkpoints:
+    if checkpoints.latest_step() is None:
+      return None
+  return json.loads((path / CONFIG_FILE).read_text())
 
 
 def absolute(path: str) -> str:

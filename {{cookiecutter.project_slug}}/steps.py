@@ -61,6 +61,16 @@ class Metrics(metrics.Collection):
 
 
 @flax.struct.dataclass
+class TrainLoss(metrics.Collection):
+  """Training's: `loss` is the loss optimised (with label smoothing, when on) and
+  `cross_entropy` the plain cross-entropy of the labels: evaluation's loss, to compare with."""
+
+  loss: metrics.Average.from_output("loss")
+  cross_entropy: metrics.Average.from_output("cross_entropy")
+  accuracy: metrics.Accuracy
+
+
+@flax.struct.dataclass
 class NonFinite(metrics.Metric):
   """Training steps with a non-finite loss or gradient (their updates were not applied): how
   many of the merged steps, and the index among them of the first, or -1. Steps without a
@@ -106,6 +116,7 @@ class TrainMetrics(metrics.Collection):
   averaged over the steps that applied theirs. (CLU reads only a class's own fields.)"""
 
   loss: metrics.Average.from_output("loss")
+  cross_entropy: metrics.Average.from_output("cross_entropy")
   accuracy: metrics.Accuracy
   nonfinite_steps: NonFinite
   l2_grads: StepAverage
@@ -228,15 +239,16 @@ def loss_and_metrics(model, batch, collection=Metrics, label_smoothing: float = 
   """
   logits_BK = call_model(model, batch["image"], batch["mask"])
   logits_BK = logits_BK.astype(jnp.float32)
+  cross_entropy_B = optax.softmax_cross_entropy_with_integer_labels(logits_BK, batch["label"])
+  losses_B = cross_entropy_B
   if label_smoothing:
     targets_BK = optax.smooth_labels(jax.nn.one_hot(batch["label"], logits_BK.shape[-1]),
                                      label_smoothing)
     losses_B = optax.softmax_cross_entropy(logits_BK, targets_BK)
-  else:
-    losses_B = optax.softmax_cross_entropy_with_integer_labels(logits_BK, batch["label"])
   loss_sum = jnp.sum(jnp.where(batch["mask"], losses_B, 0.0))
   step_metrics = collection.single_from_model_output(
-      loss=losses_B, logits=logits_BK, labels=batch["label"], mask=batch["mask"])
+      loss=losses_B, cross_entropy=cross_entropy_B, logits=logits_BK, labels=batch["label"],
+      mask=batch["mask"])
   return loss_sum, step_metrics
 
 
@@ -259,8 +271,8 @@ def summed_gradients(model, batch, num_micro_batches: int = 1, label_smoothing: 
   The sum equals the whole batch's for a model whose examples do not meet in the forward pass.
   BatchNorm (train mode) normalises each piece by the piece's own real examples, as a batch of
   that size would, and moves its running statistics once per piece that holds a real example."""
-  grad_fn = nnx.grad(functools.partial(loss_and_metrics, label_smoothing=label_smoothing),
-                     has_aux=True)
+  grad_fn = nnx.grad(functools.partial(loss_and_metrics, collection=TrainLoss,
+                                       label_smoothing=label_smoothing), has_aux=True)
   if num_micro_batches == 1:
     return grad_fn(model, batch)
   micro = micro_batches(batch, num_micro_batches)
@@ -310,7 +322,8 @@ def step_options(config) -> dict:
   return dict(grad_accum_steps=config.grad_accum_steps, max_shift=config.augment_max_shift,
               seed=config.seed, flip=config.augment_flip,
               crop=crop if config.augment_crop else None,
-              label_smoothing=config.label_smoothing, ema_decay=config.ema_decay)
+              label_smoothing=config.label_smoothing, ema_decay=config.ema_decay,
+              ema_warmup=config.ema_warmup)
 
 
 # What the moving average of the parameters averages: every Param, and BatchNorm's statistics.
@@ -318,12 +331,15 @@ AVERAGED = (nnx.Param, nnx.BatchStat)
 
 
 def train_step(graphdef, state, running, batch, *, grad_accum_steps=1, max_shift=0, seed=0,
-               flip=False, crop=None, label_smoothing=0.0, ema_decay=0.0, axis_name=None,
-               skip_by="select", norms_of="kept"):
+               flip=False, crop=None, label_smoothing=0.0, ema_decay=0.0, ema_warmup=False,
+               axis_name=None, skip_by="select", norms_of="kept"):
   """One optimizer step on one batch (no leading k axis); `running` (TrainMetrics) comes back
   with this step's metrics merged in. Under pmap (`axis_name` set) sums are reduced across
   devices. A state of (model, optimizer, average) also updates the average: a copy of the model
-  whose `AVERAGED` variables move to the model's by a fraction 1 - `ema_decay` each step.
+  (in float32) whose `AVERAGED` variables move to the model's by a fraction 1 - d each step, d =
+  `ema_decay`, or with `ema_warmup` min(`ema_decay`, (1 + n) / (10 + n)) at update n = 0, 1, ...
+  (TensorFlow's ExponentialMovingAverage with num_updates): so that a short run's average is not
+  its initialisation.
 
   The gradient is sum(gradients of the real examples' losses) / (number of real examples),
   both summed globally: exact for any padding, on any number of devices (and micro-batches:
@@ -361,9 +377,11 @@ def train_step(graphdef, state, running, batch, *, grad_accum_steps=1, max_shift
 
   def update(current, _):  # the optimizer step, on the state as the forward pass left it
     model, optimizer, *average = nnx.merge(graphdef, current)
+    n = optimizer.step[...].astype(jnp.float32)  # the updates before this one
     optimizer.update(model, jax.tree.map(lambda g: g / jnp.maximum(count, 1), grads))
+    decay = jnp.minimum(ema_decay, (1 + n) / (10 + n)) if ema_warmup else ema_decay
     for ema in average:
-      nnx.update(ema, jax.tree.map(lambda e, m: ema_decay * e + (1 - ema_decay) * m,
+      nnx.update(ema, jax.tree.map(lambda e, m: decay * e + (1 - decay) * m.astype(e.dtype),
                                    nnx.state(ema, AVERAGED), nnx.state(model, AVERAGED)))
     return nnx.state((model, optimizer, *average))
 

@@ -144,6 +144,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   validate_config(config, workdir)
   config = plan.resolved(config)  # with the backend's choices made (k, the global batch)
   workdir = workdir if "://" in workdir else os.path.abspath(workdir)
+  if (saved := runs.saved_config(workdir)) is not None:  # a resume: the run's own config
+    config, changes = plan.resumed(config, saved, workdir, jax.device_count())
+    for line in changes:
+      logging.warning("%s", line)
   process = dict(process_index=jax.process_index(), process_count=jax.process_count())
   devices = jax.device_count()
   logging.info("jax %s, flax %s, Python %s; %d %s device%s%s", jax.__version__, flax.__version__,

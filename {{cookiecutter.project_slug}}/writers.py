@@ -156,10 +156,12 @@ class Progress:
     self.last_step, self.last_time = step, now
     rate = summary.get("examples_per_sec")  # none for the compiling call alone
     wait = summary.get("input_wait_fraction")
-    self.log("step %d/%d  loss %.4f  accuracy %.4f  %s examples/s  input wait %s  ETA %s", step,
-             self.num_steps, summary["loss"], summary["accuracy"],
-             "?" if rate is None else f"{rate:.0f}", "?" if wait is None else f"{wait:.0%}",
-             self.eta(step, now))
+    smoothed = summary["loss"] != summary.get("cross_entropy", summary["loss"])
+    self.log("step %d/%d  loss %.4f%s  accuracy %.4f  %s examples/s  input wait %s  ETA %s",
+             step, self.num_steps, summary["loss"],
+             f" (smoothed labels; cross-entropy {summary['cross_entropy']:.4f})" if smoothed
+             else "", summary["accuracy"], "?" if rate is None else f"{rate:.0f}",
+             "?" if wait is None else f"{100 * wait:.0f}%", self.eta(step, now))
 
 
 __all__ = ["metric_writers", "create_writer", "draw_bar", "Progress"]

@@ -48,6 +48,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.grad_clip_norm = 0.0  # clip the gradient's global norm to this; 0: no clipping
   config.label_smoothing = 0.0  # the targets: 1 - this on the label, this / classes on all
   config.ema_decay = 0.0  # evaluate an exponential moving average of the parameters; 0: off
+  # The average's decay at update n: min(ema_decay, (1 + n) / (10 + n)), so that a short run's
+  # average is not its initialisation; False: ema_decay from the start. Kept in float32.
+  config.ema_warmup = True
   config.batch_size = 128  # global: over all devices and processes, per optimizer step
   config.per_device_batch_size = 0  # > 0: the global batch is this x the devices (not batch_size)
   config.grad_accum_steps = 1  # split each batch into this many sequential micro-batches
@@ -94,6 +97,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint_every_steps = 200
   config.max_checkpoints_to_keep = 3
   config.skip_nonfinite_steps = False  # True: skip a step whose loss is not finite; False: stop
+  # A resumed run keeps its own config (the workdir's config.json) but for how it runs (plan.py's
+  # FREE_ON_RESUME); the keys named here (comma-separated, e.g. 'learning_rate,num_epochs') may
+  # change too, each change logged.
+  config.resume_may_change = ""
   # On the CPU backend, wait for a result this often: XLA:CPU collectives abort when hundreds
   # of steps are queued. Other backends never wait inside the loop.
   config.cpu_sync_every_steps = 8

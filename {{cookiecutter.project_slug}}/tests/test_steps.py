@@ -283,6 +283,60 @@ def test_evaluation_uses_the_moving_average(tiny_config):
   assert float(got["loss"]) != float(no_average["loss"])
 
 
+def test_the_moving_average_warms_up_and_is_kept_in_float32(tiny_config):
+  """ema_decay 0.9999 with its warmup: the average moves by 1 - min(0.9999, (1 + n) / (10 + n))
+  at update n (0.9 of the way at the first). With bfloat16 parameters it is kept in float32,
+  where a step of 1e-4 of the difference moves it (in bfloat16 it would round to nothing)."""
+  from test_parallel import batches
+
+  def floats(tree):
+    return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+
+  def check_steps(decays):
+    nonlocal state, running
+    step = jax.jit(functools.partial(steps.train_step, graphdef,
+                                     **steps.step_options(tiny_config)))
+    for decay, batch in zip(decays, batches([64] * len(decays)), strict=True):
+      before = [np.asarray(x) for x in floats(state[2])]
+      state, running = step(state, running, batch)
+      for old, new, param in zip(before, floats(state[2]), floats(state[0]), strict=True):
+        assert not np.array_equal(new, old)
+        np.testing.assert_allclose(new, decay * old + (1 - decay) * np.asarray(param, np.float32),
+                                   rtol=1e-6, atol=1e-7)
+
+  tiny_config.ema_decay = 0.9999
+  graphdef, state = nnx.split(runs.build_state(tiny_config, (8, 8, 1), 10, 10))
+  running = steps.TrainMetrics.empty()
+  check_steps([0.1, 2 / 11, 3 / 12])
+  tiny_config.ema_warmup, tiny_config.model.param_dtype = False, "bfloat16"
+  graphdef, state = nnx.split(runs.build_state(tiny_config, (8, 8, 1), 10, 10))
+  assert {x.dtype for x in floats(state[0]["dense"])} == {jnp.dtype(jnp.bfloat16)}
+  assert {x.dtype for x in floats(state[2])} == {jnp.dtype(jnp.float32)}
+  check_steps([0.9999])
+
+
+def test_training_logs_the_plain_cross_entropy_beside_the_smoothed_loss(tiny_config):
+  """With label smoothing the training loss is the smoothed one; `cross_entropy` is the plain
+  cross-entropy (evaluation's loss) of the same examples, and without smoothing the two agree."""
+  from test_parallel import batches
+
+  batch = batches([40])[0]
+  results, tiny_config.augment_max_shift = {}, 0  # (eval's images: no shift)
+  for smoothing in (0.0, 0.2):
+    tiny_config.label_smoothing = smoothing
+    graphdef, state = nnx.split(runs.build_state(tiny_config, (8, 8, 1), 10, 10))
+    step = jax.jit(functools.partial(steps.train_step, graphdef,
+                                     **steps.step_options(tiny_config)))
+    _, running = step(state, steps.TrainMetrics.empty(), batch)
+    results[smoothing] = train.summarize(running)
+  evaluated = jax.jit(functools.partial(steps.eval_step, graphdef))(
+      state, steps.Metrics.empty(), batch).compute()  # the same start: the same logits
+  for summary in results.values():
+    assert summary["cross_entropy"] == pytest.approx(float(evaluated["loss"]), rel=1e-6)
+  assert results[0.0]["loss"] == results[0.0]["cross_entropy"]
+  assert abs(results[0.2]["loss"] - results[0.2]["cross_entropy"]) > 1e-4
+
+
 def test_label_smoothing_is_the_cross_entropy_of_the_smoothed_targets_of_real_examples():
   """a = 0.1 over 4 classes: the target of the label 1 - a + a / 4, of the others a / 4; the
   padding (mask False) is left out."""

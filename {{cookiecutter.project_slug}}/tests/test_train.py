@@ -27,6 +27,7 @@ from test_preemption import final_state
 import plan
 import runs
 import train
+import writers
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -319,6 +320,29 @@ def test_resume_with_another_steps_per_dispatch(straight_runs, tmp_path, paralle
   assert min(trained) == 21 and sum(trained.values()) == 2 * 1437 - 20 * 64
 
 
+def test_a_resume_keeps_the_runs_config(tiny_config, tmp_path, caplog):
+  """A resume with another learning rate is refused in one line naming it, the workdir
+  untouched; with it in resume_may_change, it is taken and logged. How a run runs (its log
+  interval, its workers) may change freely."""
+  workdir = str(tmp_path)
+  train.train_and_evaluate(tiny_config, workdir)
+  before = {p: os.path.getmtime(p) for p in glob.glob(f"{workdir}/**", recursive=True)}
+  changed = tiny_config.copy_and_resolve_references()
+  changed.learning_rate = 0.5
+  with pytest.raises(train.ConfigError, match=(
+      r"^config.learning_rate=0.5 differs from the 0.01 of the run in '.*' that this resumes "
+      r"\(config.json\); a resumed run keeps its config: use a new --workdir, or "
+      r"--config.resume_may_change=learning_rate to change it \(logged\).$")):
+    train.train_and_evaluate(changed, workdir)
+  assert {p: os.path.getmtime(p) for p in glob.glob(f"{workdir}/**", recursive=True)} == before
+  free = tiny_config.copy_and_resolve_references()
+  free.log_every_steps, free.num_workers = 1, 0
+  assert train.train_and_evaluate(free, workdir)["examples"] == 360
+  changed.resume_may_change = "learning_rate"
+  assert train.train_and_evaluate(changed, workdir)["examples"] == 360
+  assert "resumed with config.learning_rate changed: 0.01 -> 0.5" in caplog.text
+
+
 def run_cli(workdir, *overrides, config="configs/tiny.py", env=None):
   start = time.perf_counter()
   out = subprocess.run(
@@ -326,6 +350,40 @@ def run_cli(workdir, *overrides, config="configs/tiny.py", env=None):
       cwd=PROJECT, capture_output=True, text=True, timeout=300,
       env={**os.environ, **(env or {})})  # 8 CPU devices (conftest.py)
   return out, time.perf_counter() - start
+
+
+@pytest.mark.slow
+def test_a_run_stopped_on_8_devices_resumes_on_4_as_the_same_run(tiny_config, tmp_path,
+                                                                monkeypatch):
+  """per_device_batch_size=16: 128 a step on 8 devices. Stopped by SIGTERM at step 15 and
+  resumed by train.py on 4 devices, it keeps the global batch of 128 (32 a device): the same
+  last step, the same learning rate at every logged step, the same eval accuracy (within
+  0.005) as the run never stopped."""
+  tiny_config.per_device_batch_size, tiny_config.num_epochs = 16, 3
+  tiny_config.lr_scaling, tiny_config.warmup_steps = "linear", 5
+  expected = train.train_and_evaluate(tiny_config, str(tmp_path / "straight"))
+  update = writers.Progress.update
+
+  def update_then_signal(self, step):
+    update(self, step)
+    if step == 15:  # a log step, not an eval or checkpoint step
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  monkeypatch.setattr(writers.Progress, "update", update_then_signal)
+  assert train.train_and_evaluate(tiny_config, str(tmp_path / "moved")) is None
+  out, _ = run_cli(tmp_path / "moved", "--config.per_device_batch_size=16",
+                   "--config.num_epochs=3", "--config.lr_scaling=linear",
+                   "--config.warmup_steps=5",
+                   env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert ("resumed on 4 devices: per_device_batch_size 16 -> 32, keeping the run's global "
+          "batch of 128") in out.stderr
+  straight, moved = (read_scalars(str(tmp_path / name)) for name in ("straight", "moved"))
+  last = -(-3 * 1437 // 128)
+  assert max(straight["train_learning_rate"]) == max(moved["train_learning_rate"]) == last
+  assert moved["train_learning_rate"] == pytest.approx(straight["train_learning_rate"], rel=1e-6)
+  assert moved["eval_accuracy"][last] == pytest.approx(expected["accuracy"], abs=0.005)
+  assert sum(moved["train_examples"].values()) == 3 * 1437  # none repeated, none skipped
 
 
 def write_digits(data_dir) -> list[str]:
