@@ -19,6 +19,7 @@ import writers  # first: lets CLU write TensorBoard files without TensorFlow
 import jax
 import numpy as np
 from absl import app, flags, logging
+from flax import nnx
 
 import input_pipeline
 import runs
@@ -66,10 +67,11 @@ def evaluate(run: runs.Restored, source) -> dict:
   config = run.config
   config.steps_per_dispatch = 1
   config.batch_size = -(-config.batch_size // run.mesh.size) * run.mesh.size
-  compiled = steps.make(run.graphdef, config, run.mesh)
+  graphdef, state = nnx.split((nnx.merge(run.graphdef, run.state),))  # eval_step's (model,)
+  compiled = steps.make(graphdef, config, run.mesh)
   collection = steps.with_confusion(run.info.num_classes)
   batches = input_pipeline.eval_batches(source, config)
-  running = jax.device_get(runs.evaluate(compiled, run.state, batches, config, collection))
+  running = jax.device_get(runs.evaluate(compiled, state, batches, config, collection))
   counts = np.asarray(running.confusion.counts)
   with np.errstate(invalid="ignore"):
     per_class = np.diag(counts) / counts.sum(axis=1)  # NaN: a class without examples

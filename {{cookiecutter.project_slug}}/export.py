@@ -18,6 +18,12 @@ from absl import app, flags, logging
 import runs
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+# The parameters are constants of the exported program, which jax.export serialises into one
+# flatbuffer: at most 2 GiB (flatbuffers' MAX_BUFFER_SIZE), less room for the program itself.
+MAX_MODEL_BYTES = 2**31 - 2**26
+LIMIT_WHY = ("an exported artifact holds (its parameters are constants of its program, "
+             "serialised in one flatbuffer of at most 2 GiB); use the checkpoint itself "
+             "(runs.Restored, as predict.py does)")
 
 
 FLAGS = flags.FLAGS
@@ -25,8 +31,8 @@ FLAGS = flags.FLAGS
 
 def export(run: runs.Restored) -> jax.export.Exported:
   """The inference function of `run`'s checkpoint, its parameters as constants."""
-  state = jax.device_get(run.model_state)  # on the host: they become the program's constants
-  infer = jax.jit(lambda images: runs.probabilities(run.model_graphdef, state, images))
+  state = jax.device_get(run.state)  # on the host: they become the program's constants
+  infer = jax.jit(lambda images: runs.probabilities(run.graphdef, state, images))
   batch, = jax.export.symbolic_shape("batch")
   images = jax.ShapeDtypeStruct((batch, *run.info.image_shape), jnp.uint8)
   return jax.export.export(infer, platforms=PLATFORMS)(images)
@@ -36,7 +42,8 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   try:
-    run = runs.Restored(FLAGS.workdir, FLAGS.step, mesh=jax.make_mesh((1,), ("data",)))
+    run = runs.Restored(FLAGS.workdir, FLAGS.step, mesh=jax.make_mesh((1,), ("data",)),
+                        limit=(MAX_MODEL_BYTES, LIMIT_WHY))
   except runs.ConfigError as e:
     raise SystemExit(f"error: {e}") from None
   with open(FLAGS.out, "wb") as f:

@@ -22,7 +22,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import input_pipeline
-import parallel
 import runs
 
 FLAGS = flags.FLAGS
@@ -33,7 +32,7 @@ def predict(run: runs.Restored, paths: list[str], batch_size: int = 0):
   devices = run.mesh.size
   batch_size = -(-(batch_size or run.config.batch_size) // devices) * devices
   height, width, channels = run.info.image_shape
-  sharding = NamedSharding(run.mesh, P(parallel.DATA_AXIS))
+  sharding = NamedSharding(run.mesh, P(run.mesh.axis_names))  # over every axis (fsdp's too)
   step = jax.jit(runs.probabilities, static_argnums=0)
   with concurrent.futures.ThreadPoolExecutor(input_pipeline.available_cpus()) as pool:
     for start in range(0, len(paths), batch_size):
@@ -45,7 +44,7 @@ def predict(run: runs.Restored, paths: list[str], batch_size: int = 0):
       for row, i in enumerate(read):
         batch[row] = images[i]
       mask = np.arange(batch_size) < len(read)
-      probs = np.asarray(step(run.model_graphdef, run.model_state, jax.device_put(batch, sharding),
+      probs = np.asarray(step(run.graphdef, run.state, jax.device_put(batch, sharding),
                               jax.device_put(mask, sharding)))
       rows = iter(range(len(read)))
       for path, image in zip(chunk, images, strict=True):

@@ -208,18 +208,40 @@ def read_description(workdir: str):
   return config, info
 
 
-class Restored:
-  """A checkpoint of a workdir, on the devices of `mesh`: the config and data it was trained
-  with, the model and optimizer `graphdef` and `state`, and the model alone (`model_graphdef`,
-  `model_state`: the moving average of the parameters, when the run kept one)."""
+def restore_model(checkpoints, step: int, abstract, workdir: str):
+  """The model of checkpoint `step` (its moving average, when the run kept one: what evaluation
+  used), in the shapes, dtypes and shardings of `abstract` (a whole state's); the optimizer's
+  leaves are never read (Orbax's placeholders)."""
+  check_checkpoint_fits(checkpoints, step, abstract, workdir)
+  keep = "2/" if len(abstract) > 2 else "0/"
+  skip = lambda path, x: x if leaf_name(path).startswith(keep) else ocp.PLACEHOLDER  # noqa: E731
+  item = jax.tree_util.tree_map_with_path(skip, abstract)
+  restore_args = jax.tree_util.tree_map_with_path(
+      skip, ocp.checkpoint_utils.construct_restore_args(abstract))
+  state = checkpoints.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+      item, restore_args=restore_args)))["state"]
+  return state[int(keep[0])]
 
-  def __init__(self, workdir: str, step: int | None = None, mesh=None):
+
+class Restored:
+  """A checkpoint of a workdir: the config and data it was trained with, and its model alone
+  (`graphdef`, `state`: the moving average of the parameters, when the run kept one), never its
+  optimizer, on the devices of `mesh` (default: all), placed as the run placed it: split over
+  them by fsdp (its `fsdp_devices`, `fsdp_min_size`), else whole on each (a pmap run's too)."""
+
+  def __init__(self, workdir: str, step: int | None = None, mesh=None,
+               limit: tuple[int, str] | None = None):
+    """`limit`: (bytes, why): a model larger is refused, before anything is read."""
     self.config, self.info = read_description(workdir)
-    # The same parameters whatever the parallelism that trained them: here spmd, on every
-    # device (fsdp's state split over them; a pmap run's copied onto each).
-    self.config.parallelism = "spmd"
-    self.mesh = mesh or parallel.make_mesh()
-    self.graphdef, abstract, _ = initial_state(self.config, self.info, self.mesh, 1)
+    if self.config.parallelism == "pmap":  # the same parameters: placed as spmd places them
+      self.config.parallelism = "spmd"
+    self.mesh = mesh or parallel.make_mesh(self.config)
+    graphdef, abstract, _ = initial_state(self.config, self.info, self.mesh, 1)
+    model = abstract[2 if len(abstract) > 2 else 0]
+    self.bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model))
+    if limit and self.bytes > limit[0]:
+      raise ConfigError(f"the model of {workdir!r} takes {self.bytes / 2**30:.3g} GiB, more than "
+                        f"the {limit[0] / 2**30:.3g} GiB that {limit[1]}.")
     checkpoints = checkpoint_manager(absolute(workdir), create=False)
     available = checkpoints.all_steps()
     if not available:
@@ -229,10 +251,9 @@ class Restored:
     if self.step not in available:
       raise ConfigError(f"--step={step}: workdir {workdir!r} holds the checkpoints of steps "
                         f"{', '.join(map(str, available))}.")
-    self.state = restore_state(checkpoints, self.step, abstract, workdir)
+    self.state = restore_model(checkpoints, self.step, abstract, workdir)
     checkpoints.close()
-    objects = nnx.merge(self.graphdef, self.state)  # (model, optimizer[, moving average])
-    self.model_graphdef, self.model_state = nnx.split(objects[2 if len(objects) > 2 else 0])
+    self.graphdef = nnx.graphdef(nnx.merge(graphdef, abstract)[-1 if len(abstract) > 2 else 0])
 
 
 def probabilities(graphdef, state, images_BHWC, mask_B=None) -> jax.Array:

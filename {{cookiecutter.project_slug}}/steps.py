@@ -405,9 +405,10 @@ def train_step(graphdef, state, running, batch, *, grad_accum_steps=1, max_shift
 
 
 def eval_step(graphdef, state, running, batch, axis_name=None):
-  """Metrics of the model, or of its moving average when the state holds one."""
-  model, _, *average = nnx.merge(graphdef, state)
-  model = average[0] if average else model
+  """Metrics of the model: the first object of the state (model, optimizer), (model,) or
+  (model, optimizer, average), the moving average in the last."""
+  objects = nnx.merge(graphdef, state)
+  model = objects[2] if len(objects) > 2 else objects[0]
   model.eval()
   _, step_metrics = loss_and_metrics(model, dict(batch, image=prepare_images(batch)),
                                      type(running))

@@ -82,7 +82,7 @@ def steps_for(config, parallelism, graphdef, k=1, unroll=None):
                                      "augment_max_shift", "seed", "fsdp_devices",
                                      "fsdp_min_size", "augment_flip", "augment_crop",
                                      "augment_crop_scale", "augment_crop_ratio",
-                                     "label_smoothing", "ema_decay")), unroll)
+                                     "label_smoothing", "ema_decay", "ema_warmup")), unroll)
 
 
 def run(config, parallelism, batch_list, graphdef=None, state=None, k=1, unroll=None):

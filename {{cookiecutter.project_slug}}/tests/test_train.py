@@ -581,9 +581,10 @@ def test_a_workdir_that_is_a_file_is_refused_and_kept(tmp_path, monkeypatch, whe
 
 
 def test_a_checkpoint_of_another_model_is_refused_and_kept(straight_runs, tmp_path, monkeypatch):
-  """The spmd run's workdir (checkpoints up to step 45), given a config with another model."""
+  """The spmd run's checkpoints (up to step 45) without its config.json (a resume compares
+  that first: the test below), given a config with another model."""
   workdir = tmp_path / "run"
-  shutil.copytree(straight_runs["spmd"][0], workdir)
+  shutil.copytree(straight_runs["spmd"][0] / "checkpoints", workdir / "checkpoints")
   before = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()}
   monkeypatch.chdir(PROJECT)
   error = run_in_process("--config=configs/tiny.py", f"--workdir={workdir}",
@@ -603,9 +604,8 @@ def test_a_checkpoint_of_another_model_is_refused_and_kept_by_the_cli(tmp_path):
   out, elapsed = run_cli(workdir, "--config.model.features=(8,32)")
   assert out.returncode == 1
   last_line = out.stderr.strip().splitlines()[-1]
-  assert last_line.startswith(f"error: workdir '{workdir}' holds a checkpoint (step 23) of a "
-                              "different model: 0/convs/1/bias/value is (16,) there and (32,) in "
-                              "this config"), last_line
+  assert last_line.startswith("error: config.model.features=[8, 32] differs from the [8, 16] of "
+                              f"the run in '{workdir}' that this resumes"), last_line
   assert {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()} == before
   print(f"other model: refused in {elapsed:.1f}s: {last_line}")
 

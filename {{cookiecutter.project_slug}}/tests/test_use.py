@@ -145,9 +145,15 @@ def test_predictions_agree_with_evaluation_and_are_named_by_the_folders(folder_r
 
 @pytest.mark.parametrize("parallelism", ["spmd", "pmap", "fsdp"])
 def test_every_path_evaluates_its_checkpoint_as_training_did(straight_runs, parallelism):
+  """The model alone is restored (its moving average: the recipe keeps one), placed as the run
+  placed it: fsdp's split over the devices, the others whole on each."""
   workdir, metrics = straight_runs[parallelism]
   run = runs.Restored(str(workdir))
   assert run.step == 45 and run.info.class_names == tuple(str(i) for i in range(10))
+  assert set(run.state.keys()) == {"convs", "dense"}  # a model's, not (model, optimizer, ...)
+  assert {x.dtype for x in jax.tree.leaves(run.state)} == {np.dtype(np.float32)}
+  held = parallel.bytes_per_device(run.state)
+  assert held < run.bytes / 2 if parallelism == "fsdp" else held == run.bytes
   result = evaluate.evaluate(run, input_pipeline.get_datasets(run.config)[0]["eval"])
   assert result["examples"] == 360 and result["accuracy"] == metrics["accuracy"]
   assert result["loss"] == pytest.approx(metrics["loss"], rel=1e-6)
@@ -155,6 +161,10 @@ def test_every_path_evaluates_its_checkpoint_as_training_did(straight_runs, para
 
 def test_a_workdir_without_a_checkpoint_or_that_step_is_one_line(folder_run, tmp_path):
   _, workdir, _, _ = folder_run
+  with pytest.raises(runs.ConfigError, match=(
+      r"^the model of '.*' takes 5.62e-06 GiB, more than the 9.31e-07 GiB that an exported "
+      r"artifact holds \(its parameters")):
+    runs.Restored(workdir, limit=(1000, export.LIMIT_WHY))
   with pytest.raises(runs.ConfigError, match=r"holds no config.json: give the --workdir of a "):
     runs.Restored(str(tmp_path))
   for name in (runs.CONFIG_FILE, runs.DATA_FILE):
