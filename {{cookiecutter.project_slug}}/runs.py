@@ -117,8 +117,8 @@ def build_state(config, image_shape, num_classes, num_train_steps: int) -> tuple
   if not config.ema_decay:
     return model, optimizer
   average = nnx.clone(model)  # its own buffers, its floats in float32 (steps.train_step)
-  nnx.update(average, jax.tree.map(
-      lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.copy(x),
+  nnx.update(average, jax.tree.map(  # (jnp.array copies)
+      lambda x: jnp.array(x, jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype),
       nnx.state(average)))
   return model, optimizer, average
 

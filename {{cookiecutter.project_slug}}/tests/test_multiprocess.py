@@ -43,6 +43,7 @@ def assert_same_run(multi, single):
     assert multi["eval_loss"][step] == pytest.approx(single["eval_loss"][step], abs=1e-5), step
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_the_straight_spmd_run(straight_runs, tmp_path):
   """2 processes of 4 devices over loopback train like one process of 8: the same losses,
   accuracies and example counts at every step as conftest's spmd run (2 epochs, in-process),

@@ -347,7 +347,7 @@ def test_batchnorm_leaves_the_padding_out(tiny_config, parallelism):
   assert float(jnp.abs(got[0]["norm"]["mean"][...]).max()) > 0
 
 
-@pytest.mark.parametrize("parallelism", ["spmd", "pmap"])
+@pytest.mark.parametrize("parallelism", ["spmd", pytest.param("pmap", marks=pytest.mark.slow)])
 def test_accumulation_with_batchnorm_and_micro_batches_without_a_real_example(tiny_config,
                                                                              parallelism):
   """Batches of 2 real examples in 4 micro-batches (micro-batch j holds examples j, j + 4, ...:
@@ -366,8 +366,10 @@ def test_accumulation_with_batchnorm_and_micro_batches_without_a_real_example(ti
   assert int(four[1]["step"][...]) == 2
 
 
-@pytest.mark.parametrize("parallelism", ["spmd", "pmap"])
-@pytest.mark.parametrize("variant", ["plain", "accumulation_dropout_nonfinite"])
+@pytest.mark.parametrize("parallelism, variant", [
+    ("spmd", "plain"), ("pmap", "accumulation_dropout_nonfinite"),
+    pytest.param("pmap", "plain", marks=pytest.mark.slow),  # (each path and variant once above)
+    pytest.param("spmd", "accumulation_dropout_nonfinite", marks=pytest.mark.slow)])
 def test_k_steps_in_one_call_equal_k_single_calls(tiny_config, parallelism, variant):
   """3 batches (two padded) as 2 calls of k=2 (the second padded with a batch of padding
   alone) = 3 calls of k=1: the same state and merged metrics. The second variant has every

@@ -192,6 +192,7 @@ def digits_with_a_nan(directory, tiny_config):
   return next(b + 1 for b in range(len(images)) if np.isnan(images[b]).any())
 
 
+@pytest.mark.slow
 def test_a_stop_signal_on_an_eval_step_saves_first_and_leaves_the_evaluation(
     tiny_config, tmp_path, monkeypatch):
   """SIGTERM during step 10 of 23, an eval step (and no regular checkpoint step): the run saves
