@@ -244,11 +244,12 @@ FREE_ON_RESUME = (
     "skip_nonfinite_steps", "cpu_sync_every_steps", "per_device_batch_size", "resume_may_change")
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
+def flatten(tree: dict, prefix: str = "") -> dict:
+  """Nested dicts as one dict of dotted keys ('model.features')."""
   flat = {}
   for key, value in tree.items():
     if isinstance(value, dict):
-      flat.update(_flat(value, f"{prefix}{key}."))
+      flat.update(flatten(value, f"{prefix}{key}."))
     else:
       flat[f"{prefix}{key}"] = value
   return flat
@@ -275,7 +276,7 @@ def resumed(config: ml_collections.ConfigDict, saved: dict, workdir: str,
                  f"run's global batch of {run_batch}")
     config.per_device_batch_size, config.batch_size = run_batch // num_devices, run_batch
   may_change = {key.strip() for key in config.resume_may_change.split(",") if key.strip()}
-  given, saved = _flat(json.loads(config.to_json())), _flat(saved)
+  given, saved = flatten(json.loads(config.to_json())), flatten(saved)
   for key in sorted(given.keys() & saved.keys()):
     if given[key] == saved[key] or key.split(".")[0] in FREE_ON_RESUME:
       continue

@@ -48,16 +48,6 @@ def evaluate(compiled: steps.Steps, state, eval_batches, config, iterator=None) 
   return summarize(runs.evaluate(compiled, state, eval_batches, config, iterator=iterator))
 
 
-def flatten(tree: dict, prefix: str = "") -> dict:
-  flat = {}
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      flat.update(flatten(value, f"{prefix}{key}."))
-    else:
-      flat[f"{prefix}{key}"] = value
-  return flat
-
-
 class NonFiniteLoss(FloatingPointError):
   """A training step had a non-finite loss or gradient (its update was not applied)."""
 
@@ -202,7 +192,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   writer = writers.create_writer(workdir, write=jax.process_index() == 0)
   if first_step == 0:
-    writer.write_hparams(flatten(config.to_dict()))  # TensorBoard's HPARAMS tab
+    writer.write_hparams(plan.flatten(config.to_dict()))  # TensorBoard's HPARAMS tab
   progress = writers.Progress(num_train_steps, writer, show=jax.process_index() == 0)
   # Compile the eval step now, not mid-training (a call returns once compiled and dispatched).
   start = time.perf_counter()
