@@ -15,7 +15,6 @@ import grain
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from absl import logging
@@ -323,10 +322,7 @@ def init_from(source: str, abstract, init):
   Leaves whose shape differs there (a classifier for another number of classes) stay fresh,
   and are logged. Raises ConfigError, having read only the checkpoint's metadata, when a model
   leaf is absent on either side."""
-  checkpoints = ocp.CheckpointManager(  # Orbax's default handlers: they read NumPy arrays
-      os.path.join(absolute(source), "checkpoints"),
-      options=ocp.CheckpointManagerOptions(create=False),
-      item_handlers=dict(state=ocp.PyTreeCheckpointHandler()))
+  checkpoints = checkpoint_manager(absolute(source), create=False)
   step = checkpoints.latest_step()
   if step is None:
     raise ConfigError(f"config.init_from={source!r} holds no checkpoint yet.")
@@ -351,17 +347,21 @@ def init_from(source: str, abstract, init):
                "(another shape): " + ", ".join(f"{n.removesuffix('/value')[2:]} {saved[n]} -> "
                                                f"{ours[n]}" for n in fresh) if fresh else "")
   copied = learned - set(fresh)
+  targets = {leaf_name(path): x for path, x in jax.tree_util.tree_leaves_with_path(abstract)}
 
   def build():
-    item = {}
-    for name in copied:  # a nested dict of the leaves to read, as NumPy arrays
+    item, restore_args = {}, {}
+    for name in copied:  # nested dicts of the leaves to read, each into its shards
+      target = targets[name]
       *parents, last = (prefix + name[2:]).split("/")
-      node = item
+      node, args = item, restore_args
       for key in parents:
-        node = node.setdefault(key, {})
-      node[last] = ocp.RestoreArgs(restore_type=np.ndarray)
+        node, args = node.setdefault(key, {}), args.setdefault(key, {})
+      node[last] = target
+      args[last] = ocp.ArrayRestoreArgs(sharding=target.sharding, global_shape=target.shape,
+                                        dtype=target.dtype)
     read = checkpoints.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        item, restore_args=item, partial_restore=True)))["state"]
+        item, restore_args=restore_args, partial_restore=True)))["state"]
 
     def take(path, x):
       name = leaf_name(path)
@@ -369,11 +369,10 @@ def init_from(source: str, abstract, init):
         name = "0/" + name[2:]
       if name not in copied:
         return x
-      host = read
+      leaf = read
       for key in (prefix + name[2:]).split("/"):
-        host = host[key]
-      host = np.asarray(host, x.dtype)
-      return jax.make_array_from_callback(host.shape, x.sharding, lambda index: host[index])
+        leaf = leaf[key]
+      return jnp.array(leaf, x.dtype)  # its own buffer (the model and its average: two)
 
     return jax.tree_util.tree_map_with_path(take, init())
 

@@ -99,6 +99,15 @@ def test_fine_tuning_copies_the_convolutions_and_starts_a_new_classifier(folder_
   assert len(start) == 3  # two_epochs keeps a moving average (ema_decay): it starts as the model
   for x, y in zip(jax.tree.leaves(start[2]), jax.tree.leaves(start[0]), strict=True):
     np.testing.assert_array_equal(x, y)
+  # Under fsdp each leaf is read into its shards: an eighth of the kernel on each device.
+  sharded = config.copy_and_resolve_references()
+  sharded.parallelism, sharded.fsdp_min_size = "fsdp", 0
+  _, abstract, init = runs.initial_state(sharded, info, parallel.make_mesh(sharded), 10)
+  kernel = runs.init_from(source, abstract, init)()[0]["convs"][1]["kernel"][...]
+  wanted = jax.tree.leaves(abstract[0]["convs"][1]["kernel"])[0].sharding
+  assert kernel.sharding.is_equivalent_to(wanted, kernel.ndim)
+  assert parallel.bytes_per_device(kernel) == kernel.nbytes // 8
+  np.testing.assert_array_equal(kernel, trained["2"]["convs"]["1"]["kernel"]["value"])
 
   config.init_from = source  # resuming its own checkpoints: nothing left to train
   shutil.copytree(workdir, tmp_path / "workdir")  # (other tests read the run while this one runs)
