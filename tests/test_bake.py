@@ -30,6 +30,7 @@ EXPECTED_FILES = [
     "chips.py",
     "configs/default.py",
     "configs/tiny.py",
+    "distributed.py",
     "evaluate.py",
     "export.py",
     "input_pipeline.py",

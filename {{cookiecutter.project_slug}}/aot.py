@@ -56,7 +56,7 @@ def abstract_batches(config, info, num_devices: int, mesh, pmap: bool):
   """k stacked global batches as train.py feeds them (`input_pipeline`: uint8 pixels), abstract:
   split over the mesh (spmd, fsdp), or `[devices, k, batch / devices, ...]` (pmap)."""
   k, batch = config.steps_per_dispatch, config.batch_size
-  shapes = {"image": ((*info.image_shape,), jnp.uint8), "label": ((), jnp.int32),
+  shapes = {"image": ((*info.image_shape,), info.pixel_dtype), "label": ((), jnp.int32),
             "mask": ((), jnp.bool_), "position": ((), jnp.uint32)}
   if pmap:
     return {name: jax.ShapeDtypeStruct((num_devices, k, batch // num_devices, *shape), dtype)

@@ -21,6 +21,7 @@ import numpy as np
 from absl import app, flags, logging
 from flax import nnx
 
+import distributed
 import input_pipeline
 import runs
 import steps
@@ -33,6 +34,10 @@ def image_folder_source(folder: str, info) -> input_pipeline.ArraySource:
   class names; unreadable files are reported on stderr and skipped."""
   if not os.path.isdir(folder):
     raise runs.ConfigError(f"--image_folder={folder!r} is not a directory.")
+  if info.pixel_dtype != "uint8":
+    raise runs.ConfigError(f"--image_folder: the run was trained on {info.pixel_dtype} pixels as "
+                           "stored, which image files do not give; evaluate on its data "
+                           "(--data_dir) instead.")
   images, labels = [], []
   for entry in sorted(os.scandir(folder), key=lambda e: e.name):
     if not entry.is_dir():
@@ -70,7 +75,7 @@ def evaluate(run: runs.Restored, source) -> dict:
   graphdef, state = nnx.split((nnx.merge(run.graphdef, run.state),))  # eval_step's (model,)
   compiled = steps.make(graphdef, config, run.mesh)
   collection = steps.with_confusion(run.info.num_classes)
-  batches = input_pipeline.eval_batches(source, config)
+  batches = input_pipeline.eval_batches(source, config, **distributed.share())
   running = jax.device_get(runs.evaluate(compiled, state, batches, config, collection))
   counts = np.asarray(running.confusion.counts)
   with np.errstate(invalid="ignore"):
@@ -82,6 +87,7 @@ def evaluate(run: runs.Restored, source) -> dict:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
+  distributed.initialize()
   try:
     run = runs.Restored(FLAGS.workdir, FLAGS.step)
     if FLAGS.image_folder:
@@ -103,7 +109,11 @@ def main(argv):
       source = splits["eval"]
   except runs.ConfigError as e:
     raise SystemExit(f"error: {e}") from None
-  result = evaluate(run, source)
+  if distributed.is_first():
+    print(run.summary, file=sys.stderr)
+  result = evaluate(run, source)  # every process: its share of the batches
+  if not distributed.is_first():
+    return
   names = run.info.class_names
   print(f"step {run.step}: loss {result['loss']:.4f}  accuracy {result['accuracy']:.4f}  "
         f"({result['examples']} examples)")

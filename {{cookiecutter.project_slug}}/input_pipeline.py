@@ -38,6 +38,13 @@ class DatasetInfo:
   num_classes: int
   num_examples: dict[str, int]  # split name -> number of examples
   class_names: tuple[str, ...] = ()  # when the data name them (write_arrayrecord --image_folder)
+  # As stored: integer pixels reach the model divided by 255, floats as they are (model_input).
+  pixel_dtype: str = "uint8"
+
+
+def model_input(pixel_dtype: str) -> str:
+  """What the model is given of stored pixels of `pixel_dtype` (steps.prepare_images)."""
+  return "pixels / 255" if np.issubdtype(pixel_dtype, np.integer) else "pixels as stored"
 
 
 class ArraySource:
@@ -67,16 +74,24 @@ def decode_image(data: bytes, image_shape: tuple[int, int, int]) -> np.ndarray:
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")  # the image files that folders are read for
 
 
-def images_under(directory: str) -> list[str]:
-  """The image files (`IMAGE_SUFFIXES`) anywhere under `directory`, sorted."""
+def images_under(directory: str, suffixes: tuple[str, ...] = IMAGE_SUFFIXES) -> list[str]:
+  """The files ending in one of `suffixes` anywhere under `directory`, sorted."""
   paths = glob.glob(os.path.join(glob.escape(directory), "**", "*"), recursive=True)
-  return sorted(p for p in paths if p.lower().endswith(IMAGE_SUFFIXES) and os.path.isfile(p))
+  return sorted(p for p in paths if p.lower().endswith(suffixes) and os.path.isfile(p))
 
 
-def read_image(path: str, image_shape, keep_encoded: bool = False) -> np.ndarray | bytes | str:
+def read_image(path: str, image_shape, keep_encoded: bool = False,
+               pixel_dtype: str = "uint8") -> np.ndarray | bytes | str:
   """The file decoded to `image_shape` (`decode_image`; with keep_encoded, the file's bytes
-  once they decode), or why it could not be read."""
+  once they decode), or a .npy file's array, as stored (of `image_shape` and `pixel_dtype`), or
+  why it could not be read."""
   try:
+    if path.lower().endswith(".npy"):
+      image = np.load(path, allow_pickle=False)
+      if image.shape != tuple(image_shape) or image.dtype != pixel_dtype:
+        return (f"holds {image.dtype} {list(image.shape)}, not the run's {pixel_dtype} "
+                f"{list(image_shape)}")
+      return image
     with open(path, "rb") as f:
       data = f.read()
     image = decode_image(data, image_shape)
@@ -150,8 +165,10 @@ def get_datasets(config) -> tuple[dict[str, ArraySource | RecordSource], Dataset
     sources, class_names = _digits(config), ()
     image_shape = sources["train"].images.shape[1:]
     num_classes = int(sources["train"].labels.max()) + 1
+  first = sources["train"].take(np.zeros(1, np.int64))["image"] if len(sources["train"]) else None
   info = DatasetInfo(tuple(image_shape), int(num_classes),
-                     {split: len(source) for split, source in sources.items()}, tuple(class_names))
+                     {split: len(source) for split, source in sources.items()}, tuple(class_names),
+                     "uint8" if first is None else first.dtype.name)
   return sources, info
 
 
@@ -165,7 +182,8 @@ def describe(config) -> DatasetInfo:
     with open(os.path.join(config.data_dir, "metadata.json")) as f:
       meta = json.load(f)
     return DatasetInfo(tuple(meta["image_shape"]), int(meta["num_classes"]),
-                       dict(meta["num_examples"]), tuple(meta.get("class_names", ())))
+                       dict(meta["num_examples"]), tuple(meta.get("class_names", ())),
+                       meta.get("pixel_dtype", "uint8"))
   if config.dataset == "synthetic":
     spec = config.synthetic
     return DatasetInfo(tuple(spec.image_shape), spec.num_classes,

@@ -5,13 +5,16 @@
 
 One line per image: `path: class probability` (`--top_k` classes, most probable first), or with
 --json one object per line: {"path", "class", "probability", "top_k": [{"class",
-"probability"}, ...]}. The images are decoded and resized as write_arrayrecord.py does, the
+"probability"}, ...]}. The images are decoded and resized as write_arrayrecord.py does (a
+.npy file holds one image as stored: the only input of a run trained on float pixels), the
 model is the project's `model.py` with the latest checkpoint (`--step` for another), on every
 device, in batches of one fixed shape (padded and masked), so that the step compiles once. An
-unreadable file is reported on stderr and skipped.
+unreadable file is reported on stderr and skipped. On several processes (distributed.py) each
+reads its share of every batch and process 0 prints.
 """
 
 import concurrent.futures
+import functools
 import json
 import sys
 
@@ -21,6 +24,7 @@ from absl import app, flags, logging
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import distributed
 import input_pipeline
 import runs
 
@@ -28,31 +32,40 @@ FLAGS = flags.FLAGS
 
 
 def predict(run: runs.Restored, paths: list[str], batch_size: int = 0):
-  """Yields (path, probabilities [classes] or why the file could not be read), in order."""
-  devices = run.mesh.size
-  batch_size = -(-(batch_size or run.config.batch_size) // devices) * devices
+  """Yields (path, probabilities [classes] or why the file could not be read), in order. Each
+  process reads its share of every batch (`batch_size` rows over all devices); every process
+  gets every row's probabilities."""
+  batch_size = -(-(batch_size or run.config.batch_size) // run.mesh.size) * run.mesh.size
+  local = batch_size // jax.process_count()
+  first = jax.process_index() * local  # this process's rows of each batch
   height, width, channels = run.info.image_shape
   sharding = NamedSharding(run.mesh, P(run.mesh.axis_names))  # over every axis (fsdp's too)
-  step = jax.jit(runs.probabilities, static_argnums=0)
+  step = jax.jit(lambda graphdef, state, images, mask, rows: (
+      runs.probabilities(graphdef, state, images, mask), mask, rows),
+      static_argnums=0, out_shardings=NamedSharding(run.mesh, P()))  # every row, everywhere
+  put = lambda x: jax.make_array_from_process_local_data(sharding, x)  # noqa: E731
+  read = functools.partial(input_pipeline.read_image, image_shape=run.info.image_shape,
+                           pixel_dtype=run.info.pixel_dtype)
   with concurrent.futures.ThreadPoolExecutor(input_pipeline.available_cpus()) as pool:
     for start in range(0, len(paths), batch_size):
       chunk = paths[start:start + batch_size]
-      images = list(pool.map(input_pipeline.read_image, chunk,
-                             [run.info.image_shape] * len(chunk)))
-      read = [i for i, image in enumerate(images) if not isinstance(image, str)]
-      batch = np.zeros((batch_size, height, width, channels), np.uint8)  # padding: masked out
-      for row, i in enumerate(read):
-        batch[row] = images[i]
-      mask = np.arange(batch_size) < len(read)
-      probs = np.asarray(step(run.graphdef, run.state, jax.device_put(batch, sharding),
-                              jax.device_put(mask, sharding)))
-      rows = iter(range(len(read)))
-      for path, image in zip(chunk, images, strict=True):
-        yield path, image if isinstance(image, str) else probs[next(rows)]
+      mine = chunk[first:first + local]
+      images = list(pool.map(read, mine))
+      batch = np.zeros((local, height, width, channels), run.info.pixel_dtype)  # padding: masked
+      mask = np.zeros(local, bool)
+      for row, image in enumerate(images):
+        if not isinstance(image, str):
+          batch[row], mask[row] = image, True
+      probs, real, rows = jax.device_get(step(run.graphdef, run.state, put(batch), put(mask),
+                                              put(first + np.arange(local, dtype=np.int32))))
+      by_row = {int(row): p for row, p, ok in zip(rows, probs, real, strict=True) if ok}
+      for row, path in enumerate(chunk):  # unreadable: read again (here) for the reason
+        yield path, by_row[row] if row in by_row else read(path)
 
 
 def main(argv):
   logging.set_verbosity(logging.WARNING)
+  distributed.initialize()
   try:
     if FLAGS.top_k < 1:
       raise runs.ConfigError(f"--top_k={FLAGS.top_k} must be 1 or more.")
@@ -61,10 +74,20 @@ def main(argv):
       raise runs.ConfigError("no image to classify: give image files (.jpg, .jpeg, .png) or "
                              "folders of them after the flags.")
     run = runs.Restored(FLAGS.workdir, FLAGS.step)
+    files = [p for p in paths if not p.lower().endswith(".npy")]
+    if files and run.info.pixel_dtype != "uint8":
+      raise runs.ConfigError(
+          f"the run was trained on {run.info.pixel_dtype} pixels as stored (its data.json), which "
+          f"image files such as {files[0]!r} do not give: pass .npy arrays "
+          f"{list(run.info.image_shape)} of {run.info.pixel_dtype} instead.")
   except runs.ConfigError as e:
     raise SystemExit(f"error: {e}") from None
+  if distributed.is_first():
+    print(run.summary, file=sys.stderr)
   names, skipped = run.info.class_names, 0
   for path, probs in predict(run, paths, FLAGS.batch_size):
+    if not distributed.is_first():  # process 0 prints
+      continue
     if isinstance(probs, str):
       print(f"skipped {path}: {probs}", file=sys.stderr)
       skipped += 1
@@ -77,8 +100,9 @@ def main(argv):
                                    for i in top])))
     else:
       print(f"{path}: " + ", ".join(f"{names[i]} {probs[i]:.4f}" for i in top))
-  print(f"classified {len(paths) - skipped} images with the checkpoint of step {run.step}; "
-        f"skipped {skipped} unreadable file{'s' * (skipped != 1)}", file=sys.stderr)
+  if distributed.is_first():
+    print(f"classified {len(paths) - skipped} images with the checkpoint of step {run.step}; "
+          f"skipped {skipped} unreadable file{'s' * (skipped != 1)}", file=sys.stderr)
 
 
 if __name__ == "__main__":  # flags defined here: the functions above can be imported

@@ -172,7 +172,8 @@ def write_description(workdir: str, config, info: input_pipeline.DatasetInfo) ->
     return
   names = info.class_names or tuple(str(i) for i in range(info.num_classes))
   data = dict(image_shape=list(info.image_shape), num_classes=info.num_classes,
-              class_names=list(names))
+              class_names=list(names), pixel_dtype=info.pixel_dtype,
+              model_input=input_pipeline.model_input(info.pixel_dtype))
   (epath.Path(workdir) / CONFIG_FILE).write_text(config.to_json(indent=2))
   (epath.Path(workdir) / DATA_FILE).write_text(json.dumps(data, indent=2))
 
@@ -203,7 +204,8 @@ def read_description(workdir: str):
   config = ml_collections.ConfigDict(json.loads((path / CONFIG_FILE).read_text()))
   data = json.loads((path / DATA_FILE).read_text())
   info = input_pipeline.DatasetInfo(tuple(data["image_shape"]), data["num_classes"], {},
-                                    tuple(data["class_names"]))
+                                    tuple(data["class_names"]),
+                                    data.get("pixel_dtype", "uint8"))  # (older runs: uint8)
   return config, info
 
 
@@ -252,6 +254,9 @@ class Restored:
                         f"{', '.join(map(str, available))}.")
     self.state = restore_model(checkpoints, self.step, abstract, workdir)
     checkpoints.close()
+    self.summary = (f"model of step {self.step}: {parallel.bytes_per_device(self.state) / 1e6:.3g} "
+                    f"MB a device ({self.config.parallelism}; a whole copy: {self.bytes / 1e6:.3g} "
+                    "MB)")  # as train.py logs the state's
     self.graphdef = nnx.graphdef(nnx.merge(graphdef, abstract)[-1 if len(abstract) > 2 else 0])
 
 
@@ -267,12 +272,12 @@ def probabilities(graphdef, state, images_BHWC, mask_B=None) -> jax.Array:
 
 
 def find_images(paths: list[str]) -> list[str]:
-  """The files of `paths`, a folder meaning the .jpg, .jpeg and .png files under it (sorted).
-  Raises ConfigError for a path that does not exist."""
+  """The files of `paths`, a folder meaning the .jpg, .jpeg, .png and .npy files under it
+  (sorted). Raises ConfigError for a path that does not exist."""
   found = []
   for path in paths:
     if os.path.isdir(path):
-      found += input_pipeline.images_under(path)
+      found += input_pipeline.images_under(path, (*input_pipeline.IMAGE_SUFFIXES, ".npy"))
     elif os.path.exists(path):
       found.append(path)
     else:

@@ -27,6 +27,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
+import distributed
 import input_pipeline
 import parallel
 import plan
@@ -138,7 +139,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     config, changes = plan.resumed(config, saved, workdir, jax.device_count())
     for line in changes:
       logging.warning("%s", line)
-  process = dict(process_index=jax.process_index(), process_count=jax.process_count())
+  process = distributed.share()
   devices = jax.device_count()
   logging.info("jax %s, flax %s, Python %s; %d %s device%s%s", jax.__version__, flax.__version__,
                platform.python_version(), devices, jax.default_backend(), "s" * (devices > 1),
@@ -315,48 +316,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
 flags.mark_flag_as_required("config")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints and metrics go.", required=True)
-_COORDINATOR = flags.DEFINE_string(
-    "coordinator_address", None, "host:port of process 0, to run several processes without a "
-    "cluster that JAX detects by itself (SLURM, Open MPI, Cloud TPU pods).")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "With --coordinator_address.")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "With --coordinator_address.")
-_HEARTBEAT = flags.DEFINE_integer(
-    "heartbeat_timeout_seconds", 100, "After this long without news of a process, the others "
-    "stop with an error instead of waiting for it.")
-
-def cluster_detected() -> bool:
-  """A job of several processes that jax.distributed.initialize() configures by itself: JAX's
-  own detection (SLURM, Open MPI, Cloud TPU VMs, GKE, Kubernetes; mpi4py only when asked), or
-  JAX_COORDINATOR_ADDRESS. A job of one process is left alone (JAX would restrict it to one GPU
-  under SLURM and Open MPI). On a plain machine it reads environment variables only: JAX asks
-  the TPU metadata server only on a Cloud TPU VM."""
-  if "JAX_COORDINATOR_ADDRESS" in os.environ:
-    return True
-  from jax._src import clusters  # JAX's detection: no public API gives it
-
-  cluster = next((env for env in clusters.ClusterEnv._cluster_types
-                  if not env.opt_in_only_method and env.is_env_present()), None)
-  return cluster is not None and cluster.get_process_count() > 1
-
-
-def initialize_distributed() -> None:
-  """Joins JAX's distributed runtime when this is one of several processes; else does nothing."""
-  timeouts = dict(heartbeat_timeout_seconds=_HEARTBEAT.value, initialization_timeout=300)
-  if _COORDINATOR.value:
-    host = _COORDINATOR.value.rsplit(":", 1)[0]
-    bind = _COORDINATOR.value if host in ("127.0.0.1", "localhost") else None  # loopback only
-    jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
-                               coordinator_bind_address=bind, **timeouts)
-  elif cluster_detected():
-    jax.distributed.initialize(**timeouts)  # JAX reads the cluster's environment
-  else:
-    return
-  logging.info("Process %d of %d, %d local devices of %d", jax.process_index(),
-               jax.process_count(), jax.local_device_count(), jax.device_count())
-  if jax.process_index() > 0:
-    logging.set_verbosity(logging.WARNING)  # process 0 logs progress and metrics
-
-
 class _QuietLibraries(logging.logging.Filter):
   """Keeps the log to progress and metrics: drops INFO lines from inside JAX, Orbax and gcsfs."""
 
@@ -379,7 +338,7 @@ def main(argv):
   del argv
   logging.get_absl_handler().addFilter(_QuietLibraries())
   use_compilation_cache(_CONFIG.value)
-  initialize_distributed()
+  distributed.initialize()
   try:
     result = train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except (ConfigError, NonFiniteLoss) as e:

@@ -107,7 +107,8 @@ def write_dataset(out_dir: str, splits: dict[str, tuple[np.ndarray, np.ndarray]]
     write_records(out_dir, split, records, len(labels), num_shards)
   write_metadata(out_dir, splits["train"][0].shape[1:],
                  max(labels.max() for _, labels in splits.values()) + 1,
-                 {split: len(labels) for split, (_, labels) in splits.items()})
+                 {split: len(labels) for split, (_, labels) in splits.items()},
+                 pixel_dtype=splits["train"][0].dtype.name)
 
 
 def list_image_folder(folder: str, eval_fraction: float,
@@ -215,7 +216,7 @@ def write_image_folder(out_dir: str, folder: str, image_size: tuple[int, int] | 
     if not count:
       raise ValueError(f"no {split} image of {folder} could be read.")
   write_metadata(out_dir, image_shape, len(classes), num_examples, class_names=classes,
-                 encoded=keep_encoded)
+                 encoded=keep_encoded, pixel_dtype="uint8")
   return [path for path, _ in skipped]
 
 

@@ -63,10 +63,10 @@ def accelerator() -> dict:
 def test_train_pmap_equals_spmd_resume_and_mfu_on_the_accelerator(accelerator):
   import chips
 
+  path = [os.path.join(PROJECT, "tests"), accelerator["env"].get("PYTHONPATH")]  # (the host's)
+  env = accelerator["env"] | {"PYTHONPATH": os.pathsep.join(filter(None, path))}
   done = subprocess.run([sys.executable, "-c", DRIVER], cwd=PROJECT, capture_output=True,
-                        text=True, timeout=1200,
-                        env=accelerator["env"] | {"PYTHONPATH": os.pathsep.join(filter(None, (
-                            os.path.join(PROJECT, "tests"), accelerator["env"].get("PYTHONPATH"))))})
+                        text=True, timeout=1200, env=env)
   assert done.returncode == 0, done.stderr[-4000:]
   out = json.loads(done.stdout.splitlines()[-1])
   spmd, pmap, resumed = out["spmd"], out["pmap"], out["resumed"]

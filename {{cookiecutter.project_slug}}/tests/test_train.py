@@ -24,6 +24,7 @@ from conftest import two_epochs
 from tensorboard.backend.event_processing import event_accumulator
 from test_preemption import final_state
 
+import distributed
 import plan
 import runs
 import train
@@ -721,13 +722,13 @@ def plain_machine(monkeypatch):
 
 
 def test_a_plain_machine_is_no_cluster(plain_machine, monkeypatch):
-  assert not train.cluster_detected()
+  assert not distributed.cluster_detected()
   for name, value in dict(SLURM_JOB_ID="7", SLURM_STEP_NODELIST="node1", SLURM_NTASKS="1",
                           SLURM_PROCID="0", SLURM_LOCALID="0").items():
     monkeypatch.setenv(name, value)
-  assert not train.cluster_detected()  # one task: JAX would restrict it to one GPU
+  assert not distributed.cluster_detected()  # one task: JAX would restrict it to one GPU
   monkeypatch.setenv("SLURM_NTASKS", "2")
-  assert train.cluster_detected()
+  assert distributed.cluster_detected()
 
 
 def test_clusters_that_jax_detects_are_joined(plain_machine, monkeypatch):
@@ -737,12 +738,12 @@ def test_clusters_that_jax_detects_are_joined(plain_machine, monkeypatch):
 
   monkeypatch.setenv("TPU_PROCESS_ADDRESSES", "10.0.0.1:8471,10.0.0.2:8471")
   monkeypatch.setenv("TPU_WORKER_ID", "1")
-  assert not train.cluster_detected()  # not on a TPU VM: nothing asked of any server
+  assert not distributed.cluster_detected()  # not on a TPU VM: nothing asked of any server
   monkeypatch.setattr(cloud_tpu_cluster, "running_in_cloud_tpu_vm", True)
   # (else JAX would ask the VM's metadata server for these)
   monkeypatch.setenv("TPU_SKIP_MDS_QUERY", "1")
   monkeypatch.setenv("MEGASCALE_NUM_SLICES", "1")
-  assert train.cluster_detected()
+  assert distributed.cluster_detected()
 
 
 @pytest.fixture

@@ -267,3 +267,45 @@ def test_the_commands(folder_run, tmp_path):
     assert done.returncode == 1 and done.stderr.strip().splitlines() == [
         f"error: workdir {str(tmp_path)!r} holds no config.json: give the --workdir of a training "
         "run (train.py writes it at start)."], done.stderr
+
+
+@pytest.mark.slow
+def test_a_run_on_float_pixels_is_used_as_it_was_trained(tmp_path):
+  """Pixels stored as floats (standardised here: -0.75 to 1.75, which no division by 255 gives)
+  reach the model as stored, in training and so in evaluate.py, predict.py (.npy arrays: image
+  files are refused in one line) and the exported artifact (float input); data.json and
+  model.json say so, and the three agree."""
+  sources, _ = input_pipeline.get_datasets(default.get_config())
+  standardise = lambda x: ((x / np.float32(255) - 0.3) / 0.4).astype(np.float32)  # noqa: E731
+  write_arrayrecord.write_dataset(str(tmp_path / "data"), {
+      split: (standardise(sources[split].images), sources[split].labels)
+      for split in ("train", "eval")})
+  config = two_epochs("spmd")
+  config.dataset, config.data_dir, config.num_workers = "arrayrecord", str(tmp_path / "data"), 0
+  workdir = tmp_path / "workdir"
+  metrics = train.train_and_evaluate(config, str(workdir))
+  data = json.loads((workdir / "data.json").read_text())
+  assert (data["pixel_dtype"], data["model_input"]) == ("float32", "pixels as stored")
+
+  run = runs.Restored(str(workdir))
+  evaluated = evaluate.evaluate(run, input_pipeline.get_datasets(run.config)[0]["eval"])
+  assert evaluated["examples"] == 360 and evaluated["accuracy"] == metrics["accuracy"] > 0.5
+  images = standardise(sources["eval"].images)
+  exported = export.export(run)
+  probs = np.asarray(exported.call(images))
+  assert (probs.argmax(-1) == sources["eval"].labels).sum() == round(360 * metrics["accuracy"])
+  for i in range(12):
+    np.save(tmp_path / f"{i:02d}.npy", images[i])
+  paths = runs.find_images([str(tmp_path)])
+  predicted = np.stack([p for _, p in predict.predict(run, paths)])
+  np.testing.assert_allclose(predicted, probs[:12], atol=1e-6)
+
+  Image.fromarray(sources["eval"].images[0, ..., 0]).save(tmp_path / "digit.png")
+  done = script("predict.py", f"--workdir={workdir}", str(tmp_path))
+  assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+      f"error: the run was trained on float32 pixels as stored (its data.json), which image "
+      f"files such as {str(tmp_path / 'digit.png')!r} do not give: pass .npy arrays [8, 8, 1] "
+      "of float32 instead."], done.stderr
+  done = script("export.py", f"--workdir={workdir}", f"--out={tmp_path / 'model.jax'}")
+  assert done.returncode == 0, done.stderr
+  assert json.loads((tmp_path / "model.json").read_text())["pixel_dtype"] == "float32"
