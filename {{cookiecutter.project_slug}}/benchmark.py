@@ -365,11 +365,17 @@ def run_in_subprocess(what: str, is_tiny: bool) -> dict:
 
 
 def run_all(whats: list[str], is_tiny: bool) -> dict[str, dict]:
-  """Two subprocesses at a time only for --tiny on the CPU: an accelerator is never shared."""
+  """Two subprocesses at a time only for --tiny on the CPU: an accelerator is never shared.
+  Each measurement is printed (stderr) as it ends: a run cut short still shows what it had."""
   on_cpu = os.environ.get("JAX_PLATFORMS", "") == "cpu"
+  start, results = time.perf_counter(), {}
   with concurrent.futures.ThreadPoolExecutor(max_workers=2 if is_tiny and on_cpu else 1) as pool:
-    results = pool.map(functools.partial(run_in_subprocess, is_tiny=is_tiny), whats)
-    return dict(zip(whats, results, strict=True))
+    for i, (what, result) in enumerate(zip(whats, pool.map(functools.partial(
+        run_in_subprocess, is_tiny=is_tiny), whats), strict=True)):
+      results[what] = result
+      print(f"[{i + 1}/{len(whats)}, {time.perf_counter() - start:.0f} s] {what}: "
+            f"{json.dumps(result)}", file=sys.stderr, flush=True)
+  return results
 
 
 def summarize_loop(runs: list[dict]) -> dict:

@@ -120,9 +120,11 @@ def assert_trees_close(a, b, atol):
 
 # 20 real examples in a batch of 64 on 8 devices (8 per device): devices 0-1 full, device 2
 # holds 4, devices 3-7 hold none.
-@pytest.mark.parametrize("num_real", [[64, 64, 64], [64, 20, 64], [20, 37, 1]])
-@pytest.mark.parametrize("k", [1, 2])  # steps per dispatch; k=2 pads the last call
-def test_pmap_equals_spmd_equals_single_device(tiny_config, num_real, k):
+@pytest.mark.parametrize("k, num_real", [  # k: steps per dispatch; 2 pads the last call
+    (1, [64, 20, 64]), (2, [64, 20, 64]), (2, [20, 37, 1]),
+    *[pytest.param(*case, marks=pytest.mark.slow)
+      for case in ((1, [64, 64, 64]), (2, [64, 64, 64]), (1, [20, 37, 1]))]])
+def test_pmap_equals_spmd_equals_single_device(tiny_config, k, num_real):
   data = batches(num_real)
   single, single_metrics = run(tiny_config, "single", data)
   spmd, spmd_metrics = run(tiny_config, "spmd", data, k=k)
@@ -161,6 +163,7 @@ def test_fsdp_equals_spmd_equals_single_device(tiny_config, fsdp_devices):
   assert split == 3 * (6 if fsdp_devices == 2 else 5)
 
 
+@pytest.mark.slow  # (fast: each path = one device, and the recipe runs' metrics agree)
 def test_every_path_equals_one_device_with_the_recipe_on(straight_runs):
   """conftest's RECIPE (adamw on the weights only, warmup, clipping, label smoothing, flips,
   crops, the moving average): spmd, pmap and fsdp over 8 devices give the state and the

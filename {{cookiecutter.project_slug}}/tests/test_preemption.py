@@ -167,6 +167,7 @@ def test_sigkill_while_saving_resumes_from_the_previous_complete_checkpoint(tmp_
     np.testing.assert_array_equal(state_a[name], state_b[name], err_msg=name)
 
 
+@pytest.mark.slow
 def test_same_config_and_seed_give_the_same_bits(straight_runs, tmp_path):
   """conftest's spmd run, run again here: the same metrics and the same final state, bit for
   bit (the first may have run in another process: pytest-xdist's other worker)."""
@@ -230,6 +231,7 @@ def test_nonfinite_loss_stops_naming_the_step_and_the_last_good_checkpoint(tiny_
                                         if x.dtype.kind == "f")
 
 
+@pytest.mark.slow  # (fast: test_steps.py skips a step by selection and under cond alike)
 def test_nonfinite_steps_can_be_skipped(tiny_config, tmp_path):
   digits_with_a_nan(tmp_path / "data", tiny_config)
   tiny_config.skip_nonfinite_steps = True

@@ -266,11 +266,11 @@ def test_a_default_fsdp_run_ends_like_spmd(tmp_path):
   assert results["fsdp"]["accuracy"] == pytest.approx(results["spmd"]["accuracy"], abs=1e-9)
 
 
-# (spmd -> fsdp and fsdp -> pmap: also in the next test; here in the slow tier)
+# (Every pair but two in the slow tier; spmd -> fsdp -> pmap: also in the next test.)
 @pytest.mark.parametrize("first, second", [
-    ("spmd", "spmd"), ("pmap", "pmap"), ("fsdp", "fsdp"), ("spmd", "pmap"), ("pmap", "spmd"),
-    *[pytest.param(*pair, marks=pytest.mark.slow)
-      for pair in (("spmd", "fsdp"), ("fsdp", "pmap"))]])
+    ("spmd", "spmd"), ("pmap", "spmd"),
+    *[pytest.param(*pair, marks=pytest.mark.slow) for pair in (
+        ("pmap", "pmap"), ("fsdp", "fsdp"), ("spmd", "pmap"), ("spmd", "fsdp"), ("fsdp", "pmap"))]])
 def test_resume_from_a_checkpoint_of_either_path(straight_runs, tmp_path, first, second):
   """A workdir holding only the step-20 checkpoint of a `first` run, resumed by `second`."""
   first_workdir, expected = straight_runs[first]
@@ -302,7 +302,8 @@ def test_resume_across_spmd_fsdp_and_pmap(straight_runs, tmp_path):
   assert resumed["accuracy"] == pytest.approx(expected["accuracy"], abs=1e-9)
 
 
-@pytest.mark.parametrize("parallelism", ["spmd", pytest.param("pmap", marks=pytest.mark.slow)])
+@pytest.mark.slow  # (fast: test_parallel.py, k steps a call = k single calls)
+@pytest.mark.parametrize("parallelism", ["spmd", "pmap"])
 def test_resume_with_another_steps_per_dispatch(straight_runs, tmp_path, parallelism):
   """The step-20 checkpoint of a k=1 run resumed with k=3 (step 20 falls inside a call of 3:
   its first two batches are padding alone) ends like the uninterrupted run, the recipe on.
@@ -394,8 +395,8 @@ def write_digits(data_dir) -> list[str]:
   return ["--config.dataset=arrayrecord", f"--config.data_dir={data_dir}"]
 
 
-@pytest.mark.parametrize("data", ["digits", pytest.param("arrayrecord_with_workers",
-                                                         marks=pytest.mark.slow)])
+@pytest.mark.slow  # (a whole process)
+@pytest.mark.parametrize("data", ["digits", "arrayrecord_with_workers"])
 def test_the_log_is_quiet_one_short_line_per_interval(tmp_path, data):
   """No warning that the project causes itself (Orbax's handler registry, Grain workers'
   leaked shared memory), one line per log interval, none over 160 characters."""
