@@ -29,7 +29,7 @@ import numpy as np
 from flax import serialization
 from PIL import Image, ImageOps
 
-DATASETS = ("digits", "arrayrecord", "synthetic")
+DATASETS = ("digits", "arrayrecord", "huggingface", "synthetic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +158,11 @@ def get_datasets(config) -> tuple[dict[str, ArraySource | RecordSource], Dataset
     sources = {split: RecordSource(arrayrecord_paths(config.data_dir, split), image_shape)
                for split in ("train", "eval")}
     class_names = meta.get("class_names", ())
+  elif config.dataset == "huggingface":
+    import huggingface  # (the `hf` extra)
+
+    sources, image_shape, class_names = huggingface.sources(config)
+    num_classes = len(class_names)
   elif config.dataset == "synthetic":
     sources, class_names = _synthetic(config), ()
     image_shape, num_classes = config.synthetic.image_shape, config.synthetic.num_classes
@@ -184,6 +189,8 @@ def describe(config) -> DatasetInfo:
     return DatasetInfo(tuple(meta["image_shape"]), int(meta["num_classes"]),
                        dict(meta["num_examples"]), tuple(meta.get("class_names", ())),
                        meta.get("pixel_dtype", "uint8"))
+  if config.dataset == "huggingface":  # its metadata and one image
+    return get_datasets(config)[1]
   if config.dataset == "synthetic":
     spec = config.synthetic
     return DatasetInfo(tuple(spec.image_shape), spec.num_classes,

@@ -316,12 +316,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
 flags.mark_flag_as_required("config")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints and metrics go.", required=True)
+
+
 class _QuietLibraries(logging.logging.Filter):
-  """Keeps the log to progress and metrics: drops INFO lines from inside JAX, Orbax and gcsfs."""
+  """Keeps the log to progress and metrics: drops INFO lines from inside the libraries."""
 
   def filter(self, record):
     return record.levelno >= logging.logging.WARNING or not any(
-        f"{os.sep}{lib}{os.sep}" in record.pathname for lib in ("jax", "orbax", "gcsfs"))
+        f"{os.sep}{lib}{os.sep}" in record.pathname
+        for lib in ("jax", "orbax", "gcsfs", "datasets"))
 
 
 def use_compilation_cache(config) -> None:

@@ -1,0 +1,133 @@
+"""Hugging Face datasets read in place (`config.dataset = 'huggingface'`, the `hf` extra): a
+`save_to_disk` folder or a folder of Parquet files in `config.data_dir`, or a Hub dataset named
+by `config.huggingface.name` (downloaded to Hugging Face's cache). Nothing is converted.
+
+The image column is the one whose feature is an `Image` and the label column the `ClassLabel`
+one, unless named in `config.huggingface`; label ids and class names are the `ClassLabel`'s.
+Training reads the split 'train'; evaluation 'validation' or 'test', whichever exists (named by
+`config.huggingface.eval_split` when both or neither do). Images are decoded as predict.py
+decodes files (`input_pipeline.decode_image`), in Grain's workers, to `image_shape`: the first
+training image's height and width (1 channel if it is gray, else 3), or `config.image_size`.
+"""
+
+import glob
+import os
+
+import numpy as np
+
+import input_pipeline
+
+EVAL_SPLITS = ("validation", "test")
+GRAY_MODES = ("1", "L", "LA", "I", "I;16", "F")
+
+
+def load(config) -> dict:
+  """The dataset's splits: {name: datasets.Dataset}. Raises ValueError saying what is wrong."""
+  import datasets
+
+  datasets.disable_progress_bars()  # the log keeps to training's lines
+  spec, data_dir = config.huggingface, config.data_dir
+  if spec.name:
+    return dict(datasets.load_dataset(spec.name))
+  if not os.path.isdir(data_dir):
+    raise ValueError(f"config.data_dir={data_dir!r} is not a directory; give a folder that "
+                     "datasets' save_to_disk wrote, or one of Parquet files, or "
+                     "--config.huggingface.name=NAME (the Hub).")
+  if os.path.isfile(os.path.join(data_dir, "dataset_dict.json")):
+    return dict(datasets.load_from_disk(data_dir))
+  files = {}  # SPLIT/*.parquet or SPLIT-*.parquet (the Hub's layout: data/SPLIT-00000-of-N...)
+  for path in sorted(glob.glob(os.path.join(glob.escape(data_dir), "**", "*.parquet"),
+                               recursive=True)):
+    parts = os.path.relpath(path, data_dir).split(os.sep)
+    split = parts[-2] if len(parts) > 1 and parts[-2] != "data" else parts[-1].split("-")[0]
+    files.setdefault(split, []).append(path)
+  if not files:
+    raise ValueError(f"config.data_dir={data_dir!r} holds neither a dataset saved by "
+                     "save_to_disk (dataset_dict.json) nor Parquet files (SPLIT-*.parquet).")
+  return dict(datasets.load_dataset("parquet", data_files=files))
+
+
+def columns(dataset, spec) -> tuple[str, str]:
+  """The image and label columns of `dataset` (a split), found from its features or named."""
+  import datasets
+
+  found = {}
+  for kind, key, feature in (("image", "image_column", datasets.Image),
+                             ("label", "label_column", datasets.ClassLabel)):
+    named = spec[key]
+    of_kind = [name for name, f in dataset.features.items() if isinstance(f, feature)]
+    if named and named not in dataset.features:
+      raise ValueError(f"config.huggingface.{key}={named!r} is no column; the columns are "
+                       f"{', '.join(dataset.features)}.")
+    if not named and len(of_kind) != 1:
+      raise ValueError(f"{len(of_kind) or 'no'} columns hold {feature.__name__} features"
+                       f"{': ' + ', '.join(of_kind) if of_kind else ''}; name the {kind} "
+                       f"column: --config.huggingface.{key}=NAME.")
+    found[kind] = named or of_kind[0]
+  return found["image"], found["label"]
+
+
+def splits(config) -> tuple[dict, str, str]:
+  """({'train': dataset, 'eval': dataset}, image column, label column). Raises ValueError."""
+  loaded, spec = load(config), config.huggingface
+  eval_split = spec.eval_split or None
+  if eval_split is None:
+    present = [name for name in EVAL_SPLITS if name in loaded]
+    if len(present) != 1:
+      raise ValueError(f"the dataset's splits are {', '.join(loaded)}: "
+                       f"{'both' if present else 'neither'} of {' and '.join(EVAL_SPLITS)}; name "
+                       "the evaluation split: --config.huggingface.eval_split=NAME.")
+    eval_split = present[0]
+  for key, name in (("train split", "train"), ("config.huggingface.eval_split", eval_split)):
+    if name not in loaded:
+      raise ValueError(f"the dataset has no {key} {name!r}; its splits are {', '.join(loaded)}.")
+  image, label = columns(loaded["train"], spec)
+  return {"train": loaded["train"], "eval": loaded[eval_split]}, image, label
+
+
+class Source:
+  """A split of a Hugging Face dataset as a Grain source: `take` decodes a batch of images."""
+
+  def __init__(self, dataset, image_column: str, label_column: str, image_shape):
+    import datasets
+
+    self.dataset = dataset.cast_column(image_column, datasets.Image(decode=False))
+    self.image_column, self.label_column = image_column, label_column
+    self.image_shape = tuple(image_shape)
+
+  def __len__(self) -> int:
+    return len(self.dataset)
+
+  def encoded(self, image: dict) -> bytes:
+    if image["bytes"] is None:
+      with open(image["path"], "rb") as f:
+        return f.read()
+    return image["bytes"]
+
+  def take(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+    rows = self.dataset[[int(i) for i in indices]]
+    images = [input_pipeline.decode_image(self.encoded(image), self.image_shape)
+              for image in rows[self.image_column]]
+    return {"image": np.stack(images), "label": np.asarray(rows[self.label_column], np.int32)}
+
+
+def sources(config) -> tuple[dict[str, Source], tuple[int, int, int], tuple[str, ...]]:
+  """The 'train' and 'eval' sources, the image shape, the class names."""
+  import io
+
+  from PIL import Image
+
+  loaded, image, label = splits(config)
+  if config.image_size:
+    height, width, channels = config.image_size
+  else:
+    first = Source(loaded["train"], image, label, (1, 1, 1))
+    with Image.open(io.BytesIO(first.encoded(first.dataset[0][image]))) as im:
+      (width, height), channels = im.size, 1 if im.mode in GRAY_MODES else 3
+  feature = loaded["train"].features[label]
+  names = tuple(getattr(feature, "names", None) or ())
+  if not names:  # integer labels without names: 0 .. max
+    names = tuple(str(i) for i in range(max(loaded["train"][label]) + 1))
+  shape = (height, width, channels)
+  return ({split: Source(ds, image, label, shape) for split, ds in loaded.items()}, shape,
+          names)

@@ -1,0 +1,118 @@
+"""Hugging Face datasets read in place (huggingface.py): a save_to_disk folder and a folder of
+Parquet files of the digits, with an Image column, a ClassLabel column of names and a third."""
+
+import io
+
+import datasets
+import numpy as np
+import pytest
+from PIL import Image
+
+import input_pipeline
+import plan
+import runs
+import train
+from configs import default, tiny
+
+NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+
+
+def digits_dataset(split_names=("train", "validation")) -> datasets.DatasetDict:
+  """The digits as PNG images (column 'picture'), their names (ClassLabel 'digit') and a note."""
+  sources, _ = input_pipeline.get_datasets(default.get_config())
+  features = datasets.Features({"note": datasets.Value("string"), "picture": datasets.Image(),
+                                "digit": datasets.ClassLabel(names=list(NAMES))})
+
+  def png(image):
+    out = io.BytesIO()
+    Image.fromarray(image[..., 0]).save(out, format="PNG")
+    return out.getvalue()
+
+  return datasets.DatasetDict({name: datasets.Dataset.from_dict(
+      {"note": ["a digit"] * len(source), "digit": source.labels.tolist(),
+       "picture": [{"bytes": png(image), "path": None} for image in source.images]},
+      features=features) for name, source in zip(split_names, (sources["train"], sources["eval"]),
+                                                 strict=True)})
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+  """{'saved': a save_to_disk folder, 'parquet': SPLIT-00000-of-00001.parquet files}."""
+  root, dataset = tmp_path_factory.mktemp("hf"), digits_dataset()
+  dataset.save_to_disk(str(root / "saved"))
+  (root / "parquet").mkdir()
+  for split, part in dataset.items():
+    part.to_parquet(str(root / "parquet" / f"{split}-00000-of-00001.parquet"))
+  return {"saved": str(root / "saved"), "parquet": str(root / "parquet")}
+
+
+def config_for(data_dir, **huggingface):
+  config = tiny.get_config()
+  config.dataset, config.data_dir, config.num_workers = "huggingface", data_dir, 0
+  config.huggingface.update(huggingface)
+  return config
+
+
+@pytest.mark.parametrize("kind", ["saved", "parquet"])
+def test_a_saved_dataset_and_parquet_files_read_as_the_digits(folders, kind):
+  """Found by their features: the image and label columns; the class names and ids are the
+  ClassLabel's, the images those of the digits, decoded."""
+  config = config_for(folders[kind])
+  plan.validate_config(config)
+  sources, info = input_pipeline.get_datasets(config)
+  assert (info.image_shape, info.num_classes, info.class_names, info.pixel_dtype) == (
+      (8, 8, 1), 10, NAMES, "uint8")
+  assert info.num_examples == {"train": 1437, "eval": 360}
+  digits, _ = input_pipeline.get_datasets(default.get_config())
+  indices = np.array([0, 5, 359])
+  for split in ("train", "eval"):
+    taken, wanted = sources[split].take(indices), digits[split].take(indices)
+    np.testing.assert_array_equal(taken["image"], wanted["image"])
+    np.testing.assert_array_equal(taken["label"], wanted["label"])
+
+
+def test_what_cannot_be_read_is_one_line(folders, tmp_path):
+  both = tmp_path / "both"
+  digits_dataset(("train", "validation")).save_to_disk(str(tmp_path / "two"))
+  dataset = datasets.load_from_disk(str(tmp_path / "two"))
+  datasets.DatasetDict(dict(dataset, test=dataset["validation"])).save_to_disk(str(both))
+  (tmp_path / "empty").mkdir()
+  for config, message in [
+      (config_for(str(both)), "the dataset's splits are train, validation, test: both of "
+       "validation and test; name the evaluation split: --config.huggingface.eval_split=NAME."),
+      (config_for(str(both), eval_split="val"), "the dataset has no config.huggingface.eval_split "
+       "'val'; its splits are train, validation, test."),
+      (config_for(folders["saved"], label_column="digits"), "config.huggingface.label_column="
+       "'digits' is no column; the columns are note, digit, picture."),
+      (config_for(str(tmp_path / "empty")), f"config.data_dir={str(tmp_path / 'empty')!r} holds "
+       "neither a dataset saved by save_to_disk (dataset_dict.json) nor Parquet files "
+       "(SPLIT-*.parquet).")]:
+    with pytest.raises(runs.ConfigError) as e:
+      plan.validate_config(config)
+    assert str(e.value) == message
+  config = config_for(str(both), eval_split="test")
+  plan.validate_config(config)
+  assert input_pipeline.get_datasets(config)[1].num_examples["eval"] == 360
+
+
+@pytest.mark.slow
+def test_a_run_on_a_hugging_face_dataset_keeps_its_class_names(folders, tmp_path):
+  """Trained on the saved dataset: data.json keeps the ClassLabel's names, predict.py gives them
+  and evaluate.py counts the whole validation split."""
+  import evaluate
+  import predict
+
+  config = config_for(folders["saved"])
+  config.num_epochs = 4
+  metrics = train.train_and_evaluate(config, str(tmp_path / "run"))
+  assert metrics["examples"] == 360 and metrics["accuracy"] > 0.5
+  run = runs.Restored(str(tmp_path / "run"))
+  assert run.info.class_names == NAMES
+  source = input_pipeline.get_datasets(run.config)[0]["eval"]
+  assert evaluate.evaluate(run, source)["accuracy"] == metrics["accuracy"]
+  images = source.take(np.arange(40))
+  for i, image in enumerate(images["image"]):
+    Image.fromarray(image[..., 0]).save(tmp_path / f"{i:02d}.png")
+  paths = runs.find_images([str(tmp_path)])
+  predicted = [NAMES[int(np.argmax(p))] for _, p in predict.predict(run, paths)]
+  assert sum(p == NAMES[label] for p, label in zip(predicted, images["label"], strict=True)) > 20
