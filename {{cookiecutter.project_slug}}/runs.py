@@ -9,6 +9,7 @@ so that a checkpoint can be used with nothing but the workdir (`restore`).
 
 import contextlib
 import json
+import math
 import os
 
 import grain
@@ -224,6 +225,28 @@ def restore_model(checkpoints, step: int, abstract, workdir: str):
   return state[int(keep[0])]
 
 
+def device_memory_bytes(device) -> int | None:
+  """What `device` can hold (its allocator's limit on GPUs and TPUs); None where JAX does not
+  say (the CPU)."""
+  stats = device.memory_stats()
+  return stats.get("bytes_limit") if stats else None
+
+
+def check_fits_devices(abstract_model, mesh, config, workdir: str) -> None:
+  """Raises ConfigError, before anything is read, when the model as the run placed it (split by
+  fsdp, else whole) is larger than a device of `mesh` holds, saying what it needs."""
+  memory = device_memory_bytes(mesh.devices.flat[0])
+  need = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+             for x in jax.tree.leaves(abstract_model))
+  if memory and need > memory:
+    devices = math.ceil(need * mesh.size / memory)
+    raise ConfigError(
+        f"the model of {workdir!r} needs {need / 2**30:.3g} GiB a device ({config.parallelism} "
+        f"over {mesh.size} devices); these hold {memory / 2**30:.3g} GiB: use "
+        + (f"{devices} or more of them." if config.parallelism == "fsdp" else
+           f"devices of {need / 2**30:.3g} GiB or more."))
+
+
 class Restored:
   """A checkpoint of a workdir: the config and data it was trained with, and its model alone
   (`graphdef`, `state`: the moving average of the parameters, when the run kept one), never its
@@ -243,6 +266,7 @@ class Restored:
     if limit and self.bytes > limit[0]:
       raise ConfigError(f"the model of {workdir!r} takes {self.bytes / 2**30:.3g} GiB, more than "
                         f"the {limit[0] / 2**30:.3g} GiB that {limit[1]}.")
+    check_fits_devices(model, self.mesh, self.config, workdir)
     checkpoints = checkpoint_manager(absolute(workdir), create=False)
     available = checkpoints.all_steps()
     if not available:

@@ -168,6 +168,25 @@ def test_every_path_evaluates_its_checkpoint_as_training_did(straight_runs, para
   assert result["loss"] == pytest.approx(metrics["loss"], rel=1e-6)
 
 
+@pytest.mark.parametrize("parallelism", ["spmd", "fsdp"])
+def test_a_model_larger_than_the_devices_is_refused_saying_what_it_needs(straight_runs,
+                                                                         parallelism, monkeypatch):
+  """Devices that hold less than the model as the run placed it (whole, or an eighth by fsdp):
+  one line, before anything is read. (The CPU reports no memory: here it says 256 bytes.)"""
+  workdir = straight_runs[parallelism][0]
+  state = runs.Restored(str(workdir)).state
+  whole, need = sum(x.nbytes for x in jax.tree.leaves(state)), parallel.bytes_per_device(state)
+  assert need == whole if parallelism == "spmd" else need < whole / 4
+  monkeypatch.setattr(runs, "device_memory_bytes", lambda device: 256)
+  with pytest.raises(runs.ConfigError) as e:
+    runs.Restored(str(workdir))
+  fix = (f"devices of {need / 2**30:.3g} GiB or more." if parallelism == "spmd" else
+         f"{-(-need * 8 // 256)} or more of them.")
+  assert str(e.value) == (
+      f"the model of {str(workdir)!r} needs {need / 2**30:.3g} GiB a device ({parallelism} over "
+      f"8 devices); these hold {256 / 2**30:.3g} GiB: use {fix}")
+
+
 def test_a_workdir_without_a_checkpoint_or_that_step_is_one_line(folder_run, tmp_path):
   _, workdir, _, _ = folder_run
   with pytest.raises(runs.ConfigError, match=(
