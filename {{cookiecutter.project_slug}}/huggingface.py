@@ -1,6 +1,7 @@
-"""Hugging Face datasets read in place (`config.dataset = 'huggingface'`, the `hf` extra): a
-`save_to_disk` folder or a folder of Parquet files in `config.data_dir`, or a Hub dataset named
-by `config.huggingface.name` (downloaded to Hugging Face's cache). Nothing is converted.
+"""Hugging Face datasets read in place (`config.dataset = 'huggingface'`, the `huggingface`
+extra): a `save_to_disk` folder or a folder of Parquet files in `config.data_dir`, or a Hub
+dataset named by `config.huggingface.name` (downloaded to Hugging Face's cache). Nothing is
+converted.
 
 The image column is the one whose feature is an `Image` and the label column the `ClassLabel`
 one, unless named in `config.huggingface`; label ids and class names are the `ClassLabel`'s.

@@ -159,7 +159,7 @@ def get_datasets(config) -> tuple[dict[str, ArraySource | RecordSource], Dataset
                for split in ("train", "eval")}
     class_names = meta.get("class_names", ())
   elif config.dataset == "huggingface":
-    import huggingface  # (the `hf` extra)
+    import huggingface  # (the `huggingface` extra)
 
     sources, image_shape, class_names = huggingface.sources(config)
     num_classes = len(class_names)

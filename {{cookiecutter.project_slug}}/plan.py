@@ -175,7 +175,7 @@ def validate_config(config: ml_collections.ConfigDict, workdir: str | None = Non
          "write_arrayrecord.py.")
   if config.dataset == "huggingface":
     need(_installed("datasets"), "config.dataset='huggingface' needs the `datasets` package: "
-         "pip install -e '.[hf]'.")
+         "pip install -e '.[huggingface]'.")
     need(not config.image_size or (len(config.image_size) == 3 and all(
         is_int(d, 1) for d in config.image_size)), f"config.image_size={config.image_size!r} "
          "must be (height, width, channels), e.g. --config.image_size='(224,224,3)'.")
