@@ -1,13 +1,16 @@
-"""Runs train.py as several processes on this machine, to try multi-process training.
+"""Runs train.py (or, with --script, evaluate.py, predict.py or export.py) as several processes
+on this machine, to try multi-process runs.
 
   python launch.py --num_processes=2 --devices_per_process=4 -- \
       --config=configs/default.py --workdir=/tmp/run
+  python launch.py --num_processes=2 --devices_per_process=4 --script=evaluate.py -- \
+      --workdir=/tmp/run
 
 Each process gets `--coordinator_address=127.0.0.1:PORT --num_processes=N --process_id=I`
 (JAX's distributed runtime, bound to the loopback interface only) and, with
 --devices_per_process, that many virtual CPU devices. When a process fails, the others are
 stopped; every process is bounded by --timeout. On a real cluster use its launcher instead
-(see README.md): train.py finds SLURM, Open MPI and Cloud TPU pods by itself.
+(see README.md): every entry point finds SLURM, Open MPI and Cloud TPU pods (distributed.py).
 """
 
 import os
