@@ -19,7 +19,6 @@ import numpy as np
 import input_pipeline
 
 EVAL_SPLITS = ("validation", "test")
-GRAY_MODES = ("1", "L", "LA", "I", "I;16", "F")
 
 
 def load(config) -> dict:
@@ -124,7 +123,7 @@ def sources(config) -> tuple[dict[str, Source], tuple[int, int, int], tuple[str,
   else:
     first = Source(loaded["train"], image, label, (1, 1, 1))
     with Image.open(io.BytesIO(first.encoded(first.dataset[0][image]))) as im:
-      (width, height), channels = im.size, 1 if im.mode in GRAY_MODES else 3
+      (width, height), channels = im.size, 1 if im.mode in input_pipeline.GRAY_MODES else 3
   feature = loaded["train"].features[label]
   names = tuple(getattr(feature, "names", None) or ())
   if not names:  # integer labels without names: 0 .. max

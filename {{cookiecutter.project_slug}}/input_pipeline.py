@@ -72,6 +72,7 @@ def decode_image(data: bytes, image_shape: tuple[int, int, int]) -> np.ndarray:
 
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")  # the image files that folders are read for
+GRAY_MODES = ("1", "L", "LA", "I", "I;16", "F")  # PIL modes of one channel
 
 
 def images_under(directory: str, suffixes: tuple[str, ...] = IMAGE_SUFFIXES) -> list[str]:

@@ -41,7 +41,6 @@ import input_pipeline
 import writers
 
 KEYS = ("train_images", "train_labels", "eval_images", "eval_labels")
-GRAY_MODES = ("1", "L", "LA", "I", "I;16", "F")
 
 
 def as_pixels(split: str, images: np.ndarray) -> np.ndarray:
@@ -188,7 +187,7 @@ def write_image_folder(out_dir: str, folder: str, image_size: tuple[int, int] | 
                          f"{sizes[1][1]}x{sizes[1][0]}, ...); give --image_size=H,W to scale and "
                          "crop them to one.")
       image_size = sizes[0][::-1]
-    channels = 1 if all(mode in GRAY_MODES for _, mode in headers) else 3
+    channels = 1 if all(mode in input_pipeline.GRAY_MODES for _, mode in headers) else 3
     image_shape = (*image_size, channels)
     os.makedirs(out_dir, exist_ok=True)
     num_examples = {}
