@@ -29,6 +29,7 @@ EXPECTED_FILES = [
     "benchmark.py",
     "chips.py",
     "configs/default.py",
+    "configs/imagenet.py",
     "configs/tiny.py",
     "distributed.py",
     "evaluate.py",

@@ -154,6 +154,7 @@ def _analyze(config, devices) -> dict:
   graphdef, state, init = runs.initial_state(config, info, mesh, num_train_steps)
   pmap = config.parallelism == "pmap"
   compiled_steps = steps.make(graphdef, config, mesh, unroll=False,
+                              crop_on_device=not info.crops_on_host,
                               pmap_devices=devices if pmap else None)
   batches = abstract_batches(config, info, num_devices, mesh, pmap)
   where = None if pmap else parallel.replicated(mesh)

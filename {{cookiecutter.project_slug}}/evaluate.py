@@ -29,9 +29,10 @@ import steps
 FLAGS = flags.FLAGS
 
 
-def image_folder_source(folder: str, info) -> input_pipeline.ArraySource:
+def image_folder_source(folder: str, run: runs.Restored) -> input_pipeline.ArraySource:
   """The images under `folder`/CLASS/, decoded as predict.py decodes them, labelled by the run's
   class names; unreadable files are reported on stderr and skipped."""
+  info = run.info
   if not os.path.isdir(folder):
     raise runs.ConfigError(f"--image_folder={folder!r} is not a directory.")
   if info.pixel_dtype != "uint8":
@@ -46,7 +47,8 @@ def image_folder_source(folder: str, info) -> input_pipeline.ArraySource:
       raise runs.ConfigError(f"--image_folder: {entry.path} is no class of the run; its classes "
                              f"are {', '.join(info.class_names)}.")
     for path in runs.find_images([entry.path]):
-      image = input_pipeline.read_image(path, info.image_shape)
+      image = input_pipeline.read_image(path, info.image_shape,
+                                        center_ratio=runs.center_ratio(run))
       if isinstance(image, str):
         print(f"skipped {path}: {image}", file=sys.stderr)
         continue
@@ -91,7 +93,7 @@ def main(argv):
   try:
     run = runs.Restored(FLAGS.workdir, FLAGS.step)
     if FLAGS.image_folder:
-      source = image_folder_source(FLAGS.image_folder, run.info)
+      source = image_folder_source(FLAGS.image_folder, run)
     else:
       config = run.config.copy_and_resolve_references()
       if FLAGS.data_dir:

@@ -40,6 +40,8 @@ class DatasetInfo:
   class_names: tuple[str, ...] = ()  # when the data name them (write_arrayrecord --image_folder)
   # As stored: integer pixels reach the model divided by 255, floats as they are (model_input).
   pixel_dtype: str = "uint8"
+  # Photos stored whole (write_arrayrecord --resize_shorter), cropped to `image_shape` here.
+  crops_on_host: bool = False
 
 
 def model_input(pixel_dtype: str) -> str:
@@ -82,10 +84,11 @@ def images_under(directory: str, suffixes: tuple[str, ...] = IMAGE_SUFFIXES) -> 
 
 
 def read_image(path: str, image_shape, keep_encoded: bool = False,
-               pixel_dtype: str = "uint8") -> np.ndarray | bytes | str:
-  """The file decoded to `image_shape` (`decode_image`; with keep_encoded, the file's bytes
-  once they decode), or a .npy file's array, as stored (of `image_shape` and `pixel_dtype`), or
-  why it could not be read."""
+               pixel_dtype: str = "uint8", center_ratio: float = 1.0) -> np.ndarray | bytes | str:
+  """The file decoded to `image_shape` (`decode_image`; with `center_ratio` < 1, evaluation's
+  crop of a photo stored whole: `Crops`; with keep_encoded, the file's bytes once they decode),
+  or a .npy file's array, as stored (of `image_shape` and `pixel_dtype`), or why it could not
+  be read."""
   try:
     if path.lower().endswith(".npy"):
       image = np.load(path, allow_pickle=False)
@@ -95,28 +98,82 @@ def read_image(path: str, image_shape, keep_encoded: bool = False,
       return image
     with open(path, "rb") as f:
       data = f.read()
-    image = decode_image(data, image_shape)
+    image = (Crops(center_ratio=center_ratio)(data, image_shape, 0) if center_ratio < 1 else
+             decode_image(data, image_shape))
     return data if keep_encoded else image
   except Exception as e:  # noqa: BLE001  (any unreadable file is reported and skipped)
     return f"{type(e).__name__}: {e}"
 
 
+@dataclasses.dataclass(frozen=True)
+class Crops:
+  """How a photo stored whole (`write_arrayrecord.py --resize_shorter`) becomes `image_shape`.
+  With `scale`, a random crop (Inception's: a fraction of the area in `scale`, of aspect
+  (width / height) log-uniform in `ratio`, the first of 10 draws that fits, else the centre
+  crop), drawn from `seed` and the example's stream position alone; without it, evaluation's
+  centre crop: the image scaled to cover `image_shape` / `center_ratio` (256 for 224 at
+  0.875), its centre `image_shape` kept. The box is chosen from the file's header, and a JPEG
+  is decoded at the smallest scale (1/2, 1/4, 1/8: DCT scaling) that keeps the box's pixels."""
+
+  seed: int = 0
+  scale: tuple[float, float] | None = None
+  ratio: tuple[float, float] = (3 / 4, 4 / 3)
+  center_ratio: float = 0.875
+
+  def box(self, width: int, height: int, out_hw, position: int):
+    """(left, top, right, bottom) in the stored image's pixels."""
+    if self.scale is not None:
+      rng = np.random.default_rng([self.seed, position])
+      for _ in range(10):
+        area = width * height * rng.uniform(*self.scale)
+        aspect = math.exp(rng.uniform(math.log(self.ratio[0]), math.log(self.ratio[1])))
+        w, h = math.sqrt(area * aspect), math.sqrt(area / aspect)
+        if w <= width and h <= height:
+          left, top = rng.uniform(0, width - w), rng.uniform(0, height - h)
+          return left, top, left + w, top + h
+    zoom = max(out_hw[1] / width, out_hw[0] / height) / self.center_ratio
+    w, h = min(out_hw[1] / zoom, width), min(out_hw[0] / zoom, height)
+    return (width - w) / 2, (height - h) / 2, (width + w) / 2, (height + h) / 2
+
+  def __call__(self, data: bytes, image_shape, position: int) -> np.ndarray:
+    height, width, channels = image_shape
+    with Image.open(io.BytesIO(data)) as image:
+      left, top, right, bottom = self.box(*image.size, (height, width), position)
+      full = image.size
+      mode = "L" if channels == 1 else "RGB"
+      image.draft(mode, (math.ceil(full[0] * width / (right - left)),
+                         math.ceil(full[1] * height / (bottom - top))))
+      sx, sy = image.size[0] / full[0], image.size[1] / full[1]  # 1 unless a JPEG's draft
+      image = image.convert(mode).resize((width, height), Image.Resampling.BILINEAR,
+                                         box=(left * sx, top * sy, right * sx, bottom * sy))
+      return np.asarray(image).reshape(height, width, channels)
+
+
 class RecordSource:
   """Examples in ArrayRecord files, one msgpack-encoded example per record. Images stored
   encoded (`write_arrayrecord.py --keep_encoded`) are decoded here, to `image_shape`: in the
-  Grain worker processes, or Grain's threads, that read the batches."""
+  Grain worker processes, or Grain's threads, that read the batches; photos stored whole
+  (`--resize_shorter`) are cropped by `crops`, each by its stream position (`take`)."""
 
-  def __init__(self, paths: list[str], image_shape: tuple[int, int, int]):
+  def __init__(self, paths: list[str], image_shape: tuple[int, int, int],
+               crops: Crops | None = None):
     self.records = grain.sources.ArrayRecordDataSource(paths)
     self.image_shape = tuple(image_shape)
+    self.crops = crops
 
   def __len__(self) -> int:
     return len(self.records)
 
-  def take(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+  def take(self, indices: np.ndarray, positions: np.ndarray | None = None
+           ) -> dict[str, np.ndarray]:
     examples = [serialization.msgpack_restore(self.records[int(i)]) for i in indices]
-    images = [decode_image(ex["image"], self.image_shape) if isinstance(ex["image"], bytes)
-              else ex["image"] for ex in examples]
+    if self.crops is not None:
+      positions = np.zeros(len(indices), np.int64) if positions is None else positions
+      images = [self.crops(ex["image"], self.image_shape, int(position))
+                for ex, position in zip(examples, positions, strict=True)]
+    else:
+      images = [decode_image(ex["image"], self.image_shape) if isinstance(ex["image"], bytes)
+                else ex["image"] for ex in examples]
     return {"image": np.stack(images),
             "label": np.array([ex["label"] for ex in examples], np.int32)}
 
@@ -152,12 +209,20 @@ def arrayrecord_paths(data_dir: str, split: str) -> list[str]:
 
 def get_datasets(config) -> tuple[dict[str, ArraySource | RecordSource], DatasetInfo]:
   """The 'train' and 'eval' sources, and what the model needs to know about them."""
+  crops_on_host = False
   if config.dataset == "arrayrecord":
     with open(os.path.join(config.data_dir, "metadata.json")) as f:
       meta = json.load(f)
     image_shape, num_classes = meta["image_shape"], meta["num_classes"]
-    sources = {split: RecordSource(arrayrecord_paths(config.data_dir, split), image_shape)
-               for split in ("train", "eval")}
+    crops_on_host = bool(meta.get("resize_shorter"))
+    crops = {"eval": None, "train": None}
+    if crops_on_host:
+      crops = {"eval": Crops(center_ratio=config.eval_crop_ratio),
+               "train": Crops(config.seed, tuple(config.augment_crop_scale)
+                              if config.augment_crop else None, tuple(config.augment_crop_ratio),
+                              config.eval_crop_ratio)}
+    sources = {split: RecordSource(arrayrecord_paths(config.data_dir, split), image_shape,
+                                   crops[split]) for split in ("train", "eval")}
     class_names = meta.get("class_names", ())
   elif config.dataset == "huggingface":
     import huggingface  # (the `huggingface` extra)
@@ -174,7 +239,7 @@ def get_datasets(config) -> tuple[dict[str, ArraySource | RecordSource], Dataset
   first = sources["train"].take(np.zeros(1, np.int64))["image"] if len(sources["train"]) else None
   info = DatasetInfo(tuple(image_shape), int(num_classes),
                      {split: len(source) for split, source in sources.items()}, tuple(class_names),
-                     "uint8" if first is None else first.dtype.name)
+                     "uint8" if first is None else first.dtype.name, crops_on_host)
   return sources, info
 
 
@@ -189,7 +254,7 @@ def describe(config) -> DatasetInfo:
       meta = json.load(f)
     return DatasetInfo(tuple(meta["image_shape"]), int(meta["num_classes"]),
                        dict(meta["num_examples"]), tuple(meta.get("class_names", ())),
-                       meta.get("pixel_dtype", "uint8"))
+                       meta.get("pixel_dtype", "uint8"), bool(meta.get("resize_shorter")))
   if config.dataset == "huggingface":  # its metadata and one image
     return get_datasets(config)[1]
   if config.dataset == "synthetic":
@@ -251,7 +316,10 @@ class LoadBatches:
     if self.shuffle_seed is not None:
       for e in np.unique(epoch[mask_KB]):  # an element may straddle epochs
         indices[epoch == e] = self.permutation(e)[indices[epoch == e]]
-    taken = self.source.take(indices.reshape(-1))
+    if isinstance(self.source, RecordSource) and self.source.crops is not None:
+      taken = self.source.take(indices.reshape(-1), positions_KB.reshape(-1))
+    else:
+      taken = self.source.take(indices.reshape(-1))
     image = taken["image"].reshape(k, local_batch_size, *taken["image"].shape[1:])
     image[~mask_KB] = 0  # a fresh array: padding zeroed in place
     label = np.where(mask_KB, taken["label"].reshape(k, local_batch_size), 0).astype(np.int32)

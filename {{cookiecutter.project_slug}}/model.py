@@ -1,4 +1,5 @@
-"""The model: a small NNX CNN. Replace it freely.
+"""The models: a small NNX CNN (the default) and ResNet-18/50 v1.5 (`config.model.name`).
+Replace them freely.
 
 Contract with train.py: `create_model(config, image_shape, num_classes, rngs)` returns an
 `nnx.Module` mapping images `[batch, height, width, channels]` to logits `[batch, num_classes]`.
@@ -8,8 +9,12 @@ A model whose `__call__` has an `example_mask` parameter (or `**kwargs`) also ge
 the logits' dtype.
 """
 
+import functools
+
 import jax.numpy as jnp
 from flax import nnx
+
+import parallel
 
 
 class CNN(nnx.Module):
@@ -42,12 +47,82 @@ class CNN(nnx.Module):
     return self.dense(x.reshape(x.shape[0], -1))
 
 
+class ResidualBlock(nnx.Module):
+  """x + F(x) (x projected by a strided 1x1 convolution where F changes its shape), then ReLU.
+  F: two 3x3 convolutions (basic, ResNet-18), or 1x1, 3x3, 1x1 to 4x the width (bottleneck,
+  ResNet-50), each followed by BatchNorm; v1.5 strides the 3x3. The last BatchNorm's scale
+  starts at 0, so that every block starts as the identity (Goyal et al. 2017)."""
+
+  def __init__(self, in_features: int, width: int, strides: int, bottleneck: bool, conv, norm):
+    if bottleneck:
+      shapes = [(1, width, 1), (3, width, strides), (1, 4 * width, 1)]
+    else:
+      shapes = [(3, width, strides), (3, width, 1)]
+    widths = [in_features] + [out for _, out, _ in shapes]
+    self.convs = nnx.List([conv(widths[i], out, (size, size), strides=stride)
+                           for i, (size, out, stride) in enumerate(shapes)])
+    self.norms = nnx.List([norm(out) for _, out, _ in shapes[:-1]]
+                          + [norm(widths[-1], scale_init=nnx.initializers.zeros)])
+    projected = strides != 1 or in_features != widths[-1]
+    self.project = conv(in_features, widths[-1], (1, 1), strides=strides) if projected else None
+    self.project_norm = norm(widths[-1]) if projected else None
+
+  def __call__(self, x_BHWC, mask_B):
+    y = x_BHWC
+    for i, (conv, norm) in enumerate(zip(self.convs, self.norms, strict=True)):
+      y = norm(conv(y), mask=mask_B)
+      y = nnx.relu(y) if i < len(self.convs) - 1 else y
+    if self.project is not None:
+      x_BHWC = self.project_norm(self.project(x_BHWC), mask=mask_B)
+    return nnx.relu(x_BHWC + y)
+
+
+class ResNet(nnx.Module):
+  """ResNet v1.5 (He et al. 2016; torchvision's and Flax's examples/imagenet's): a 7x7 stride-2
+  convolution and a 3x3 stride-2 max pool, four stages of residual blocks (the first block of
+  stages 2-4 halves the resolution and doubles the width), global average pool, linear. Its
+  BatchNorm (`parallel.BatchNorm`) takes the statistics of the real examples of the whole
+  global batch on every path: under pmap too (`axis_name`), padding left out (`example_mask`)."""
+
+  def __init__(self, image_shape, num_classes: int, *, stage_sizes: tuple[int, ...],
+               bottleneck: bool, width: int = 64, dtype=jnp.float32, param_dtype=jnp.float32,
+               axis_name: str | None = None, rngs: nnx.Rngs):
+    conv = functools.partial(nnx.Conv, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                             kernel_init=nnx.initializers.variance_scaling(2.0, "fan_out",
+                                                                           "normal"),
+                             rngs=rngs)
+    norm = functools.partial(parallel.BatchNorm, momentum=0.9, epsilon=1e-5, dtype=dtype,
+                             param_dtype=param_dtype, axis_name=axis_name, rngs=rngs)
+    self.stem = conv(image_shape[-1], width, (7, 7), strides=2, padding=((3, 3), (3, 3)))
+    self.stem_norm = norm(width)
+    blocks, features = [], width
+    for stage, size in enumerate(stage_sizes):
+      for i in range(size):
+        strides = 2 if stage > 0 and i == 0 else 1
+        blocks.append(ResidualBlock(features, width * 2**stage, strides, bottleneck, conv, norm))
+        features = width * 2**stage * (4 if bottleneck else 1)
+    self.blocks = nnx.List(blocks)
+    self.head = nnx.Linear(features, num_classes, dtype=dtype, param_dtype=param_dtype,
+                           rngs=rngs)
+
+  def __call__(self, images_BHWC, example_mask=None):
+    x = nnx.relu(self.stem_norm(self.stem(images_BHWC), mask=example_mask))
+    x = nnx.max_pool(x, window_shape=(3, 3), strides=(2, 2), padding="SAME")
+    for block in self.blocks:
+      x = block(x, example_mask)
+    return self.head(x.mean(axis=(1, 2)))
+
+
+RESNETS = {"resnet18": dict(stage_sizes=(2, 2, 2, 2), bottleneck=False),
+           "resnet50": dict(stage_sizes=(3, 4, 6, 3), bottleneck=True)}
+MODELS = ("cnn", *RESNETS)
+
+
 def create_model(config, image_shape, num_classes, rngs: nnx.Rngs) -> nnx.Module:
-  return CNN(
-      image_shape,
-      num_classes,
-      features=tuple(config.model.features),
-      dtype=jnp.dtype(config.model.dtype),
-      param_dtype=jnp.dtype(config.model.param_dtype),
-      rngs=rngs,
-  )
+  dtypes = dict(dtype=jnp.dtype(config.model.dtype),
+                param_dtype=jnp.dtype(config.model.param_dtype), rngs=rngs)
+  if config.model.name in RESNETS:  # BatchNorm reduces over pmap's axis too
+    axis_name = parallel.PMAP_AXIS if config.parallelism == "pmap" else None
+    return ResNet(image_shape, num_classes, **RESNETS[config.model.name],
+                  width=config.model.width, axis_name=axis_name, **dtypes)
+  return CNN(image_shape, num_classes, features=tuple(config.model.features), **dtypes)

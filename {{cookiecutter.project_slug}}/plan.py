@@ -19,6 +19,7 @@ from ml_collections import config_flags
 
 import chips
 import input_pipeline
+import model as models
 import parallel
 import runs
 import steps
@@ -75,6 +76,13 @@ def validate_config(config: ml_collections.ConfigDict, workdir: str | None = Non
   for key in ("augment_max_shift", "read_threads", "prefetch_batches", "prefetch_to_device",
               "profile_first_step", "seed", "per_device_batch_size", "warmup_steps"):
     need(is_int(config[key], 0), f"config.{key}={config[key]!r} must be an integer >= 0.")
+  need(isinstance(config.warmup_epochs, (int, float)) and config.warmup_epochs >= 0
+       and not (config.warmup_epochs and config.warmup_steps),
+       f"config.warmup_epochs={config.warmup_epochs!r} must be a number >= 0, and 0 when "
+       f"config.warmup_steps (={config.warmup_steps!r}) is set: give one of the two.")
+  need(isinstance(config.eval_crop_ratio, (int, float)) and 0 < config.eval_crop_ratio <= 1,
+       f"config.eval_crop_ratio={config.eval_crop_ratio!r} must be a number in (0, 1]: the share "
+       "of the scaled photo that evaluation keeps (0.875: 224 of 256).")
   slices = parallel.num_slices(devices)
   per_slice = num_devices // slices  # fsdp groups stay within a TPU slice
   need(is_int(config.fsdp_devices, 0) and per_slice % max(config.fsdp_devices, 1) == 0,
@@ -113,6 +121,12 @@ def validate_config(config: ml_collections.ConfigDict, workdir: str | None = Non
       is_int(f, 1) for f in features),
        f"config.model.features={features!r} must be a tuple of positive integers (one width "
        "per convolution), e.g. --config.model.features='(32,64)'.")
+  known = getattr(models, "MODELS", None)  # (model.py's names, where yours keeps them)
+  need(known is None or model.get("name", known[0]) in known,
+       f"config.model.name={model.get('name')!r} is none of model.py's {known}; choose one.")
+  need(is_int(model.get("width", 1), 1),
+       f"config.model.width={model.get('width')!r} must be a positive integer (ResNet's first "
+       "stage's width, 64 in the papers).")
   k = steps.steps_per_dispatch(config, devices[0].platform)
   for key in ("log_every_steps", "eval_every_steps", "checkpoint_every_steps"):
     lower = max(config[key] // k, 1) * k

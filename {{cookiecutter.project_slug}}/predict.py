@@ -45,7 +45,7 @@ def predict(run: runs.Restored, paths: list[str], batch_size: int = 0):
       static_argnums=0, out_shardings=NamedSharding(run.mesh, P()))  # every row, everywhere
   put = lambda x: jax.make_array_from_process_local_data(sharding, x)  # noqa: E731
   read = functools.partial(input_pipeline.read_image, image_shape=run.info.image_shape,
-                           pixel_dtype=run.info.pixel_dtype)
+                           pixel_dtype=run.info.pixel_dtype, center_ratio=runs.center_ratio(run))
   with concurrent.futures.ThreadPoolExecutor(input_pipeline.available_cpus()) as pool:
     for start in range(0, len(paths), batch_size):
       chunk = paths[start:start + batch_size]

@@ -71,11 +71,16 @@ def peak_learning_rate(config) -> float:
       config.lr_scaling]
 
 
+def warmup_steps(config, num_train_steps: int) -> int:
+  """`config.warmup_steps`, or `config.warmup_epochs` of the run's steps."""
+  return config.warmup_steps or round(config.warmup_epochs * num_train_steps / config.num_epochs)
+
+
 def create_schedule(config, num_train_steps: int) -> optax.Schedule:
   """The learning rate of update n (n = 0, 1, ...): a linear warmup from 0 to the peak over
-  `config.warmup_steps`, then `config.schedule` over the remaining steps (cosine and linear: to
-  0 at `num_train_steps`)."""
-  peak, warmup = peak_learning_rate(config), config.warmup_steps
+  `warmup_steps`, then `config.schedule` over the remaining steps (cosine and linear: to 0 at
+  `num_train_steps`)."""
+  peak, warmup = peak_learning_rate(config), warmup_steps(config, num_train_steps)
   decay_steps = max(num_train_steps - warmup, 1)
   decay = {"cosine": lambda: optax.cosine_decay_schedule(peak, decay_steps),
            "linear": lambda: optax.linear_schedule(peak, 0.0, decay_steps),
@@ -174,7 +179,8 @@ def write_description(workdir: str, config, info: input_pipeline.DatasetInfo) ->
   names = info.class_names or tuple(str(i) for i in range(info.num_classes))
   data = dict(image_shape=list(info.image_shape), num_classes=info.num_classes,
               class_names=list(names), pixel_dtype=info.pixel_dtype,
-              model_input=input_pipeline.model_input(info.pixel_dtype))
+              model_input=input_pipeline.model_input(info.pixel_dtype),
+              crops_on_host=info.crops_on_host)
   (epath.Path(workdir) / CONFIG_FILE).write_text(config.to_json(indent=2))
   (epath.Path(workdir) / DATA_FILE).write_text(json.dumps(data, indent=2))
 
@@ -206,8 +212,15 @@ def read_description(workdir: str):
   data = json.loads((path / DATA_FILE).read_text())
   info = input_pipeline.DatasetInfo(tuple(data["image_shape"]), data["num_classes"], {},
                                     tuple(data["class_names"]),
-                                    data.get("pixel_dtype", "uint8"))  # (older runs: uint8)
+                                    data.get("pixel_dtype", "uint8"),  # (older runs: uint8)
+                                    data.get("crops_on_host", False))
   return config, info
+
+
+def center_ratio(run) -> float:
+  """The share of a photo that evaluation keeps: the run's eval_crop_ratio where the photos were
+  stored whole (input_pipeline.Crops), else 1 (the image scaled to cover, its centre kept)."""
+  return run.config.get("eval_crop_ratio", 1.0) if run.info.crops_on_host else 1.0
 
 
 def restore_model(checkpoints, step: int, abstract, workdir: str):

@@ -467,16 +467,20 @@ class Steps(NamedTuple):
   empty: callable  # a metrics class -> its empty value, placed for the steps
 
 
-def make(graphdef, config, mesh, unroll: bool | None = None, pmap_devices=None) -> Steps:
+def make(graphdef, config, mesh, unroll: bool | None = None, pmap_devices=None,
+         crop_on_device: bool = True) -> Steps:
   """The train and eval steps of `config.parallelism`, each running stacked batches. `unroll`:
   the k steps of a call as straight-line code (True) or a rolled loop (False); None: unrolled
   on the CPU, whose XLA runs convolution gradients ~100x slower inside a loop, rolled elsewhere
   (it compiles once, whatever k). `pmap_devices`: pmap's devices (default: the local ones;
   aot.py: a topology's). A step is skipped by selection on GPUs and TPUs, under lax.cond on the
-  CPU (`train_step`'s `skip_by`, `norms_of`)."""
+  CPU (`train_step`'s `skip_by`, `norms_of`). `crop_on_device` False: `config.augment_crop`'s
+  crops are the input pipeline's (photos stored whole: input_pipeline.Crops)."""
   platform = (pmap_devices or mesh.devices.flat)[0].platform
   options = dict(step_options(config), skip_by="cond" if platform == "cpu" else "select",
                  norms_of="updated" if platform == "gpu" else "kept")
+  if not crop_on_device:
+    options["crop"] = None
   if unroll is None:
     unroll = platform == "cpu"
   if config.parallelism == "pmap":
@@ -533,7 +537,10 @@ def _flops(jaxpr) -> int:
     elif eqn.primitive.name == "conv_general_dilated":
       rhs = eqn.invars[1].aval.shape
       _, rhs_spec, _ = eqn.params["dimension_numbers"]  # rhs: out feature, in feature, spatial
-      total += 2 * math.prod(out) * math.prod(rhs[d] for d in rhs_spec[1:])
+      # A strided convolution's input gradient dilates its input (lhs_dilation): of those
+      # products, only 1 in prod(lhs_dilation) is not by an inserted zero.
+      total += (2 * math.prod(out) * math.prod(rhs[d] for d in rhs_spec[1:])
+                // math.prod(eqn.params["lhs_dilation"]))
     inner = [_flops(sub) for sub in _inner_jaxprs(eqn.params)]
     if eqn.primitive.name == "cond":
       total += max(inner, default=0)

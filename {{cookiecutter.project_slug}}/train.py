@@ -160,10 +160,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                if config.per_device_batch_size else "", peak_learning_rate(config),
                "" if config.lr_scaling == "none" else f" ({config.lr_scaling} scaling of "
                f"{config.learning_rate:g} at batch {config.base_batch_size})",
-               config.warmup_steps, config.schedule)
+               runs.warmup_steps(config, num_train_steps), config.schedule)
   mesh = parallel.make_mesh(config)
   graphdef, abstract, init = initial_state(config, info, mesh, num_train_steps)
-  compiled = steps.make(graphdef, config, mesh)
+  compiled = steps.make(graphdef, config, mesh, crop_on_device=not info.crops_on_host)
 
   if config.init_from:  # read before the workdir is touched: a mismatch stops here
     init = runs.init_from(config.init_from, abstract, init)

@@ -10,8 +10,11 @@ those are the two splits; otherwise `--eval_fraction` of each class is held out 
 Images are decoded to uint8 and, with `--image_size=H[,W]` (needed when their sizes differ),
 scaled and center-cropped to it; they keep 1 channel if all are gray, else they are RGB.
 `--keep_encoded` stores each file's bytes as they are (smaller on disk): the Grain workers then
-decode, and resize, them while training. An unreadable image is reported by its path and
-skipped; the class names go into `metadata.json`.
+decode, and resize, them while training. `--resize_shorter=S` (with `--image_size`, the size
+that training and evaluation crop to, e.g. 224 from 256) keeps each photo whole, with its
+aspect: encoded, as a JPEG of shorter side S where it was larger (at quality 95; else the file's
+bytes), so that training crops from all of it (input_pipeline.Crops). An unreadable image is
+reported by its path and skipped; the class names go into `metadata.json`.
 
 The .npz holds `train_images`, `train_labels`, `eval_images`, `eval_labels` (images
 [N, H, W, C]; labels [N], integers from 0). Store pixels as uint8, 0 to 255: they stay uint8 up
@@ -26,6 +29,7 @@ image shape, the number of classes (and their names) and the split sizes. Then t
 
 import concurrent.futures
 import glob
+import io
 import json
 import os
 import sys
@@ -164,11 +168,40 @@ def read_header(path: str) -> tuple[tuple[int, int], str] | str:
     return f"{type(e).__name__}: {e}"
 
 
+def shrink(path: str, shorter: int, channels: int) -> bytes | str:
+  """The file as encoded bytes, its shorter side at most `shorter` (a larger photo is scaled down
+  and stored as a JPEG of quality 95), or why it could not be read."""
+  try:
+    with open(path, "rb") as f:
+      data = f.read()
+    with Image.open(io.BytesIO(data)) as image:
+      if min(image.size) <= shorter:
+        image.convert("L" if channels == 1 else "RGB")  # decodes: a broken file fails here
+        return data
+      size = tuple(max(round(s * shorter / min(image.size)), 1) for s in image.size)
+      image.draft("L" if channels == 1 else "RGB", size)  # a JPEG decodes at a smaller scale
+      image = image.convert("L" if channels == 1 else "RGB").resize(
+          size, Image.Resampling.BICUBIC)
+      out = io.BytesIO()
+      image.save(out, "JPEG", quality=95)
+      return out.getvalue()
+  except Exception as e:  # noqa: BLE001  (any unreadable file is reported and skipped)
+    return f"{type(e).__name__}: {e}"
+
+
 def write_image_folder(out_dir: str, folder: str, image_size: tuple[int, int] | None = None,
                        keep_encoded: bool = False, eval_fraction: float = 0.2,
-                       num_shards: int = 4, num_threads: int | None = None) -> list[str]:
+                       num_shards: int = 4, num_threads: int | None = None,
+                       resize_shorter: int = 0) -> list[str]:
   """Writes the images of `folder` (see the module's docstring); returns the skipped paths.
   Checks the whole tree (file names and image headers) before writing anything."""
+  if resize_shorter and not image_size:
+    raise ValueError("--resize_shorter needs --image_size: the size that training and evaluation "
+                     "crop the photos to (e.g. --resize_shorter=256 --image_size=224).")
+  if resize_shorter and resize_shorter < max(image_size):
+    raise ValueError(f"--resize_shorter={resize_shorter} is below --image_size="
+                     f"{','.join(map(str, image_size))}: the stored photos would be enlarged; "
+                     "give a shorter side of at least the image size.")
   classes, examples = list_image_folder(folder, eval_fraction)
   num_threads = num_threads or input_pipeline.available_cpus()
   skipped = []
@@ -196,8 +229,10 @@ def write_image_folder(out_dir: str, folder: str, image_size: tuple[int, int] | 
         chunk = 1024  # decoded a chunk at a time, in order, by the threads
         for start in range(0, len(triples), chunk):
           part = triples[start:start + chunk]
-          images = pool.map(input_pipeline.read_image, [p for p, _, _ in part],
-                            [image_shape] * len(part), [keep_encoded] * len(part))
+          images = (pool.map(shrink, [p for p, _, _ in part], [resize_shorter] * len(part),
+                             [channels] * len(part)) if resize_shorter else
+                    pool.map(input_pipeline.read_image, [p for p, _, _ in part],
+                             [image_shape] * len(part), [keep_encoded] * len(part)))
           for i, ((path, label, _), image) in enumerate(zip(part, images, strict=True)):
             if isinstance(image, str):
               skipped.append((path, image))
@@ -215,7 +250,8 @@ def write_image_folder(out_dir: str, folder: str, image_size: tuple[int, int] | 
     if not count:
       raise ValueError(f"no {split} image of {folder} could be read.")
   write_metadata(out_dir, image_shape, len(classes), num_examples, class_names=classes,
-                 encoded=keep_encoded, pixel_dtype="uint8")
+                 encoded=keep_encoded or bool(resize_shorter), pixel_dtype="uint8",
+                 **({"resize_shorter": resize_shorter} if resize_shorter else {}))
   return [path for path, _ in skipped]
 
 
@@ -235,6 +271,9 @@ _NPZ = flags.DEFINE_string("npz", None, "Arrays to write.")
 _IMAGE_FOLDER = flags.DEFINE_string("image_folder", None, "A folder of JPEG/PNG files, one "
                                     "subfolder per class (and train/, val/ folders, if split).")
 _IMAGE_SIZE = flags.DEFINE_string("image_size", None, "H or H,W: scale and center-crop to it.")
+_RESIZE_SHORTER = flags.DEFINE_integer(
+    "resize_shorter", 0, "Keep each photo whole, its shorter side at most this (e.g. 256): "
+    "training crops from all of it, evaluation its centre (needs --image_size).")
 _KEEP_ENCODED = flags.DEFINE_bool("keep_encoded", False, "Store the image files' bytes; the "
                                   "training pipeline decodes them.")
 _EVAL_FRACTION = flags.DEFINE_float("eval_fraction", 0.2, "--image_folder without train/ and "
@@ -254,7 +293,8 @@ def main(argv):
     if _IMAGE_FOLDER.value:
       size = _IMAGE_SIZE.value and parse_size(_IMAGE_SIZE.value)
       skipped = write_image_folder(out_dir, _IMAGE_FOLDER.value, size or None,
-                                   _KEEP_ENCODED.value, _EVAL_FRACTION.value, _NUM_SHARDS.value)
+                                   _KEEP_ENCODED.value, _EVAL_FRACTION.value, _NUM_SHARDS.value,
+                                   resize_shorter=_RESIZE_SHORTER.value)
       with open(os.path.join(out_dir, "metadata.json")) as f:
         meta = json.load(f)
       print(f"wrote {', '.join(f'{s}: {n}' for s, n in meta['num_examples'].items())} images "

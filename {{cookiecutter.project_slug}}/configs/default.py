@@ -26,6 +26,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.augment_crop = False
   config.augment_crop_scale = (0.08, 1.0)  # Inception's (and timm's) defaults
   config.augment_crop_ratio = (3 / 4, 4 / 3)
+  # Photos stored whole (write_arrayrecord.py --resize_shorter) are cropped on the host, as
+  # they are decoded: training's crop (above; without augment_crop, evaluation's) from the whole
+  # photo; evaluation scales them to cover the image size / this, keeps the centre (256 -> 224).
+  config.eval_crop_ratio = 0.875
   # Grain worker processes: -1 chooses from the host's cores (none for data held in memory,
   # whose batches are one NumPy gather); 0 reads in the main process.
   config.num_workers = -1
@@ -34,8 +38,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.prefetch_to_device = 2  # elements placed on the devices ahead of the step; 0: none
 
   # Model and optimisation.
+  # name: model.py's 'cnn' (of one convolution per entry of `features`), 'resnet18' or
+  # 'resnet50' (of `width` channels in its first stage). dtype: the computation's; param_dtype:
+  # the parameters' (bfloat16 compute with float32 parameters: mixed precision).
   config.model = ml_collections.ConfigDict(
-      dict(features=(32, 64), dtype="float32", param_dtype="float32"))
+      dict(name="cnn", features=(32, 64), width=64, dtype="float32", param_dtype="float32"))
   config.optimizer = "adam"  # 'adam', 'adamw' or 'sgd'
   config.learning_rate = 3e-3  # peak at `base_batch_size` (scaled by `lr_scaling`)
   # The global batch over the base one scales the peak: 'none', 'linear' (Goyal et al. 2017,
@@ -43,6 +50,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.lr_scaling = "none"
   config.base_batch_size = 128  # the global batch at which `learning_rate` is the peak
   config.warmup_steps = 0  # linear rise from 0 to the peak over this many steps
+  config.warmup_epochs = 0.0  # or over this many epochs' steps (when warmup_steps is 0)
   config.schedule = "cosine"  # after the warmup, to the end: 'cosine' or 'linear' to 0, 'constant'
   config.momentum = 0.9  # sgd's momentum (0: none); adam's and adamw's b1
   config.nesterov = False  # Nesterov's momentum (sgd); NAdam (adam, adamw)

@@ -161,6 +161,61 @@ def test_evaluation_decodes_encoded_images_in_worker_processes(tmp_path):
         np.testing.assert_array_equal(element[key], want[key])
 
 
+def write_wide_photos(root, per_class: int = 4):
+  """RGB JPEGs of 120 x 240 (and one of 40 x 80, smaller than the store), whose red channel rises
+  from 0 at the left edge to 255 at the right: a pixel's red says where it was."""
+  ramp = np.linspace(0, 255, 240)[None, :, None]
+  pixels = np.concatenate([np.broadcast_to(ramp, (120, 240, 1)),
+                           np.full((120, 240, 2), 128.0)], axis=-1).astype(np.uint8)
+  for name in ("left", "right"):
+    os.makedirs(root / name, exist_ok=True)
+    for i in range(per_class):
+      image = Image.fromarray(pixels)
+      image = image.resize((80, 40)) if i == 0 else image
+      image.save(root / name / f"{i}.jpg", quality=95)
+
+
+def test_photos_kept_whole_are_cropped_from_all_of_them(tmp_path):
+  """--resize_shorter=60 stores the photos whole (120 x 240 -> 60 x 120 JPEGs, the 40 x 80 one as
+  it was). Training crops (random, of 8-100% of the area) reach far beyond the central square
+  of the stored photo (red 64-191), drawn from the seed and the stream position alone: the same
+  batches again, and from a resumed position; evaluation keeps the centre 0.875 of the photo
+  scaled to cover 32 / 0.875 (red about 72-183), and the device crops nothing more."""
+  write_wide_photos(tmp_path / "photos")
+  done = convert(f"--out_dir={tmp_path / 'data'}", f"--image_folder={tmp_path / 'photos'}",
+                 "--image_size=32", "--resize_shorter=60", "--eval_fraction=0.25")
+  assert done.returncode == 0, done.stderr
+  with open(tmp_path / "data" / "metadata.json") as f:
+    meta = json.load(f)
+  assert meta["image_shape"] == [32, 32, 3] and meta["resize_shorter"] == 60
+  records = grain.sources.ArrayRecordDataSource(
+      input_pipeline.arrayrecord_paths(str(tmp_path / "data"), "train"))
+  sizes = {Image.open(io.BytesIO(serialization.msgpack_restore(records[i])["image"])).size
+           for i in range(len(records))}
+  assert sizes <= {(120, 60), (80, 40)} and (120, 60) in sizes
+
+  config = default.get_config()
+  config.update(dataset="arrayrecord", data_dir=str(tmp_path / "data"), batch_size=3,
+                num_epochs=20, augment_crop=True, augment_crop_scale=(0.08, 1.0),
+                steps_per_dispatch=1)
+  splits, info = input_pipeline.get_datasets(config)
+  assert info.image_shape == (32, 32, 3) and info.crops_on_host
+  batches = input_pipeline.train_batches(splits["train"], config)
+  red = np.concatenate([batches[i]["image"][batches[i]["mask"]][..., 0] for i in range(
+      len(batches))])
+  assert red.shape[1:] == (32, 32)
+  assert red.min() < 30 and red.max() > 225  # beyond the central square's 64-191
+  assert len({image.tobytes() for image in red}) > 0.9 * len(red)  # every crop its own
+  again = input_pipeline.train_batches(splits["train"], config, first_step=4)
+  for element in range(4, 8):
+    np.testing.assert_array_equal(again[element - 4]["image"], batches[element]["image"])
+
+  evaluated = input_pipeline.eval_batches(splits["eval"], config)
+  eval_red = np.concatenate([e["image"][e["mask"]][..., 0] for e in evaluated])
+  assert len(eval_red) == 2 and 60 < eval_red.min() and eval_red.max() < 195
+  assert abs(float(eval_red.mean()) - 127.5) < 3
+
+
 def test_decode_image_scales_to_cover_and_crops_the_center():
   """A 20x40 image, left half black, right half white, to 10x10: the middle columns."""
   pixels = np.zeros((20, 40), np.uint8)
@@ -236,3 +291,24 @@ def test_the_held_out_split_and_the_tree_checks(tmp_path):
   with pytest.raises(ValueError, match="must be H or H,W"):
     write_arrayrecord.parse_size("64,x")
   assert write_arrayrecord.parse_size("64") == (64, 64)
+
+
+@pytest.mark.slow
+def test_the_imagenet_recipe_trains_on_a_photo_folder(tmp_path):
+  """configs/imagenet.py as it is (ResNet-50 in bfloat16, SGD, crops and flips), on a small
+  folder in ImageNet's layout (train/ and val/ class folders of JPEGs, stored whole at a shorter
+  side of 73, cropped to 64 by the input pipeline) and a batch of 8: a few steps run on the CPU,
+  every example counted once, finite metrics."""
+  for split, per_class in (("train", 4), ("val", 2)):
+    write_photos(tmp_path / "imagenet" / split, sizes=((80, 100), (100, 72)), per_class=per_class)
+  done = convert(f"--out_dir={tmp_path / 'data'}", f"--image_folder={tmp_path / 'imagenet'}",
+                 "--image_size=64", "--resize_shorter=73")
+  assert done.returncode == 0, done.stderr
+  from configs import imagenet
+
+  config = imagenet.get_config()
+  config.update(data_dir=str(tmp_path / "data"), batch_size=8, num_epochs=1, log_every_steps=1,
+                eval_every_steps=2, checkpoint_every_steps=2, num_workers=0)
+  result = train.train_and_evaluate(config, str(tmp_path / "run"))
+  assert result["examples"] == 6 and np.isfinite(result["loss"])
+  assert runs.checkpoint_manager(str(tmp_path / "run"), 1).latest_step() == 2  # ceil(12 / 8)

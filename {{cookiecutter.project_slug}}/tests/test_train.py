@@ -131,6 +131,15 @@ def test_the_schedule_follows_the_batch_the_warmup_and_the_decay(tiny_config, sc
                                                rel=0, abs=4 * FLOAT32_EPS * peak), n
 
 
+def test_a_warmup_in_epochs_is_that_share_of_the_runs_steps(tiny_config):
+  """warmup_epochs=0.5 of a 2-epoch run of 46 steps: 12 warmup steps (23 x 0.5, rounded)."""
+  tiny_config.warmup_epochs, tiny_config.num_epochs, tiny_config.schedule = 0.5, 2, "constant"
+  assert runs.warmup_steps(tiny_config, 46) == 12
+  schedule = runs.create_schedule(tiny_config, 46)
+  peak = runs.peak_learning_rate(tiny_config)
+  assert [float(schedule(n)) for n in (6, 12)] == pytest.approx([peak / 2, peak], rel=1e-6)
+
+
 def test_the_straight_runs_log_the_learning_rate_of_each_interval(straight_runs):
   """The learning rate of the last update of each log interval (update n = step - 1), as the
   straight runs of conftest's RECIPE wrote it: 8 per device on 8 devices, a global batch of 64
@@ -264,6 +273,36 @@ def test_a_default_fsdp_run_ends_like_spmd(tmp_path):
   assert results["fsdp"]["examples"] == results["spmd"]["examples"] == 360
   assert results["fsdp"]["loss"] == pytest.approx(results["spmd"]["loss"], abs=1e-5)
   assert results["fsdp"]["accuracy"] == pytest.approx(results["spmd"]["accuracy"], abs=1e-9)
+
+
+def shrunk_imagenet(parallelism):
+  """configs/imagenet.py (ResNet, SGD with Nesterov's momentum, warmup, cosine, L2 decay,
+  label smoothing, crops and flips) shrunk to ResNet-18 of width 8 on the digits, float32,
+  2 epochs, 45 steps of 64 (8 a device), the first 9 warming up, on `parallelism`."""
+  from configs import imagenet
+
+  config = imagenet.get_config()
+  config.update(dataset="digits", data_dir="", image_size=(), batch_size=64, num_epochs=2,
+                parallelism=parallelism, log_every_steps=5, eval_every_steps=10,
+                checkpoint_every_steps=10, augment_crop_scale=(0.5, 1.0), warmup_epochs=0.4,
+                learning_rate=0.4)  # (a peak of 0.1)
+  config.model.update(name="resnet18", width=8, dtype="float32")
+  return config
+
+
+@pytest.mark.slow
+def test_a_shrunk_resnet_ends_alike_on_every_path(tmp_path):
+  """Its BatchNorm reduced over the global batch on every path (over pmap's axis too), the
+  padding of the last batch left out: the eval metrics of spmd, as the CNN's
+  (test_every_path_ends_with_the_same_eval_metrics_as_spmd)."""
+  results = {p: train.train_and_evaluate(shrunk_imagenet(p), str(tmp_path / p))
+             for p in ("spmd", "pmap", "fsdp")}
+  for parallelism in ("pmap", "fsdp"):
+    assert results[parallelism]["examples"] == results["spmd"]["examples"] == 360
+    assert results[parallelism]["loss"] == pytest.approx(results["spmd"]["loss"], abs=1e-5)
+    assert results[parallelism]["accuracy"] == pytest.approx(results["spmd"]["accuracy"],
+                                                             abs=1e-9)
+  assert results["spmd"]["accuracy"] > 0.3  # it learns (0.1: chance)
 
 
 # (Every pair but two in the slow tier; spmd -> fsdp -> pmap: also in the next test.)
@@ -491,6 +530,11 @@ BAD_CONFIGS = [
     ("--config.lr_scaling=square", "config.lr_scaling='square' is unknown; use one of"),
     ("--config.schedule=step", "config.schedule='step' is unknown; use one of"),
     ("--config.warmup_steps=-1", "config.warmup_steps=-1 must be an integer >= 0."),
+    ("--config.warmup_steps=5 --config.warmup_epochs=0.5",
+     "config.warmup_epochs=0.5 must be a number >= 0, and 0 when config.warmup_steps (=5) is "
+     "set: give one of the two."),
+    ("--config.model.name=vit", "config.model.name='vit' is none of model.py's ('cnn', "
+                                "'resnet18', 'resnet50'); choose one."),
     ("--config.grad_clip_norm=-1", "config.grad_clip_norm=-1.0 must be a number >= 0."),
     ("--config.label_smoothing=1", "config.label_smoothing=1.0 must be a number in [0, 1); 0 "
                                    "turns it off."),
@@ -537,7 +581,7 @@ def test_a_config_file_that_is_not_there_is_one_line(tmp_path, monkeypatch):
   workdir = tmp_path / "run"
   error = run_in_process("--config=configs/defualt.py", f"--workdir={workdir}")
   assert error == ("error: --config='configs/defualt.py' is not a file; use one of "
-                   "configs/default.py, configs/tiny.py."), error
+                   "configs/default.py, configs/imagenet.py, configs/tiny.py."), error
   assert not workdir.exists()
 
 

@@ -143,7 +143,7 @@ def test_predictions_agree_with_evaluation_and_are_named_by_the_folders(folder_r
   assert loss == pytest.approx(metrics["loss"], rel=1e-5)
 
   for source in (input_pipeline.get_datasets(run.config)[0]["eval"],
-                 evaluate.image_folder_source(str(root / "pngs" / "val"), run.info)):
+                 evaluate.image_folder_source(str(root / "pngs" / "val"), run)):
     result = evaluate.evaluate(run, source)
     assert result["examples"] == 144 and result["accuracy"] == metrics["accuracy"]
     assert result["loss"] == pytest.approx(metrics["loss"], rel=1e-6)
