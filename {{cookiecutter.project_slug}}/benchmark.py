@@ -1,7 +1,17 @@
 """Benchmarks the train step on one device, on every device with spmd, pmap and fsdp, the input
-pipeline, and the training loop.
+pipeline, and the training loop; or the input pipeline alone on your own data.
 
   python benchmark.py --out=bench.json [--tiny]
+  python benchmark.py --data_dir=DIR --out=data.json [--config=configs/imagenet.py
+      --config.KEY=VALUE ... --images_per_second=2500 --seconds=20]
+
+Your data (--data_dir, read as `config.dataset` reads it: 'arrayrecord' by default): the
+training batches as train.py reads them, with the config's host-side work (decoding; crops of
+photos stored whole) and its Grain workers, for `--seconds`: images_per_second, and
+images_per_cpu_second (over the CPU time of this process and its workers), and from it how many
+cores each accelerator needs to be fed `--images_per_second`. Beside it, in the same run, a plain
+PIL loop (open, decode, resize to the image size) in this process, over the same stored images or
+the image files they were written from (`--pil_image_folder`).
 
 Steps: for two models (the config's CNN on the digits; a wider CNN on synthetic 64x64x3 images)
 and each path, the compile time (ahead of time, `step.lower(...).compile()`), the median time of
@@ -43,6 +53,7 @@ seconds, for CI. Needs the dev extra (tensorboard).
 import concurrent.futures
 import functools
 import glob
+import io
 import json
 import os
 import re
@@ -58,12 +69,14 @@ import jax
 import ml_collections
 import numpy as np
 from absl import app, flags
-from flax import nnx
+from flax import nnx, serialization
+from ml_collections import config_flags
 from PIL import Image
 from tensorboard.backend.event_processing import event_accumulator
 
 import input_pipeline
 import parallel
+import plan
 import runs
 import steps
 import write_arrayrecord
@@ -82,6 +95,12 @@ DECODING = dict(image_shape=(64, 64, 3), batch_size=256, num_images=2048)
 
 _OUT = flags.DEFINE_string("out", "bench.json", "Where the JSON results go.")
 _TINY = flags.DEFINE_bool("tiny", False, "A smoke run of every code path in seconds (CI).")
+_DATA_DIR = flags.DEFINE_string("data_dir", None, "Time the input pipeline alone on this data.")
+_SECONDS = flags.DEFINE_float("seconds", 20.0, "--data_dir: how long to read.")
+_PIL_FOLDER = flags.DEFINE_string("pil_image_folder", None, "--data_dir: the plain PIL loop reads "
+                                  "these image files (default: the stored images).")
+_RATE = flags.DEFINE_float("images_per_second", 2500.0, "--data_dir: the rate that one "
+                           "accelerator trains at (2,500: ResNet-50 on an A100, NVIDIA's figure).")
 _MEASURE = flags.DEFINE_string("measure", None, "Internal: 'steps:MODEL', 'memory:MODEL:PATH', "
                                "'loop:MODEL:PATH:RUN', 'pipeline' or 'decoding', measured in this "
                                "process, printed as JSON.")
@@ -288,6 +307,70 @@ def measure_decoding(is_tiny: bool, seconds: float = 3.0) -> dict:
               workers=input_pipeline.default_workers(config))
 
 
+def cpu_seconds() -> float:
+  """CPU time of this process and of its children, live (from /proc, Linux) or ended."""
+  own, ended = (resource.getrusage(who) for who in (resource.RUSAGE_SELF,
+                                                    resource.RUSAGE_CHILDREN))
+  total = own.ru_utime + own.ru_stime + ended.ru_utime + ended.ru_stime
+  for stat in glob.glob("/proc/[0-9]*/stat"):
+    try:
+      with open(stat) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:  # ended meanwhile
+      continue
+    if int(fields[1]) == os.getpid():  # a live child: its user and system ticks
+      total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+  return total
+
+
+def pil_loop(encoded, image_shape, seconds: float) -> float:
+  """Images per CPU-second of PIL opening, decoding and resizing `encoded()`'s images in turn."""
+  height, width, channels = image_shape
+  done, start = 0, time.process_time()
+  while time.process_time() - start < seconds:
+    with Image.open(io.BytesIO(encoded(done))) as image:
+      np.asarray(image.convert("L" if channels == 1 else "RGB").resize(
+          (width, height), Image.Resampling.BILINEAR))
+    done += 1
+  return done / (time.process_time() - start)
+
+
+def measure_data(config, seconds: float, rate: float, image_folder: str | None = None) -> dict:
+  """The input pipeline alone on `config.data_dir` (see the module's docstring)."""
+  config = config.copy_and_resolve_references()
+  config.steps_per_dispatch = steps.steps_per_dispatch(config)
+  config.num_epochs = 10**6  # never runs out
+  splits, info = input_pipeline.get_datasets(config)
+  iterator = input_pipeline.as_iterator(input_pipeline.train_batches(splits["train"], config),
+                                        config)
+  next(iterator)  # workers started, first element read
+  start, cpu_start, images = time.perf_counter(), cpu_seconds(), 0
+  while time.perf_counter() - start < seconds:
+    images += int(next(iterator)["mask"].sum())
+  wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start
+  iterator.close()
+  result = dict(data_dir=config.data_dir, dataset=config.dataset,
+                image_shape=list(info.image_shape), crops_on_host=info.crops_on_host,
+                workers=input_pipeline.default_workers(config), images=images, seconds=wall,
+                images_per_second=images / wall, images_per_cpu_second=images / cpu,
+                target_images_per_second=rate, cores_per_accelerator=rate * cpu / images)
+  source, encoded = splits["train"], None
+  if image_folder:
+    paths = input_pipeline.images_under(image_folder)
+    encoded = lambda i: open(paths[i % len(paths)], "rb").read()  # noqa: E731, SIM115
+  elif isinstance(source, input_pipeline.RecordSource) and isinstance(
+      serialization.msgpack_restore(source.records[0])["image"], bytes):
+    encoded = lambda i: serialization.msgpack_restore(  # noqa: E731
+        source.records[i % len(source)])["image"]
+  if encoded is not None:
+    result["pil_loop_of"] = image_folder or "the stored images"
+    result["pil_loop_images_per_cpu_second"] = pil_loop(encoded, info.image_shape,
+                                                        min(seconds, 10.0))
+    result["pipeline_over_pil_loop"] = (result["images_per_cpu_second"]
+                                        / result["pil_loop_images_per_cpu_second"])
+  return result
+
+
 def measure_default_run(is_tiny: bool) -> dict:
   """`python train.py --config=configs/default.py` (tiny.py with --tiny) as a whole process,
   cold: no persistent compilation cache. Its wall time, what its log says of it, and the time
@@ -469,6 +552,21 @@ def report(results: dict) -> str:
 
 def main(argv):
   del argv
+  if _DATA_DIR.value:
+    config = _CONFIG.value
+    config.data_dir = _DATA_DIR.value
+    if config.dataset in ("digits", "synthetic"):
+      config.dataset = "arrayrecord"
+    try:
+      plan.validate_config(config)
+    except runs.ConfigError as e:
+      raise SystemExit(f"error: {e}") from None
+    result = measure_data(config, _SECONDS.value, _RATE.value, _PIL_FOLDER.value)
+    print("\n".join(f"{key}: {value:,.4g}" if isinstance(value, float) else f"{key}: {value}"
+                    for key, value in result.items()))
+    with open(_OUT.value, "w") as f:
+      json.dump(result, f, indent=2)
+    return
   if _MEASURE.value:
     print(json.dumps(measure(_MEASURE.value, _TINY.value)))
     return
@@ -482,4 +580,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py",
+                                            "--data_dir: the training config.")
+  app.run(main, flags_parser=plan.parse_flags)

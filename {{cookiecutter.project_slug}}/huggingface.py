@@ -113,21 +113,15 @@ class Source:
 
 def sources(config) -> tuple[dict[str, Source], tuple[int, int, int], tuple[str, ...]]:
   """The 'train' and 'eval' sources, the image shape, the class names."""
-  import io
-
-  from PIL import Image
-
   loaded, image, label = splits(config)
   if config.image_size:
-    height, width, channels = config.image_size
+    shape = tuple(config.image_size)
   else:
     first = Source(loaded["train"], image, label, (1, 1, 1))
-    with Image.open(io.BytesIO(first.encoded(first.dataset[0][image]))) as im:
-      (width, height), channels = im.size, 1 if im.mode in input_pipeline.GRAY_MODES else 3
+    shape = input_pipeline.encoded_shape(first.encoded(first.dataset[0][image]))
   feature = loaded["train"].features[label]
   names = tuple(getattr(feature, "names", None) or ())
   if not names:  # integer labels without names: 0 .. max
     names = tuple(str(i) for i in range(max(loaded["train"][label]) + 1))
-  shape = (height, width, channels)
   return ({split: Source(ds, image, label, shape) for split, ds in loaded.items()}, shape,
           names)

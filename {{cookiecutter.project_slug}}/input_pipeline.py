@@ -29,7 +29,7 @@ import numpy as np
 from flax import serialization
 from PIL import Image, ImageOps
 
-DATASETS = ("digits", "arrayrecord", "huggingface", "synthetic")
+DATASETS = ("digits", "arrayrecord", "huggingface", "tfds", "synthetic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +71,12 @@ def decode_image(data: bytes, image_shape: tuple[int, int, int]) -> np.ndarray:
     if image.size != (width, height):
       image = ImageOps.fit(image, (width, height), Image.Resampling.BILINEAR)
     return np.asarray(image).reshape(height, width, channels)
+
+
+def encoded_shape(data: bytes) -> tuple[int, int, int]:
+  """(height, width, channels) that an encoded image decodes to here: 1 channel if gray, else 3."""
+  with Image.open(io.BytesIO(data)) as image:
+    return image.size[1], image.size[0], 1 if image.mode in GRAY_MODES else 3
 
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")  # the image files that folders are read for
@@ -224,10 +230,12 @@ def get_datasets(config) -> tuple[dict[str, ArraySource | RecordSource], Dataset
     sources = {split: RecordSource(arrayrecord_paths(config.data_dir, split), image_shape,
                                    crops[split]) for split in ("train", "eval")}
     class_names = meta.get("class_names", ())
-  elif config.dataset == "huggingface":
-    import huggingface  # (the `huggingface` extra)
-
-    sources, image_shape, class_names = huggingface.sources(config)
+  elif config.dataset in ("huggingface", "tfds"):
+    if config.dataset == "huggingface":  # (the `huggingface` extra)
+      import huggingface as reader
+    else:  # (the `tfds` extra)
+      import tfds_data as reader
+    sources, image_shape, class_names = reader.sources(config)
     num_classes = len(class_names)
   elif config.dataset == "synthetic":
     sources, class_names = _synthetic(config), ()
@@ -255,7 +263,7 @@ def describe(config) -> DatasetInfo:
     return DatasetInfo(tuple(meta["image_shape"]), int(meta["num_classes"]),
                        dict(meta["num_examples"]), tuple(meta.get("class_names", ())),
                        meta.get("pixel_dtype", "uint8"), bool(meta.get("resize_shorter")))
-  if config.dataset == "huggingface":  # its metadata and one image
+  if config.dataset in ("huggingface", "tfds"):  # their metadata and one image
     return get_datasets(config)[1]
   if config.dataset == "synthetic":
     spec = config.synthetic
@@ -357,11 +365,12 @@ def available_cpus() -> int:
 def default_workers(config) -> int:
   """`config.num_workers`, or when it is -1: none for datasets held in memory (a batch is one
   NumPy gather, which workers would only copy again), else one per core of this process's but
-  one, at most 8."""
+  one (each holds up to `prefetch_batches` elements of k batches of its own: memory bounds
+  them too)."""
   if config.num_workers >= 0:
     return config.num_workers
   in_memory = config.dataset in ("digits", "synthetic")
-  return 0 if in_memory else min(max(available_cpus() - 1, 1), 8)
+  return 0 if in_memory else max(available_cpus() - 1, 1)
 
 
 def as_iterator(batches: grain.MapDataset, config, put=None,

@@ -57,10 +57,10 @@ def validate_config(config: ml_collections.ConfigDict, workdir: str | None = Non
 
   need(config.dataset in input_pipeline.DATASETS,
        f"config.dataset={config.dataset!r} is unknown; use one of {input_pipeline.DATASETS}.")
-  need(not config.data_dir or config.dataset in ("arrayrecord", "huggingface"),
-       f"config.data_dir={config.data_dir!r} is read only by config.dataset='arrayrecord' or "
-       f"'huggingface', not {config.dataset!r}; add --config.dataset=arrayrecord (or leave "
-       "data_dir empty).")
+  need(not config.data_dir or config.dataset in ("arrayrecord", "huggingface", "tfds"),
+       f"config.data_dir={config.data_dir!r} is read only by config.dataset='arrayrecord', "
+       f"'huggingface' or 'tfds', not {config.dataset!r}; add --config.dataset=arrayrecord (or "
+       "leave data_dir empty).")
   need(config.parallelism in steps.PARALLELISMS,
        f"config.parallelism={config.parallelism!r} is unknown; use one of {steps.PARALLELISMS}.")
   need(config.optimizer in OPTIMIZERS,
@@ -187,16 +187,21 @@ def validate_config(config: ml_collections.ConfigDict, workdir: str | None = Non
     need(os.path.isfile(os.path.join(config.data_dir, "metadata.json")),
          f"config.data_dir={config.data_dir!r} has no metadata.json; write the data with "
          "write_arrayrecord.py.")
-  if config.dataset == "huggingface":
-    need(_installed("datasets"), "config.dataset='huggingface' needs the `datasets` package: "
-         "pip install -e '.[huggingface]'.")
+  if config.dataset in ("huggingface", "tfds"):
+    package, extra = {"huggingface": ("datasets", "huggingface"),
+                      "tfds": ("tensorflow_datasets", "tfds")}[config.dataset]
+    need(_installed(package), f"config.dataset={config.dataset!r} needs the `{package}` "
+         f"package: pip install -e '.[{extra}]'.")
     need(not config.image_size or (len(config.image_size) == 3 and all(
         is_int(d, 1) for d in config.image_size)), f"config.image_size={config.image_size!r} "
          "must be (height, width, channels), e.g. --config.image_size='(224,224,3)'.")
+    need(config.dataset != "tfds" or bool(config.tfds_name), "config.dataset='tfds' needs "
+         "config.tfds_name: the dataset's TFDS name, e.g. --config.tfds_name=imagenet2012.")
     import huggingface
+    import tfds_data
 
-    try:
-      huggingface.splits(config)  # the data's folder, splits and columns
+    try:  # the data's folder, splits, image and label
+      huggingface.splits(config) if config.dataset == "huggingface" else tfds_data.builder(config)
     except ValueError as e:
       need(False, str(e))
   need(not config.init_from or "://" in config.init_from or os.path.isdir(

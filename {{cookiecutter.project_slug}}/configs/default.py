@@ -8,13 +8,15 @@ def get_config() -> ml_collections.ConfigDict:
 
   # Data: 'digits' (ships with scikit-learn), 'arrayrecord' (files in data_dir, written by
   # write_arrayrecord.py), 'huggingface' (huggingface.py: a save_to_disk or Parquet folder in
-  # data_dir, or a Hub name) or 'synthetic' (random images, for benchmarks).
+  # data_dir, or a Hub name), 'tfds' (tfds_data.py: a TFDS data dir in data_dir) or
+  # 'synthetic' (random images, for benchmarks).
   config.dataset = "digits"
   config.data_dir = ""
   # huggingface: columns and the eval split found from the data unless named here.
   config.huggingface = ml_collections.ConfigDict(
       dict(name="", image_column="", label_column="", eval_split=""))
-  config.image_size = ()  # huggingface: (height, width, channels) to decode to; (): the first's
+  config.tfds_name = ""  # tfds (tfds_data.py): the dataset's name, e.g. 'imagenet2012'
+  config.image_size = ()  # huggingface, tfds: (height, width, channels); (): the first image's
   config.eval_fraction = 0.2  # digits: the held-out split
   config.synthetic = ml_collections.ConfigDict(
       dict(image_shape=(32, 32, 3), num_classes=10, num_train=8192, num_eval=1024))

@@ -7,7 +7,8 @@ decay, Nesterov's momentum and label smoothing (Flax's examples/imagenet, timm's
       --workdir=runs/resnet50
 
 Or a copy of it on the Hugging Face Hub or on disk: --config.dataset=huggingface
---config.huggingface.name=ILSVRC/imagenet-1k (or --config.data_dir=a save_to_disk folder).
+--config.huggingface.name=ILSVRC/imagenet-1k (or --config.data_dir=a save_to_disk folder), or
+TFDS's: --config.dataset=tfds --config.tfds_name=imagenet2012 --config.data_dir=DIR.
 --config.dataset=synthetic gives random pixels of ImageNet's shapes: aot.py and benchmark.py
 need nothing else (python aot.py --config=configs/imagenet.py --config.dataset=synthetic
 --topology=v5e:2x4). The global batch is 1024 (128 a device on 8); the peak learning rate

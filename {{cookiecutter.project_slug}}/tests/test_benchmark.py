@@ -66,3 +66,42 @@ def test_tiny_benchmark_measures_every_model_and_path(tmp_path):
                r"default run \(configs/tiny.py, k=1, no compilation cache\): \d+\.\d s as a whole "
                r"process"):
     assert re.search(f"^{line}", done.stdout, re.MULTILINE), (line, done.stdout)
+
+
+@pytest.mark.slow
+def test_the_input_pipeline_alone_on_your_own_data(tmp_path):
+  """benchmark.py --data_dir: photos stored whole, read with the ImageNet recipe's crops by one
+  Grain worker process, beside a plain PIL loop over the files they were written from; a data
+  directory that is not there is one line."""
+  sys.path.insert(0, os.path.join(PROJECT, "tests"))
+  from test_image_folder import write_wide_photos
+
+  write_wide_photos(tmp_path / "photos", per_class=8)
+  done = subprocess.run([sys.executable, "write_arrayrecord.py", f"--out_dir={tmp_path / 'data'}",
+                         f"--image_folder={tmp_path / 'photos'}", "--image_size=64",
+                         "--resize_shorter=73"], cwd=PROJECT, capture_output=True, text=True,
+                        timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  out = tmp_path / "data.json"
+  command = [sys.executable, "benchmark.py", f"--data_dir={tmp_path / 'data'}", "--seconds=2",
+             f"--pil_image_folder={tmp_path / 'photos'}", "--config=configs/imagenet.py",
+             "--config.batch_size=8", "--config.num_workers=1", "--images_per_second=1000",
+             f"--out={out}"]
+  done = subprocess.run(command, cwd=PROJECT, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  result = json.loads(out.read_text())
+  assert result["workers"] == 1 and result["crops_on_host"] and result["image_shape"] == [64, 64, 3]
+  assert_positive_finite(result, ("images_per_second", "images_per_cpu_second",
+                                  "pil_loop_images_per_cpu_second", "pipeline_over_pil_loop"),
+                         "data")
+  assert result["cores_per_accelerator"] == pytest.approx(
+      1000 / result["images_per_cpu_second"], rel=1e-9)
+  assert result["images"] % 8 == 0 and result["images"] >= 8
+  assert f"images_per_cpu_second: {result['images_per_cpu_second']:,.4g}" in done.stdout
+
+  command[2] = f"--data_dir={tmp_path / 'nowhere'}"
+  done = subprocess.run(command, cwd=PROJECT, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 1
+  assert done.stderr.strip().splitlines()[-1] == (
+      f"error: config.data_dir={str(tmp_path / 'nowhere')!r} does not exist; give the directory "
+      "that write_arrayrecord.py wrote.")

@@ -186,8 +186,8 @@ def test_write_arrayrecord_checks_the_pixels(tmp_path, case):
 
 
 @pytest.mark.parametrize("dataset, cores, expected", [
-    ("digits", 16, 0), ("synthetic", 16, 0), ("arrayrecord", 16, 8), ("arrayrecord", 4, 3),
-    ("arrayrecord", 1, 1)])
+    ("digits", 16, 0), ("synthetic", 16, 0), ("arrayrecord", 16, 15), ("arrayrecord", 4, 3),
+    ("arrayrecord", 1, 1), ("tfds", 224, 223)])
 def test_workers_chosen_from_the_cores(tiny_config, monkeypatch, dataset, cores, expected):
   monkeypatch.setattr(input_pipeline, "available_cpus", lambda: cores)
   tiny_config.dataset = dataset
@@ -200,7 +200,7 @@ def test_workers_chosen_from_the_cores(tiny_config, monkeypatch, dataset, cores,
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS")
 def test_workers_follow_the_cores_this_process_may_use(tiny_config, monkeypatch):
   """On a 16-core node, a process bound to one core (a SLURM task, taskset) starts one worker,
-  not 8."""
+  not 15."""
   monkeypatch.setattr(os, "cpu_count", lambda: 16)  # the node
   tiny_config.dataset = "arrayrecord"
   allowed = os.sched_getaffinity(0)

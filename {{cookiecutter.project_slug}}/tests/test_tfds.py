@@ -1,0 +1,115 @@
+"""TensorFlow Datasets read without TensorFlow (tfds_data.py): the digits, prepared here by TFDS
+itself (a GeneratorBasedBuilder, ArrayRecord files) as PNG images with a ClassLabel of names."""
+
+import io
+import sys
+
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+from PIL import Image
+
+import input_pipeline
+import plan
+import runs
+import train
+from configs import default, tiny
+
+NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+
+
+class DigitsForTest(tfds.core.GeneratorBasedBuilder):
+  """The digits' train and eval splits (those of dataset=digits) as 'train' and 'validation'."""
+
+  VERSION = tfds.core.Version("1.0.0")
+
+  def _info(self):
+    return self.dataset_info_from_configs(features=tfds.features.FeaturesDict({
+        "note": tfds.features.Text(), "picture": tfds.features.Image(shape=(None, None, 1)),
+        "digit": tfds.features.ClassLabel(names=list(NAMES))}))
+
+  def _split_generators(self, dl_manager):
+    del dl_manager
+    return {"train": self._generate_examples("train"),
+            "validation": self._generate_examples("eval")}
+
+  def _generate_examples(self, split):
+    source = input_pipeline.get_datasets(default.get_config())[0][split]
+    for i, (image, label) in enumerate(zip(source.images, source.labels, strict=True)):
+      out = io.BytesIO()
+      Image.fromarray(image[..., 0]).save(out, format="PNG")
+      yield i, {"note": "a digit", "picture": out.getvalue(), "digit": int(label)}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  root = tmp_path_factory.mktemp("tfds")
+  DigitsForTest(data_dir=str(root), file_format="array_record").download_and_prepare()
+  return str(root)
+
+
+def config_for(data_dir, name="digits_for_test"):
+  config = tiny.get_config()
+  config.dataset, config.data_dir, config.tfds_name, config.num_workers = (
+      "tfds", data_dir, name, 0)
+  return config
+
+
+def test_a_prepared_dataset_reads_as_the_digits_without_tensorflow(data_dir):
+  """Found by their features: the image and the label; the class names and ids are the
+  ClassLabel's, the images those of the digits, decoded; 'validation' is the eval split."""
+  config = config_for(data_dir)
+  plan.validate_config(config)
+  sources, info = input_pipeline.get_datasets(config)
+  assert (info.image_shape, info.num_classes, info.class_names, info.pixel_dtype) == (
+      (8, 8, 1), 10, NAMES, "uint8")
+  assert info.num_examples == {"train": 1437, "eval": 360}
+  digits, _ = input_pipeline.get_datasets(default.get_config())
+  for split in ("train", "eval"):  # the same examples (in TFDS's order: it shuffles them)
+    taken = sources[split].take(np.arange(len(sources[split])))
+    pairs = sorted(zip(taken["label"].tolist(), (image.tobytes() for image in taken["image"]),
+                       strict=True))
+    wanted = sorted(zip(digits[split].labels.tolist(),
+                        (image.tobytes() for image in digits[split].images), strict=True))
+    assert pairs == wanted
+  assert "tensorflow" not in sys.modules
+
+
+def test_what_cannot_be_read_is_one_line(data_dir, tmp_path):
+  for config, message in [
+      (config_for(data_dir, name=""), "config.dataset='tfds' needs config.tfds_name: the "
+       "dataset's TFDS name, e.g. --config.tfds_name=imagenet2012."),
+      (config_for(data_dir, name="no_such_set"), f"config.tfds_name='no_such_set' is not in "
+       f"{data_dir} (DatasetNotFoundError); prepare it there: tfds build no_such_set "
+       "--file_format=array_record --data_dir=DIR."),
+      (config_for(str(tmp_path)), f"digits_for_test is not prepared in {tmp_path}; prepare "
+       "it: tfds build digits_for_test --file_format=array_record --data_dir=DIR.")]:
+    with pytest.raises(runs.ConfigError) as e:
+      plan.validate_config(config)
+    assert str(e.value) == message
+
+
+@pytest.mark.slow
+def test_a_run_on_a_tfds_dataset_keeps_its_class_names(data_dir, tmp_path):
+  """Trained on it, read by a Grain worker process: the metrics of the same images, in the same
+  order, written by write_arrayrecord.py; data.json keeps the ClassLabel's names, and
+  evaluate.py reads the split."""
+  import evaluate
+  import write_arrayrecord
+
+  config = config_for(data_dir)
+  config.num_epochs, config.num_workers = 4, 1
+  metrics = train.train_and_evaluate(config, str(tmp_path / "run"))
+  assert metrics["examples"] == 360 and metrics["accuracy"] > 0.5
+  sources, _ = input_pipeline.get_datasets(config)
+  taken = {split: source.take(np.arange(len(source))) for split, source in sources.items()}
+  write_arrayrecord.write_dataset(str(tmp_path / "records"), {
+      split: (t["image"], t["label"]) for split, t in taken.items()})
+  config.dataset, config.data_dir, config.tfds_name = "arrayrecord", str(tmp_path / "records"), ""
+  written = train.train_and_evaluate(config, str(tmp_path / "written"))
+  assert written["accuracy"] == metrics["accuracy"]
+  assert written["loss"] == pytest.approx(metrics["loss"], abs=1e-6)
+  run = runs.Restored(str(tmp_path / "run"))
+  assert run.info.class_names == NAMES
+  source = input_pipeline.get_datasets(run.config)[0]["eval"]
+  assert evaluate.evaluate(run, source)["accuracy"] == metrics["accuracy"]

@@ -1,0 +1,83 @@
+"""TensorFlow Datasets read without TensorFlow (`config.dataset = 'tfds'`, the `tfds` extra): the
+dataset `config.tfds_name` (e.g. 'imagenet2012') as TFDS prepared it in its data dir
+`config.data_dir` (default: TFDS's, ~/tensorflow_datasets), in ArrayRecord files
+(`tfds build NAME --file_format=array_record`), read with random access by
+`tfds.data_source`. Nothing is converted.
+
+The image feature is the `Image` one and the label the `ClassLabel` one, whose names are the
+class names. Training reads the split 'train'; evaluation 'validation', else 'test'. Images
+are decoded as predict.py decodes files (`input_pipeline.decode_image`), in Grain's workers,
+to `image_shape`: the first training image's height and width (1 channel if gray, else 3), or
+`config.image_size`.
+"""
+
+import numpy as np
+
+import input_pipeline
+
+EVAL_SPLITS = ("validation", "test")
+
+
+def builder(config):
+  """The prepared dataset's builder (read-only: no code of the dataset's needed), its image and
+  label features, and its eval split. Raises ValueError saying what is wrong."""
+  import tensorflow_datasets as tfds
+
+  where = config.data_dir or "TFDS's data dir"
+  try:
+    found = tfds.builder(config.tfds_name, data_dir=config.data_dir or None)
+  except Exception as e:  # noqa: BLE001  (TFDS raises several kinds for a name it cannot find)
+    raise ValueError(f"config.tfds_name={config.tfds_name!r} is not in {where} "
+                     f"({type(e).__name__}); prepare it there: tfds build {config.tfds_name} "
+                     "--file_format=array_record --data_dir=DIR.") from None
+  if not found.is_prepared():
+    raise ValueError(f"{config.tfds_name} is not prepared in {where}; prepare it: tfds build "
+                     f"{config.tfds_name} --file_format=array_record --data_dir=DIR.")
+  if found.info.file_format != tfds.core.FileFormat.ARRAY_RECORD:
+    raise ValueError(f"{config.tfds_name} in {where} is stored as "
+                     f"{found.info.file_format.value}, "
+                     "which has no random access; prepare it again with "
+                     "--file_format=array_record.")
+  features = found.info.features
+  kinds = {kind: [k for k, f in features.items() if isinstance(f, feature)]
+           for kind, feature in (("image", tfds.features.Image),
+                                 ("label", tfds.features.ClassLabel))}
+  for kind, keys in kinds.items():
+    if len(keys) != 1:
+      raise ValueError(f"{config.tfds_name} has {len(keys) or 'no'} {kind} features "
+                       f"({', '.join(features)}); this reader takes exactly one.")
+  splits = found.info.splits
+  eval_split = next((name for name in EVAL_SPLITS if name in splits), None)
+  if "train" not in splits or eval_split is None:
+    raise ValueError(f"{config.tfds_name}'s splits are {', '.join(splits)}: it needs 'train' "
+                     f"and one of {', '.join(EVAL_SPLITS)}.")
+  return found, kinds["image"][0], kinds["label"][0], eval_split
+
+
+class Source:
+  """A split as a Grain source: `take` decodes a batch of its images."""
+
+  def __init__(self, data_source, image_key: str, label_key: str, image_shape):
+    self.data, self.image_key, self.label_key = data_source, image_key, label_key
+    self.image_shape = tuple(image_shape)
+
+  def __len__(self) -> int:
+    return len(self.data)
+
+  def take(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+    rows = self.data.__getitems__([int(i) for i in indices])
+    images = [input_pipeline.decode_image(row[self.image_key], self.image_shape) for row in rows]
+    return {"image": np.stack(images),
+            "label": np.array([row[self.label_key] for row in rows], np.int32)}
+
+
+def sources(config) -> tuple[dict[str, Source], tuple[int, int, int], tuple[str, ...]]:
+  """The 'train' and 'eval' sources, the image shape, the class names."""
+  import tensorflow_datasets as tfds
+
+  found, image, label, eval_split = builder(config)
+  data = {split: found.as_data_source(split=name, decoders={image: tfds.decode.SkipDecoding()})
+          for split, name in (("train", "train"), ("eval", eval_split))}
+  shape = tuple(config.image_size) or input_pipeline.encoded_shape(data["train"][0][image])
+  return ({split: Source(d, image, label, shape) for split, d in data.items()}, shape,
+          tuple(found.info.features[label].names))
