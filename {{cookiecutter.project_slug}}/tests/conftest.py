@@ -98,6 +98,31 @@ def straight_runs(shared_tmp):
   return StraightRuns(shared_tmp)
 
 
+def trains_as_written(config, workdir, splits: dict, class_names) -> dict:
+  """A run of `config` in `workdir` (its eval metrics, returned) ends as a run on the same
+  `splits` ({split: (images, labels)}, in the same order) written by write_arrayrecord.py; its
+  data.json keeps `class_names`, and evaluate.py on its eval split gives its accuracy."""
+  import pytest
+
+  import evaluate
+  import input_pipeline
+  import runs
+  import train
+  import write_arrayrecord
+
+  metrics = train.train_and_evaluate(config, str(workdir / "run"))
+  write_arrayrecord.write_dataset(str(workdir / "records"), splits)
+  config.dataset, config.data_dir = "arrayrecord", str(workdir / "records")
+  written = train.train_and_evaluate(config, str(workdir / "written"))
+  assert written["accuracy"] == metrics["accuracy"]
+  assert written["loss"] == pytest.approx(metrics["loss"], abs=1e-6)
+  run = runs.Restored(str(workdir / "run"))
+  assert run.info.class_names == class_names
+  source = input_pipeline.get_datasets(run.config)[0]["eval"]
+  assert evaluate.evaluate(run, source)["accuracy"] == metrics["accuracy"]
+  return metrics
+
+
 def run_main(module, *args: str) -> subprocess.CompletedProcess:
   """`python MODULE.py --flag=value...` in this process (no interpreter and JAX to start):
   absl parses each flag (the values restored after) and `module.main` runs. Its output and

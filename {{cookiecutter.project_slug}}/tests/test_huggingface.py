@@ -6,12 +6,12 @@ import io
 import datasets
 import numpy as np
 import pytest
+from conftest import trains_as_written
 from PIL import Image
 
 import input_pipeline
 import plan
 import runs
-import train
 from configs import default, tiny
 
 NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -100,25 +100,16 @@ def test_a_run_on_a_hugging_face_dataset_keeps_its_class_names(folders, tmp_path
   """Trained on the saved dataset: the metrics of the same images written by write_arrayrecord.py;
   data.json keeps the ClassLabel's names, predict.py gives them and evaluate.py counts the whole
   validation split."""
-  import evaluate
   import predict
-  import write_arrayrecord
 
   config = config_for(folders["saved"])
   config.num_epochs = 4
-  metrics = train.train_and_evaluate(config, str(tmp_path / "run"))
-  assert metrics["examples"] == 360 and metrics["accuracy"] > 0.5
   digits, _ = input_pipeline.get_datasets(default.get_config())
-  write_arrayrecord.write_dataset(str(tmp_path / "records"), {
-      split: (digits[split].images, digits[split].labels) for split in ("train", "eval")})
-  config.dataset, config.data_dir = "arrayrecord", str(tmp_path / "records")
-  written = train.train_and_evaluate(config, str(tmp_path / "written"))
-  assert written["accuracy"] == metrics["accuracy"]
-  assert written["loss"] == pytest.approx(metrics["loss"], abs=1e-6)
+  metrics = trains_as_written(config, tmp_path, {
+      split: (digits[split].images, digits[split].labels) for split in ("train", "eval")}, NAMES)
+  assert metrics["examples"] == 360 and metrics["accuracy"] > 0.5
   run = runs.Restored(str(tmp_path / "run"))
-  assert run.info.class_names == NAMES
   source = input_pipeline.get_datasets(run.config)[0]["eval"]
-  assert evaluate.evaluate(run, source)["accuracy"] == metrics["accuracy"]
   images = source.take(np.arange(40))
   for i, image in enumerate(images["image"]):
     Image.fromarray(image[..., 0]).save(tmp_path / f"{i:02d}.png")

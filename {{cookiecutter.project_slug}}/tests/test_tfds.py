@@ -7,12 +7,12 @@ import sys
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
+from conftest import trains_as_written
 from PIL import Image
 
 import input_pipeline
 import plan
 import runs
-import train
 from configs import default, tiny
 
 NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -94,22 +94,10 @@ def test_a_run_on_a_tfds_dataset_keeps_its_class_names(data_dir, tmp_path):
   """Trained on it, read by a Grain worker process: the metrics of the same images, in the same
   order, written by write_arrayrecord.py; data.json keeps the ClassLabel's names, and
   evaluate.py reads the split."""
-  import evaluate
-  import write_arrayrecord
-
   config = config_for(data_dir)
   config.num_epochs, config.num_workers = 4, 1
-  metrics = train.train_and_evaluate(config, str(tmp_path / "run"))
-  assert metrics["examples"] == 360 and metrics["accuracy"] > 0.5
   sources, _ = input_pipeline.get_datasets(config)
   taken = {split: source.take(np.arange(len(source))) for split, source in sources.items()}
-  write_arrayrecord.write_dataset(str(tmp_path / "records"), {
-      split: (t["image"], t["label"]) for split, t in taken.items()})
-  config.dataset, config.data_dir, config.tfds_name = "arrayrecord", str(tmp_path / "records"), ""
-  written = train.train_and_evaluate(config, str(tmp_path / "written"))
-  assert written["accuracy"] == metrics["accuracy"]
-  assert written["loss"] == pytest.approx(metrics["loss"], abs=1e-6)
-  run = runs.Restored(str(tmp_path / "run"))
-  assert run.info.class_names == NAMES
-  source = input_pipeline.get_datasets(run.config)[0]["eval"]
-  assert evaluate.evaluate(run, source)["accuracy"] == metrics["accuracy"]
+  metrics = trains_as_written(config, tmp_path, {
+      split: (t["image"], t["label"]) for split, t in taken.items()}, NAMES)
+  assert metrics["examples"] == 360 and metrics["accuracy"] > 0.5
