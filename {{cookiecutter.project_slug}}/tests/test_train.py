@@ -502,8 +502,8 @@ BAD_CONFIGS = [
     ("--config.model.featurs=(8,)", "the config has no key 'model.featurs' (did you mean "
                                     "'model.features'?); its keys are in configs/default.py"),
     ("--config.data_dir=configs", "config.data_dir='configs' is read only by "
-                                  "config.dataset='arrayrecord' or 'huggingface', not 'digits'; "
-                                  "add --config.dataset=arrayrecord"),
+                                  "config.dataset='arrayrecord', 'huggingface' or 'tfds', not "
+                                  "'digits'; add --config.dataset=arrayrecord"),
     ("--config.steps_per_dispatch=5 --config.log_every_steps=7", "config.log_every_steps=7 is "
      "not a multiple of config.steps_per_dispatch=5; use 5 or 10, or another steps_per_dispatch."),
     ("--config.steps_per_dispatch=-1", "config.steps_per_dispatch=-1 must be an integer >= 0 (0: "
