@@ -270,7 +270,7 @@ def test_baked_suite_default(cookies, tier):
   env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
   command = [sys.executable, "-m", "pytest", "-q", "-x", "--durations=15"]
   proc = run(command + (["-m", "slow"] if tier == "slow" else []) + ["-n", "2"], cwd=project,
-             timeout=1200, env=env)
+             timeout=1800, env=env)
   output = proc.stdout + proc.stderr
   summary = output.strip().splitlines()[-1] if output.strip() else ""
   assert proc.returncode == 0, output[-5000:]

@@ -437,8 +437,12 @@ def subprocess_env() -> dict[str, str]:
 
 
 def run_in_subprocess(what: str, is_tiny: bool) -> dict:
-  """`measure(what)` in a fresh process, with NUM_DEVICES devices on the CPU."""
-  command = [sys.executable, os.path.abspath(__file__), f"--measure={what}"]
+  """`measure(what)` in a fresh process, with NUM_DEVICES devices on the CPU. This module is
+  imported there, not run: the loop's measurement imports train.py, whose --config would
+  clash with the one defined below."""
+  here = os.path.dirname(os.path.abspath(__file__))
+  command = [sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); import benchmark; "
+             "benchmark.app.run(benchmark.main)", f"--measure={what}"]
   command += ["--tiny"] if is_tiny else []
   done = subprocess.run(command, capture_output=True, text=True, timeout=120 if is_tiny else 600,
                         env=subprocess_env())

@@ -1,19 +1,30 @@
-"""Writes a run's model, with its trained parameters inside, as a serialised `jax.export`
-artifact that runs with nothing but `jax` and `numpy` (no flax, no project code).
+"""Writes a run's model as one `.npz` file that runs with nothing but `jax` and `numpy` (no
+flax, no project code): a serialised `jax.export` program and the model's arrays beside it.
 
-  python export.py --workdir=workdir --out=model.jax  # also model.json: the class names
+  python export.py --workdir=workdir --out=model.npz  # also model.json: the class names
 
-The function: images as the run stored them (uint8, or the floats a float data set holds:
-`pixel_dtype` in model.json) `[batch, height, width, channels]` (any batch size) -> float32
-class probabilities `[batch, classes]`, computed as predict.py computes them, lowered for the CPU,
-CUDA, ROCm and TPU. Load it with `jax.export.deserialize` (README: Use the trained model).
+The program: (the model's arrays, images as the run stored them (uint8, or the floats a float
+data set holds: `pixel_dtype` in model.json) `[batch, height, width, channels]`, any batch size)
+-> float32 class probabilities `[batch, classes]`, computed as predict.py computes them, lowered
+for the CPU, CUDA, ROCm and TPU. The arrays are its arguments, not constants inside it: the
+file has no size limit (a program's constants are capped at 2 GiB by its flatbuffer), and the
+arrays are gathered from the devices and written one at a time, so the host never holds two
+copies of the model. Load it (README: Use the trained model):
+
+  artifact = np.load("model.npz")
+  exported = jax.export.deserialize(bytearray(artifact["program"]))
+  arrays = [artifact[f"array_{i}"].view(aval.dtype)  # .view: bfloat16 is stored as bytes
+            for i, aval in enumerate(exported.in_avals[:-1])]
+  probabilities = exported.call(arrays, images)
 """
 
 import json
 import os
 import sys
+import zipfile
 
 import jax
+import numpy as np
 from absl import app, flags, logging
 from jax.experimental import multihost_utils
 
@@ -22,25 +33,38 @@ import input_pipeline
 import runs
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
-# The parameters are constants of the exported program, which jax.export serialises into one
-# flatbuffer: at most 2 GiB (flatbuffers' MAX_BUFFER_SIZE), less room for the program itself.
-MAX_MODEL_BYTES = 2**31 - 2**26
-LIMIT_WHY = ("an exported artifact holds (its parameters are constants of its program, "
-             "serialised in one flatbuffer of at most 2 GiB); use the checkpoint itself "
-             "(runs.Restored, as predict.py does)")
-
 
 FLAGS = flags.FLAGS
 
 
 def export(run: runs.Restored) -> jax.export.Exported:
-  """The inference function of `run`'s checkpoint, its parameters as constants."""
-  # On the host, whole (gathered from every device and process): the program's constants.
-  state = multihost_utils.process_allgather(run.state, tiled=True)
-  infer = jax.jit(lambda images: runs.probabilities(run.graphdef, state, images))
+  """The inference function of `run`'s model: (its arrays, in `jax.tree.leaves` order, images)
+  -> probabilities, for one device."""
+  arrays, treedef = jax.tree.flatten(run.state)
+  infer = jax.jit(lambda arrays, images: runs.probabilities(
+      run.graphdef, jax.tree.unflatten(treedef, arrays), images))
   batch, = jax.export.symbolic_shape("batch")
   images = jax.ShapeDtypeStruct((batch, *run.info.image_shape), run.info.pixel_dtype)
-  return jax.export.export(infer, platforms=PLATFORMS)(images)
+  arrays = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays]
+  return jax.export.export(infer, platforms=PLATFORMS)(arrays, images)
+
+
+def write(run: runs.Restored, path: str) -> None:
+  """Writes `export(run)` and the model's arrays to the `.npz` file `path` (process 0; every
+  process takes part in gathering each array from the devices that hold its pieces)."""
+  exported = export(run)
+  archive = zipfile.ZipFile(path, "w", allowZip64=True) if distributed.is_first() else None
+
+  def put(name: str, array: np.ndarray) -> None:
+    if archive is not None:
+      with archive.open(f"{name}.npy", "w", force_zip64=True) as f:
+        np.lib.format.write_array(f, array, allow_pickle=False)
+
+  put("program", np.frombuffer(exported.serialize(), np.uint8))
+  for i, array in enumerate(jax.tree.leaves(run.state)):
+    put(f"array_{i}", multihost_utils.process_allgather(array, tiled=True))
+  if archive is not None:
+    archive.close()
 
 
 def main(argv):
@@ -48,16 +72,14 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   distributed.initialize()
   try:
-    run = runs.Restored(FLAGS.workdir, FLAGS.step, limit=(MAX_MODEL_BYTES, LIMIT_WHY))
+    run = runs.Restored(FLAGS.workdir, FLAGS.step)
   except runs.ConfigError as e:
     raise SystemExit(f"error: {e}") from None
   if distributed.is_first():
     print(run.summary, file=sys.stderr)
-  exported = export(run)  # every process: its shards of the parameters go into the gather
+  write(run, FLAGS.out)
   if not distributed.is_first():  # process 0 writes
     return
-  with open(FLAGS.out, "wb") as f:
-    f.write(exported.serialize())
   beside = os.path.splitext(FLAGS.out)[0] + ".json"
   with open(beside, "w") as f:
     json.dump(dict(class_names=list(run.info.class_names), image_shape=list(run.info.image_shape),
@@ -70,6 +92,6 @@ def main(argv):
 
 if __name__ == "__main__":  # flags defined here: the functions above can be imported
   flags.DEFINE_string("workdir", None, "A training run's workdir.", required=True)
-  flags.DEFINE_string("out", None, "The file to write.", required=True)
+  flags.DEFINE_string("out", None, "The .npz file to write.", required=True)
   flags.DEFINE_integer("step", None, "The checkpoint's step (default: the latest).")
   app.run(main)

@@ -266,9 +266,7 @@ class Restored:
   optimizer, on the devices of `mesh` (default: all), placed as the run placed it: split over
   them by fsdp (its `fsdp_devices`, `fsdp_min_size`), else whole on each (a pmap run's too)."""
 
-  def __init__(self, workdir: str, step: int | None = None, mesh=None,
-               limit: tuple[int, str] | None = None):
-    """`limit`: (bytes, why): a model larger is refused, before anything is read."""
+  def __init__(self, workdir: str, step: int | None = None, mesh=None):
     self.config, self.info = read_description(workdir)
     if self.config.parallelism == "pmap":  # the same parameters: placed as spmd places them
       self.config.parallelism = "spmd"
@@ -276,9 +274,6 @@ class Restored:
     graphdef, abstract, _ = initial_state(self.config, self.info, self.mesh, 1)
     model = abstract[2 if len(abstract) > 2 else 0]
     self.bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model))
-    if limit and self.bytes > limit[0]:
-      raise ConfigError(f"the model of {workdir!r} takes {self.bytes / 2**30:.3g} GiB, more than "
-                        f"the {limit[0] / 2**30:.3g} GiB that {limit[1]}.")
     check_fits_devices(model, self.mesh, self.config, workdir)
     checkpoints = checkpoint_manager(absolute(workdir), create=False)
     available = checkpoints.all_steps()

@@ -24,7 +24,7 @@ class DigitsForTest(tfds.core.GeneratorBasedBuilder):
   VERSION = tfds.core.Version("1.0.0")
 
   def _info(self):
-    return self.dataset_info_from_configs(features=tfds.features.FeaturesDict({
+    return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
         "note": tfds.features.Text(), "picture": tfds.features.Image(shape=(None, None, 1)),
         "digit": tfds.features.ClassLabel(names=list(NAMES))}))
 
