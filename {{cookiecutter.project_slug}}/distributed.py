@@ -12,7 +12,14 @@ writes a file does it on process 0 alone (`is_first`).
 import os
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from absl import flags, logging
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import parallel
 
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "host:port of process 0, to run several processes without a "
@@ -52,8 +59,24 @@ def initialize() -> None:
     return
   logging.info("Process %d of %d, %d local devices of %d", jax.process_index(),
                jax.process_count(), jax.local_device_count(), jax.device_count())
+  if jax.default_backend() == "cpu":
+    connect_cpu_collectives()
   if jax.process_index() > 0:
     logging.set_verbosity(logging.WARNING)  # process 0 logs progress and metrics
+
+
+def connect_cpu_collectives() -> None:
+  """Connects XLA:CPU's collectives (gloo) between the processes now, while they are in step:
+  gloo connects a group of devices at its first collective, and fails there when one process
+  comes 30 s after another (still reading or compiling, under load); a collective of a group
+  already connected waits as long as XLA lets it. The groups the programs use: one device of
+  each process (Orbax's barriers, multihost_utils) and every device (the steps' mesh)."""
+  multihost_utils.sync_global_devices("distributed.connect_cpu_collectives")
+  mesh = parallel.make_mesh()
+  ones = jax.make_array_from_process_local_data(
+      NamedSharding(mesh, P(parallel.DATA_AXIS)),
+      np.ones(jax.local_device_count(), np.float32))
+  jax.jit(jnp.sum, out_shardings=parallel.replicated(mesh))(ones).block_until_ready()
 
 
 def is_first() -> bool:

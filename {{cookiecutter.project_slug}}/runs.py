@@ -248,7 +248,7 @@ def device_memory_bytes(device) -> int | None:
 def check_fits_devices(abstract_model, mesh, config, workdir: str) -> None:
   """Raises ConfigError, before anything is read, when the model as the run placed it (split by
   fsdp, else whole) is larger than a device of `mesh` holds, saying what it needs."""
-  memory = device_memory_bytes(mesh.devices.flat[0])
+  memory = device_memory_bytes(mesh.local_devices[0])  # only this process's report it
   need = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
              for x in jax.tree.leaves(abstract_model))
   if memory and need > memory:

@@ -1,5 +1,6 @@
 """Several processes on JAX's distributed runtime (over 127.0.0.1) = one process, exactly."""
 
+import json
 import os
 import re
 import shutil
@@ -241,3 +242,98 @@ def test_processes_that_see_different_checkpoints_stop_with_one_error(tmp_path):
                                          "their latest checkpoints in "), stderr[-3000:]
     assert "are 10 (process 0), None (process 1); give every process the same --workdir" in last
 
+
+def run_script(processes: int, script: str, *args: str) -> subprocess.CompletedProcess:
+  """`python SCRIPT ARGS` as 1 process of 8 CPU devices, or 2 of 4 (launch.py --script)."""
+  command = [sys.executable, script, *args] if processes == 1 else [
+      sys.executable, "launch.py", f"--num_processes={processes}",
+      f"--devices_per_process={8 // processes}", "--timeout=250", f"--script={script}", "--",
+      *args]
+  done = subprocess.run(command, cwd=PROJECT, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-4000:]
+  return done
+
+
+@pytest.mark.slow
+def test_evaluate_predict_and_export_on_two_processes(straight_runs, tmp_path):
+  """evaluate.py, predict.py and export.py as 2 processes of 4 devices on the fsdp run's
+  checkpoint (its parameters split over all 8 devices: each process restores its shards) give
+  what 1 process of 8 gives, printed once; export.py writes one artifact, which answers as
+  predict.py does. (Under load, these processes come to their first collective far apart:
+  distributed.connect_cpu_collectives.)"""
+  import jax
+  import numpy as np
+  from PIL import Image
+
+  import input_pipeline
+  from configs import tiny
+
+  workdir = tmp_path / "run"
+  shutil.copytree(straight_runs["fsdp"][0], workdir)  # evaluate.py writes into it
+  images = input_pipeline.get_datasets(tiny.get_config())[0]["eval"].images[:11]
+  (folder := tmp_path / "images").mkdir()
+  for i, image in enumerate(images):
+    Image.fromarray(image[..., 0]).save(folder / f"{i:02d}.png")
+  (folder / "99.png").write_bytes(b"not an image")
+
+  # (What precedes the tool's own output on stdout: gloo, the CPU's collectives, printing its
+  # connections from C++, in pieces.)
+  one, two = (run_script(n, "evaluate.py", f"--workdir={workdir}").stdout for n in (1, 2))
+  one, two = one[one.index("step 45: "):], two[two.index("step 45: "):]
+  first_line = re.compile(r"step 45: loss (\S+)  accuracy (\S+)  \(360 examples\)\n")
+  (loss_1, accuracy_1), (loss_2, accuracy_2) = (first_line.match(o).groups() for o in (one, two))
+  assert accuracy_2 == accuracy_1 and float(loss_2) == pytest.approx(float(loss_1), abs=1e-4)
+  # Per-class accuracies and the confusion matrix (counts): the same text, printed once.
+  assert two.split("\n", 1)[1] == one.split("\n", 1)[1]
+  assert two.count("step 45: ") == two.count("confusion matrix") == 1
+  assert len(list((workdir / "evaluate").glob("events.out.tfevents.*"))) == 2  # one a run
+
+  args = f"--workdir={workdir}", "--json", "--batch_size=8", str(folder)
+  one, two = (run_script(n, "predict.py", *args) for n in (1, 2))
+  predicted = [[json.loads(line) for line in o.stdout.splitlines() if line.startswith("{")]
+               for o in (one, two)]
+  assert [p["path"] for p in predicted[1]] == [str(folder / f"{i:02d}.png") for i in range(11)]
+  for a, b in zip(*predicted, strict=True):
+    assert a["class"] == b["class"] and a["probability"] == pytest.approx(b["probability"],
+                                                                         abs=1e-5)
+  for o in (one, two):
+    assert o.stderr.count("skipped ") == 2 and o.stderr.strip().splitlines()[-1] == (
+        "classified 11 images with the checkpoint of step 45; skipped 1 unreadable file")
+
+  done = run_script(2, "export.py", f"--workdir={workdir}", f"--out={tmp_path / 'model.npz'}")
+  assert done.stdout.count("wrote ") == 1
+  artifact = np.load(tmp_path / "model.npz")
+  exported = jax.export.deserialize(bytearray(artifact["program"]))
+  arrays = [artifact[f"array_{i}"].view(a.dtype) for i, a in enumerate(exported.in_avals[:-1])]
+  probs = np.asarray(exported.call(arrays, images))
+  assert [p["class"] for p in predicted[1]] == [str(c) for c in probs.argmax(-1)]
+  np.testing.assert_allclose(probs.max(-1), [p["probability"] for p in predicted[1]], atol=1e-5)
+
+
+LATE_PROCESS = """
+import os, sys, time
+sys.path.insert(0, os.getcwd())  # the project
+import jax, jax.numpy as jnp, numpy as np
+from absl import flags
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
+import distributed, parallel
+flags.FLAGS(sys.argv)
+distributed.initialize()
+if jax.process_index() == 1:
+  time.sleep(35)  # longer than gloo waits to connect a group of devices (30 s)
+multihost_utils.sync_global_devices("late")  # one device a process, as Orbax's barriers
+mesh = parallel.make_mesh()
+ones = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), np.ones(4))
+print("sum", float(jax.jit(jnp.sum, out_shardings=parallel.replicated(mesh))(ones)))
+"""
+
+
+@pytest.mark.slow
+def test_a_process_35_s_late_at_its_first_collective_is_waited_for(tmp_path):
+  """What a process still compiling under load does: the collectives of both device groups
+  were connected when the processes joined (distributed.connect_cpu_collectives), so the other
+  waits for it instead of failing ("Gloo context initialization failed: ... timed out")."""
+  (tmp_path / "late.py").write_text(LATE_PROCESS)
+  done = run_script(2, str(tmp_path / "late.py"))
+  assert done.stdout.count("sum 8.0") == 2, done.stdout + done.stderr[-3000:]
