@@ -61,6 +61,7 @@ EXPECTED_FILES = [
     "tests/test_steps.py",
     "tests/test_train.py",
     "tests/test_use.py",
+    "tests/test_wandb.py",
     "train.py",
     "write_arrayrecord.py",
     "writers.py",
@@ -255,7 +256,7 @@ def test_requirements_match_pyproject(cookies):
   lines = [line.split("#")[0].strip() for line in lines]
   listed = requirement_set(line for line in lines if line)
   template_only = {name for name, _ in listed} - {name for name, _ in wanted}
-  assert template_only == {"cookiecutter", "pytest-cookies"}
+  assert template_only == {"cookiecutter", "pytest-cookies", "cruft"}
   assert {r for r in listed if r[0] not in template_only} == wanted
 
 

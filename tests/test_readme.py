@@ -86,9 +86,10 @@ def test_readme_commands_run_as_written(tmp_path):
   shutil.copytree(TEMPLATE, clone, ignore=NOT_COPIED)
 
   template_blocks = blocks(clone / "README.md")
-  assert [lang for lang, _, _ in template_blocks] == ["bash", "bash"]
-  (_, bake, _), (_, _, note) = template_blocks
+  assert [lang for lang, _, _ in template_blocks] == ["bash", "bash", "bash"]
+  (_, bake, _), (_, _, note), (_, _, cruft_note) = template_blocks
   assert "-m pytest" in template_blocks[1][1] and not note  # run by CI as this suite itself
+  assert "tests/test_cruft.py" in cruft_note  # `cruft create gh:...`: its steps, on a clone
   output = run_block(bake, clone, timeout=1500)
   log = training_log(output)
   noisy = [line for line in log if "WARNING" in line or len(line) > 160]

@@ -204,6 +204,8 @@ def validate_config(config: ml_collections.ConfigDict, workdir: str | None = Non
       huggingface.splits(config) if config.dataset == "huggingface" else tfds_data.builder(config)
     except ValueError as e:
       need(False, str(e))
+  need(not config.wandb_project or _installed("wandb"), f"config.wandb_project="
+       f"{config.wandb_project!r} needs the `wandb` package: pip install -e '.[wandb]'.")
   need(not config.init_from or "://" in config.init_from or os.path.isdir(
       os.path.join(config.init_from, "checkpoints")),
        f"config.init_from={config.init_from!r} holds no checkpoints/; give the --workdir of the "
@@ -271,8 +273,8 @@ FREE_ON_RESUME = (
     "num_workers", "read_threads", "prefetch_batches", "prefetch_to_device", "grad_accum_steps",
     "steps_per_dispatch", "init_from", "parallelism", "fsdp_devices", "fsdp_min_size",
     "print_shardings", "xla_options", "compilation_cache_dir", "compilation_cache_min_seconds",
-    "peak_flops_per_device", "profile_first_step", "profile_num_steps", "log_every_steps",
-    "eval_every_steps", "checkpoint_every_steps", "max_checkpoints_to_keep",
+    "peak_flops_per_device", "profile_first_step", "profile_num_steps", "wandb_project",
+    "log_every_steps", "eval_every_steps", "checkpoint_every_steps", "max_checkpoints_to_keep",
     "skip_nonfinite_steps", "cpu_sync_every_steps", "per_device_batch_size", "resume_may_change")
 
 

@@ -191,7 +191,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     logging.info("%s\n%s", parallel.describe(state, "state"), parallel.describe(
         compiled.put_batch(eval_batches[0]), "batches (the first eval call's)"))
 
-  writer = writers.create_writer(workdir, write=jax.process_index() == 0)
+  writer = writers.create_writer(workdir, write=jax.process_index() == 0, config=config)
   if first_step == 0:
     writer.write_hparams(plan.flatten(config.to_dict()))  # TensorBoard's HPARAMS tab
   progress = writers.Progress(num_train_steps, writer, show=jax.process_index() == 0)

@@ -1,4 +1,5 @@
-"""CLU metric writers, with or without TensorFlow, and the progress a person reads.
+"""CLU metric writers (TensorBoard, with or without TensorFlow; Weights & Biases beside it) and
+the progress a person reads.
 
 CLU 0.0.12 imports TensorFlow when `clu.metric_writers` (and so `clu.periodic_actions`) is
 imported, only to define its TensorBoard `SummaryWriter`. When TensorFlow is not installed, this
@@ -8,6 +9,7 @@ Import this module before anything that imports `clu.metric_writers`.
 """
 
 import importlib.util
+import os
 import sys
 import time
 import types
@@ -88,12 +90,68 @@ _install()
 from clu import metric_writers  # noqa: E402  (after the shim, on purpose)
 
 
-def create_writer(workdir: str, write: bool = True) -> metric_writers.MetricWriter:
-  """TensorBoard event files in `workdir`, written by a background thread; nothing when
-  `write` is False (processes other than 0). The log gets `Progress`'s lines instead."""
+class WandbWriter(metric_writers.MetricWriter):
+  """Scalars and hyperparameters to a Weights & Biases run (the `wandb` extra), one W&B run per
+  workdir: its id is kept in `workdir/wandb_run_id`, so a resumed run logs to the same one. W&B
+  reads its own variables (WANDB_MODE=offline, WANDB_ENTITY, ...); its files go into the
+  workdir unless WANDB_DIR names a place. Images, texts and histograms stay TensorBoard's."""
+
+  def __init__(self, workdir: str, project: str, config: dict):
+    import wandb  # only here: a run without `config.wandb_project` never imports it
+    from etils import epath
+
+    id_file = epath.Path(workdir) / "wandb_run_id"
+    run_id = id_file.read_text().strip() if id_file.exists() else None
+    local = "://" not in workdir and "WANDB_DIR" not in os.environ
+    self._run = wandb.init(project=project, id=run_id, resume="allow",
+                           name=os.path.basename(os.path.normpath(workdir)), config=config,
+                           dir=workdir if local else None)
+    if run_id is None:
+      id_file.write_text(self._run.id)
+
+  def write_scalars(self, step, scalars):
+    self._run.log({key: float(value) for key, value in scalars.items()}, step=step)
+
+  def write_hparams(self, hparams):
+    self._run.config.update(hparams, allow_val_change=True)
+
+  def write_summaries(self, step, values, metadata=None):
+    del step, values, metadata
+
+  def write_images(self, step, images):
+    del step, images
+
+  def write_videos(self, step, videos):
+    del step, videos
+
+  def write_audios(self, step, audios, *, sample_rate):
+    del step, audios, sample_rate
+
+  def write_texts(self, step, texts):
+    del step, texts
+
+  def write_histograms(self, step, arrays, num_buckets=None):
+    del step, arrays, num_buckets
+
+  def flush(self):
+    pass
+
+  def close(self):
+    self._run.finish()
+
+
+def create_writer(workdir: str, write: bool = True, config=None) -> metric_writers.MetricWriter:
+  """TensorBoard event files in `workdir` and, when `config.wandb_project` names one, a W&B run
+  (`WandbWriter`), written by a background thread; nothing when `write` is False (processes
+  other than 0). The log gets `Progress`'s lines instead."""
   if not write:
     return metric_writers.MultiWriter([])
-  return metric_writers.AsyncMultiWriter([metric_writers.SummaryWriter(workdir)])
+  chosen = [metric_writers.SummaryWriter(workdir)]
+  if config is not None and config.get("wandb_project"):
+    from plan import flatten  # the config as TensorBoard's hparams get it
+
+    chosen.append(WandbWriter(workdir, config.wandb_project, flatten(config.to_dict())))
+  return metric_writers.AsyncMultiWriter(chosen)
 
 
 def _minutes(seconds: float) -> str:
@@ -164,4 +222,4 @@ class Progress:
              "?" if wait is None else f"{100 * wait:.0f}%", self.eta(step, now))
 
 
-__all__ = ["metric_writers", "create_writer", "draw_bar", "Progress"]
+__all__ = ["metric_writers", "create_writer", "draw_bar", "Progress", "WandbWriter"]

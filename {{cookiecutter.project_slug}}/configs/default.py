@@ -105,6 +105,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.peak_flops_per_device = 0.0
   config.profile_first_step = 0  # > 0: write a jax.profiler trace into the workdir from here
   config.profile_num_steps = 5
+  # Weights & Biases beside TensorBoard (the wandb extra): the project's name; '' turns it off.
+  # WANDB_MODE, WANDB_DIR (default: the workdir), WANDB_ENTITY, ... are W&B's own.
+  config.wandb_project = ""
 
   # Intervals, in steps. Training also logs, evaluates and checkpoints at its last step.
   config.log_every_steps = 50

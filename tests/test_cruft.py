@@ -1,0 +1,59 @@
+"""Template updates with cruft (README: Updating a baked project): a project baked by
+`cruft create` from a git clone of this template takes a later commit of the clone with
+`cruft update`; where the user edited the same lines, git's conflict markers show both."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TEMPLATE = Path(__file__).resolve().parents[1]
+GIT_ENV = os.environ | {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.com",
+                        "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.com"}
+TEMPLATE_LINE = "# A line of a later template commit."
+USER_LINE = "# The user's own line, in the same place."
+
+
+def run(cwd, *args) -> subprocess.CompletedProcess:
+  return subprocess.run(list(args), cwd=cwd, capture_output=True, text=True, env=GIT_ENV,
+                        timeout=120)
+
+
+def commit(cwd, message: str) -> None:
+  for args in (["git", "add", "-A"], ["git", "commit", "-q", "-m", message]):
+    done = run(cwd, *args)
+    assert done.returncode == 0, done.stderr
+
+
+def add_line(path: Path, line: str, after: int) -> None:
+  lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+  path.write_text("".join(lines[:after] + [line + "\n"] + lines[after:]), encoding="utf-8")
+
+
+def test_cruft_update_brings_a_later_template_commit_into_a_baked_project(tmp_path):
+  clone = tmp_path / "template"
+  done = run(tmp_path, "git", "clone", "-q", str(TEMPLATE), str(clone))
+  assert done.returncode == 0, done.stderr
+  cruft = [sys.executable, "-m", "cruft"]
+  done = run(tmp_path, *cruft, "create", "--no-input", "--output-dir", "out", str(clone))
+  assert done.returncode == 0, done.stderr
+  project = tmp_path / "out" / "nnx_data_parallel"
+  assert (project / ".cruft.json").is_file() and (project / "train.py").is_file()
+  assert run(project, "git", "init", "-q").returncode == 0
+  commit(project, "baked")
+
+  baked = clone / "{{cookiecutter.project_slug}}"
+  add_line(baked / "model.py", TEMPLATE_LINE, after=1)
+  add_line(baked / "writers.py", TEMPLATE_LINE, after=1)
+  commit(clone, "a later template commit")
+  assert run(project, *cruft, "check").returncode == 1  # out of date
+  add_line(project / "model.py", USER_LINE, after=1)
+  commit(project, "the user's own model")
+
+  done = run(project, *cruft, "update", "-y")
+  assert done.returncode == 0, done.stdout + done.stderr
+  assert (project / "writers.py").read_text(encoding="utf-8").splitlines()[1] == TEMPLATE_LINE
+  model = (project / "model.py").read_text(encoding="utf-8").splitlines()
+  assert model[1:6] == ["<<<<<<< ours", USER_LINE, "=======", TEMPLATE_LINE, ">>>>>>> theirs"]
+  assert run(project, "git", "status", "--short", "model.py").stdout.startswith("UU")
+  assert run(project, *cruft, "check").returncode == 0  # up to date: the conflict is the user's
