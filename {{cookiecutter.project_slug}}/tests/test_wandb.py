@@ -42,7 +42,7 @@ def wandb_records(path: str) -> list:
 
 
 def logged(run_dir: str) -> tuple[dict[int, dict], dict]:
-  """What an offline W&B run directory holds: {step: {key: value}} and the config."""
+  """What an offline W&B run directory holds: the values logged at each step, and the config."""
   (path,) = glob.glob(os.path.join(run_dir, "run-*.wandb"))
   history, config = {}, {}
   for record in wandb_records(path):
