@@ -98,6 +98,26 @@ def straight_runs(shared_tmp):
   return StraightRuns(shared_tmp)
 
 
+# The class names that the tests' Hugging Face and TFDS copies of the digits carry.
+DIGIT_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+
+
+def reads_as_the_digits(config) -> tuple[dict, dict]:
+  """`config` (a Hugging Face or TFDS copy of the digits) is valid and its data is described as
+  the digits: 8x8x1 uint8, DIGIT_NAMES, 1437 + 360 examples. Returns its sources and the digits'
+  own, to compare."""
+  import input_pipeline
+  import plan
+  from configs import default
+
+  plan.validate_config(config)
+  sources, info = input_pipeline.get_datasets(config)
+  assert (info.image_shape, info.num_classes, info.class_names, info.pixel_dtype) == (
+      (8, 8, 1), 10, DIGIT_NAMES, "uint8")
+  assert info.num_examples == {"train": 1437, "eval": 360}
+  return sources, input_pipeline.get_datasets(default.get_config())[0]
+
+
 def trains_as_written(config, workdir, splits: dict, class_names) -> dict:
   """A run of `config` in `workdir` (its eval metrics, returned) ends as a run on the same
   `splits` ({split: (images, labels)}, in the same order) written by write_arrayrecord.py; its

@@ -6,15 +6,14 @@ import io
 import datasets
 import numpy as np
 import pytest
-from conftest import trains_as_written
+from conftest import DIGIT_NAMES as NAMES
+from conftest import reads_as_the_digits, trains_as_written
 from PIL import Image
 
 import input_pipeline
 import plan
 import runs
 from configs import default, tiny
-
-NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 
 
 def digits_dataset(split_names=("train", "validation")) -> datasets.DatasetDict:
@@ -57,13 +56,7 @@ def config_for(data_dir, **huggingface):
 def test_a_saved_dataset_and_parquet_files_read_as_the_digits(folders, kind):
   """Found by their features: the image and label columns; the class names and ids are the
   ClassLabel's, the images those of the digits, decoded."""
-  config = config_for(folders[kind])
-  plan.validate_config(config)
-  sources, info = input_pipeline.get_datasets(config)
-  assert (info.image_shape, info.num_classes, info.class_names, info.pixel_dtype) == (
-      (8, 8, 1), 10, NAMES, "uint8")
-  assert info.num_examples == {"train": 1437, "eval": 360}
-  digits, _ = input_pipeline.get_datasets(default.get_config())
+  sources, digits = reads_as_the_digits(config_for(folders[kind]))
   indices = np.array([0, 5, 359])
   for split in ("train", "eval"):
     taken, wanted = sources[split].take(indices), digits[split].take(indices)
