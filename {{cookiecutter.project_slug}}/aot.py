@@ -35,10 +35,12 @@ from absl.flags import FLAGS  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 import chips  # noqa: E402
+import flops  # noqa: E402
 import input_pipeline  # noqa: E402
+import metrics  # noqa: E402
+import optim  # noqa: E402
 import parallel  # noqa: E402
 import plan  # noqa: E402
-import runs  # noqa: E402
 import steps  # noqa: E402
 
 COLLECTIVES = ("all-reduce-scatter", "reduce-scatter", "all-gather", "all-reduce", "all-to-all",
@@ -130,7 +132,7 @@ def compile_timed(lowered_fn, what: str, device_kind: str, memory_bytes: int):
 def analyze(config, devices) -> dict:
   """Compiles `config`'s train step, eval step and initial state for `devices` (compile-only,
   from `chips.compile_only_devices`) as train.py would build them there; returns the figures
-  (see the README: Will it fit?). Raises runs.ConfigError for a config that train.py would
+  (see the README: Will it fit?). Raises plan.ConfigError for a config that train.py would
   refuse on those devices, DoesNotFit for one that the compiler refuses."""
   # JAX's persistent cache cannot load what was compiled for devices that are not here.
   cache = jax.config.jax_enable_compilation_cache
@@ -151,7 +153,7 @@ def _analyze(config, devices) -> dict:
   num_train_steps = input_pipeline.num_batches(
       config.num_epochs * info.num_examples["train"], config.batch_size)
   mesh = parallel.make_mesh(config, devices)
-  graphdef, state, init = runs.initial_state(config, info, mesh, num_train_steps)
+  graphdef, state, init = optim.initial_state(config, info, mesh, num_train_steps)
   pmap = config.parallelism == "pmap"
   compiled_steps = steps.make(graphdef, config, mesh, unroll=False,
                               crop_on_device=not info.crops_on_host,
@@ -159,8 +161,8 @@ def _analyze(config, devices) -> dict:
   batches = abstract_batches(config, info, num_devices, mesh, pmap)
   where = None if pmap else parallel.replicated(mesh)
   train_args = (abstract(state, leading=num_devices) if pmap else state,
-                abstract(steps.TrainMetrics.empty(), where), batches)
-  eval_args = (train_args[0], abstract(steps.Metrics.empty(), where), batches)
+                abstract(metrics.TrainMetrics.empty(), where), batches)
+  eval_args = (train_args[0], abstract(metrics.Metrics.empty(), where), batches)
 
   state_bytes = bytes_per_device(state) if not pmap else bytes_per_device(
       abstract(state, parallel.replicated(mesh)))
@@ -185,7 +187,7 @@ def _analyze(config, devices) -> dict:
     raise
   train_memory, eval_memory, init_memory = memory(train), memory(evaluate), memory(initial)
   train_text = train.as_text()
-  speed = plan.Speed(graphdef, abstract(state), info.image_shape, config, devices)
+  speed = flops.Speed(graphdef, abstract(state), info.image_shape, config, devices)
   flops_per_step = speed.flops_per_step
   cost = train.cost_analysis() or {}
   compute_s = flops_per_step / speed.peak if speed.peak else 0.0
@@ -251,7 +253,7 @@ def main(argv):
   try:
     devices = chips.compile_only_devices(topology, num_slices)
     result = analyze(FLAGS.config, devices)
-  except (chips.TopologyError, runs.ConfigError) as e:
+  except (chips.TopologyError, plan.ConfigError) as e:
     raise SystemExit(f"error: {e}") from None
   except DoesNotFit as e:
     result, error = dict(topology=topology, **e.figures, fits=False), str(e)

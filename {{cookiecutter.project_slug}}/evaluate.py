@@ -12,19 +12,19 @@ TensorBoard in `workdir/evaluate/` at the checkpoint's step.
 import os
 import sys
 
-# isort: split
-import writers  # first: lets CLU write TensorBoard files without TensorFlow
-
-# isort: split
 import jax
 import numpy as np
 from absl import app, flags, logging
 from flax import nnx
 
 import distributed
+import image_files
 import input_pipeline
+import metrics
+import plan
 import runs
 import steps
+import writers
 
 FLAGS = flags.FLAGS
 
@@ -34,9 +34,9 @@ def image_folder_source(folder: str, run: runs.Restored) -> input_pipeline.Array
   class names; unreadable files are reported on stderr and skipped."""
   info = run.info
   if not os.path.isdir(folder):
-    raise runs.ConfigError(f"--image_folder={folder!r} is not a directory.")
+    raise plan.ConfigError(f"--image_folder={folder!r} is not a directory.")
   if info.pixel_dtype != "uint8":
-    raise runs.ConfigError(f"--image_folder: the run was trained on {info.pixel_dtype} pixels as "
+    raise plan.ConfigError(f"--image_folder: the run was trained on {info.pixel_dtype} pixels as "
                            "stored, which image files do not give; evaluate on its data "
                            "(--data_dir) instead.")
   images, labels = [], []
@@ -44,10 +44,10 @@ def image_folder_source(folder: str, run: runs.Restored) -> input_pipeline.Array
     if not entry.is_dir():
       continue
     if entry.name not in info.class_names:
-      raise runs.ConfigError(f"--image_folder: {entry.path} is no class of the run; its classes "
+      raise plan.ConfigError(f"--image_folder: {entry.path} is no class of the run; its classes "
                              f"are {', '.join(info.class_names)}.")
-    for path in runs.find_images([entry.path]):
-      image = input_pipeline.read_image(path, info.image_shape,
+    for path in image_files.find_images([entry.path]):
+      image = image_files.read_image(path, info.image_shape,
                                         center_ratio=runs.center_ratio(run))
       if isinstance(image, str):
         print(f"skipped {path}: {image}", file=sys.stderr)
@@ -55,7 +55,7 @@ def image_folder_source(folder: str, run: runs.Restored) -> input_pipeline.Array
       images.append(image)
       labels.append(info.class_names.index(entry.name))
   if not images:
-    raise runs.ConfigError(f"--image_folder={folder!r} holds no readable image in a class "
+    raise plan.ConfigError(f"--image_folder={folder!r} holds no readable image in a class "
                            "folder.")
   return input_pipeline.ArraySource(np.stack(images), np.array(labels, np.int32))
 
@@ -76,9 +76,9 @@ def evaluate(run: runs.Restored, source) -> dict:
   config.batch_size = -(-config.batch_size // run.mesh.size) * run.mesh.size
   graphdef, state = nnx.split((nnx.merge(run.graphdef, run.state),))  # eval_step's (model,)
   compiled = steps.make(graphdef, config, run.mesh)
-  collection = steps.with_confusion(run.info.num_classes)
+  collection = metrics.with_confusion(run.info.num_classes)
   batches = input_pipeline.eval_batches(source, config, **distributed.share())
-  running = jax.device_get(runs.evaluate(compiled, state, batches, config, collection))
+  running = jax.device_get(steps.evaluate(compiled, state, batches, config, collection))
   counts = np.asarray(running.confusion.counts)
   with np.errstate(invalid="ignore"):
     per_class = np.diag(counts) / counts.sum(axis=1)  # NaN: a class without examples
@@ -99,17 +99,17 @@ def main(argv):
       if FLAGS.data_dir:
         config.dataset, config.data_dir = "arrayrecord", FLAGS.data_dir
         if not input_pipeline.arrayrecord_paths(config.data_dir, "eval"):
-          raise runs.ConfigError(f"--data_dir={config.data_dir!r} holds no "
+          raise plan.ConfigError(f"--data_dir={config.data_dir!r} holds no "
                                  "eval-*.array_record files; write them with "
                                  "write_arrayrecord.py.")
       splits, info = input_pipeline.get_datasets(config)
       if (info.image_shape, info.num_classes) != (run.info.image_shape, run.info.num_classes):
-        raise runs.ConfigError(f"the data hold {info.num_classes} classes of "
+        raise plan.ConfigError(f"the data hold {info.num_classes} classes of "
                                f"{'x'.join(map(str, info.image_shape))} images; the run was "
                                f"trained on {run.info.num_classes} of "
                                f"{'x'.join(map(str, run.info.image_shape))}.")
       source = splits["eval"]
-  except runs.ConfigError as e:
+  except plan.ConfigError as e:
     raise SystemExit(f"error: {e}") from None
   if distributed.is_first():
     print(run.summary, file=sys.stderr)

@@ -30,7 +30,9 @@ from jax.experimental import multihost_utils
 
 import distributed
 import input_pipeline
+import plan
 import runs
+import steps
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
@@ -41,7 +43,7 @@ def export(run: runs.Restored) -> jax.export.Exported:
   """The inference function of `run`'s model: (its arrays, in `jax.tree.leaves` order, images)
   -> probabilities, for one device."""
   arrays, treedef = jax.tree.flatten(run.state)
-  infer = jax.jit(lambda arrays, images: runs.probabilities(
+  infer = jax.jit(lambda arrays, images: steps.probabilities(
       run.graphdef, jax.tree.unflatten(treedef, arrays), images))
   batch, = jax.export.symbolic_shape("batch")
   images = jax.ShapeDtypeStruct((batch, *run.info.image_shape), run.info.pixel_dtype)
@@ -73,7 +75,7 @@ def main(argv):
   distributed.initialize()
   try:
     run = runs.Restored(FLAGS.workdir, FLAGS.step)
-  except runs.ConfigError as e:
+  except plan.ConfigError as e:
     raise SystemExit(f"error: {e}") from None
   if distributed.is_first():
     print(run.summary, file=sys.stderr)

@@ -7,7 +7,7 @@ The image column is the one whose feature is an `Image` and the label column the
 one, unless named in `config.huggingface`; label ids and class names are the `ClassLabel`'s.
 Training reads the split 'train'; evaluation 'validation' or 'test', whichever exists (named by
 `config.huggingface.eval_split` when both or neither do). Images are decoded as predict.py
-decodes files (`input_pipeline.decode_image`), in Grain's workers, to `image_shape`: the first
+decodes files (`image_files.decode_image`), in Grain's workers, to `image_shape`: the first
 training image's height and width (1 channel if it is gray, else 3), or `config.image_size`.
 """
 
@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-import input_pipeline
+import image_files
 
 EVAL_SPLITS = ("validation", "test")
 
@@ -106,7 +106,7 @@ class Source:
 
   def take(self, indices: np.ndarray) -> dict[str, np.ndarray]:
     rows = self.dataset[[int(i) for i in indices]]
-    images = [input_pipeline.decode_image(self.encoded(image), self.image_shape)
+    images = [image_files.decode_image(self.encoded(image), self.image_shape)
               for image in rows[self.image_column]]
     return {"image": np.stack(images), "label": np.asarray(rows[self.label_column], np.int32)}
 
@@ -118,7 +118,7 @@ def sources(config) -> tuple[dict[str, Source], tuple[int, int, int], tuple[str,
     shape = tuple(config.image_size)
   else:
     first = Source(loaded["train"], image, label, (1, 1, 1))
-    shape = input_pipeline.encoded_shape(first.encoded(first.dataset[0][image]))
+    shape = image_files.encoded_shape(first.encoded(first.dataset[0][image]))
   feature = loaded["train"].features[label]
   names = tuple(getattr(feature, "names", None) or ())
   if not names:  # integer labels without names: 0 .. max

@@ -19,7 +19,6 @@ global batch is the same whatever the number of processes P.
 import dataclasses
 import functools
 import glob
-import io
 import json
 import math
 import os
@@ -27,7 +26,8 @@ import os
 import grain
 import numpy as np
 from flax import serialization
-from PIL import Image, ImageOps
+
+from image_files import Crops, decode_image
 
 DATASETS = ("digits", "arrayrecord", "huggingface", "tfds", "synthetic")
 
@@ -45,7 +45,7 @@ class DatasetInfo:
 
 
 def model_input(pixel_dtype: str) -> str:
-  """What the model is given of stored pixels of `pixel_dtype` (steps.prepare_images)."""
+  """What the model is given of stored pixels of `pixel_dtype` (augment.prepare_images)."""
   return "pixels / 255" if np.issubdtype(pixel_dtype, np.integer) else "pixels as stored"
 
 
@@ -60,99 +60,6 @@ class ArraySource:
 
   def take(self, indices: np.ndarray) -> dict[str, np.ndarray]:
     return {"image": self.images[indices], "label": self.labels[indices]}
-
-
-def decode_image(data: bytes, image_shape: tuple[int, int, int]) -> np.ndarray:
-  """An encoded image (JPEG, PNG, ...) as uint8 [H, W, C] of `image_shape`: gray (C = 1) or
-  RGB (C = 3), scaled until it covers H x W and center-cropped (unchanged if already H x W)."""
-  height, width, channels = image_shape
-  with Image.open(io.BytesIO(data)) as image:
-    image = image.convert("L" if channels == 1 else "RGB")
-    if image.size != (width, height):
-      image = ImageOps.fit(image, (width, height), Image.Resampling.BILINEAR)
-    return np.asarray(image).reshape(height, width, channels)
-
-
-def encoded_shape(data: bytes) -> tuple[int, int, int]:
-  """(height, width, channels) that an encoded image decodes to here: 1 channel if gray, else 3."""
-  with Image.open(io.BytesIO(data)) as image:
-    return image.size[1], image.size[0], 1 if image.mode in GRAY_MODES else 3
-
-
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")  # the image files that folders are read for
-GRAY_MODES = ("1", "L", "LA", "I", "I;16", "F")  # PIL modes of one channel
-
-
-def images_under(directory: str, suffixes: tuple[str, ...] = IMAGE_SUFFIXES) -> list[str]:
-  """The files ending in one of `suffixes` anywhere under `directory`, sorted."""
-  paths = glob.glob(os.path.join(glob.escape(directory), "**", "*"), recursive=True)
-  return sorted(p for p in paths if p.lower().endswith(suffixes) and os.path.isfile(p))
-
-
-def read_image(path: str, image_shape, keep_encoded: bool = False,
-               pixel_dtype: str = "uint8", center_ratio: float = 1.0) -> np.ndarray | bytes | str:
-  """The file decoded to `image_shape` (`decode_image`; with `center_ratio` < 1, evaluation's
-  crop of a photo stored whole: `Crops`; with keep_encoded, the file's bytes once they decode),
-  or a .npy file's array, as stored (of `image_shape` and `pixel_dtype`), or why it could not
-  be read."""
-  try:
-    if path.lower().endswith(".npy"):
-      image = np.load(path, allow_pickle=False)
-      if image.shape != tuple(image_shape) or image.dtype != pixel_dtype:
-        return (f"holds {image.dtype} {list(image.shape)}, not the run's {pixel_dtype} "
-                f"{list(image_shape)}")
-      return image
-    with open(path, "rb") as f:
-      data = f.read()
-    image = (Crops(center_ratio=center_ratio)(data, image_shape, 0) if center_ratio < 1 else
-             decode_image(data, image_shape))
-    return data if keep_encoded else image
-  except Exception as e:  # noqa: BLE001  (any unreadable file is reported and skipped)
-    return f"{type(e).__name__}: {e}"
-
-
-@dataclasses.dataclass(frozen=True)
-class Crops:
-  """How a photo stored whole (`write_arrayrecord.py --resize_shorter`) becomes `image_shape`.
-  With `scale`, a random crop (Inception's: a fraction of the area in `scale`, of aspect
-  (width / height) log-uniform in `ratio`, the first of 10 draws that fits, else the centre
-  crop), drawn from `seed` and the example's stream position alone; without it, evaluation's
-  centre crop: the image scaled to cover `image_shape` / `center_ratio` (256 for 224 at
-  0.875), its centre `image_shape` kept. The box is chosen from the file's header, and a JPEG
-  is decoded at the smallest scale (1/2, 1/4, 1/8: DCT scaling) that keeps the box's pixels."""
-
-  seed: int = 0
-  scale: tuple[float, float] | None = None
-  ratio: tuple[float, float] = (3 / 4, 4 / 3)
-  center_ratio: float = 0.875
-
-  def box(self, width: int, height: int, out_hw, position: int):
-    """(left, top, right, bottom) in the stored image's pixels."""
-    if self.scale is not None:
-      rng = np.random.default_rng([self.seed, position])
-      for _ in range(10):
-        area = width * height * rng.uniform(*self.scale)
-        aspect = math.exp(rng.uniform(math.log(self.ratio[0]), math.log(self.ratio[1])))
-        w, h = math.sqrt(area * aspect), math.sqrt(area / aspect)
-        if w <= width and h <= height:
-          left, top = rng.uniform(0, width - w), rng.uniform(0, height - h)
-          return left, top, left + w, top + h
-    zoom = max(out_hw[1] / width, out_hw[0] / height) / self.center_ratio
-    w, h = min(out_hw[1] / zoom, width), min(out_hw[0] / zoom, height)
-    return (width - w) / 2, (height - h) / 2, (width + w) / 2, (height + h) / 2
-
-  def __call__(self, data: bytes, image_shape, position: int) -> np.ndarray:
-    height, width, channels = image_shape
-    with Image.open(io.BytesIO(data)) as image:
-      left, top, right, bottom = self.box(*image.size, (height, width), position)
-      full = image.size
-      mode = "L" if channels == 1 else "RGB"
-      image.draft(mode, (math.ceil(full[0] * width / (right - left)),
-                         math.ceil(full[1] * height / (bottom - top))))
-      sx, sy = image.size[0] / full[0], image.size[1] / full[1]  # 1 unless a JPEG's draft
-      image = image.convert(mode).resize((width, height), Image.Resampling.BILINEAR,
-                                         box=(left * sx, top * sy, right * sx, bottom * sy))
-      return np.asarray(image).reshape(height, width, channels)
 
 
 class RecordSource:
@@ -397,3 +304,5 @@ def as_iterator(batches: grain.MapDataset, config, put=None,
       dataset = grain.experimental.ThreadPrefetchIterDataset(
           dataset, prefetch_buffer_size=config.prefetch_to_device)
   return iter(dataset)
+
+

@@ -25,8 +25,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import distributed
+import image_files
 import input_pipeline
+import plan
 import runs
+import steps
 
 FLAGS = flags.FLAGS
 
@@ -41,10 +44,10 @@ def predict(run: runs.Restored, paths: list[str], batch_size: int = 0):
   height, width, channels = run.info.image_shape
   sharding = NamedSharding(run.mesh, P(run.mesh.axis_names))  # over every axis (fsdp's too)
   step = jax.jit(lambda graphdef, state, images, mask, rows: (
-      runs.probabilities(graphdef, state, images, mask), mask, rows),
+      steps.probabilities(graphdef, state, images, mask), mask, rows),
       static_argnums=0, out_shardings=NamedSharding(run.mesh, P()))  # every row, everywhere
   put = lambda x: jax.make_array_from_process_local_data(sharding, x)  # noqa: E731
-  read = functools.partial(input_pipeline.read_image, image_shape=run.info.image_shape,
+  read = functools.partial(image_files.read_image, image_shape=run.info.image_shape,
                            pixel_dtype=run.info.pixel_dtype, center_ratio=runs.center_ratio(run))
   with concurrent.futures.ThreadPoolExecutor(input_pipeline.available_cpus()) as pool:
     for start in range(0, len(paths), batch_size):
@@ -68,19 +71,19 @@ def main(argv):
   distributed.initialize()
   try:
     if FLAGS.top_k < 1:
-      raise runs.ConfigError(f"--top_k={FLAGS.top_k} must be 1 or more.")
-    paths = runs.find_images(argv[1:])
+      raise plan.ConfigError(f"--top_k={FLAGS.top_k} must be 1 or more.")
+    paths = image_files.find_images(argv[1:])
     if not paths:
-      raise runs.ConfigError("no image to classify: give image files (.jpg, .jpeg, .png) or "
+      raise plan.ConfigError("no image to classify: give image files (.jpg, .jpeg, .png) or "
                              "folders of them after the flags.")
     run = runs.Restored(FLAGS.workdir, FLAGS.step)
     files = [p for p in paths if not p.lower().endswith(".npy")]
     if files and run.info.pixel_dtype != "uint8":
-      raise runs.ConfigError(
+      raise plan.ConfigError(
           f"the run was trained on {run.info.pixel_dtype} pixels as stored (its data.json), which "
           f"image files such as {files[0]!r} do not give: pass .npy arrays "
           f"{list(run.info.image_shape)} of {run.info.pixel_dtype} instead.")
-  except runs.ConfigError as e:
+  except plan.ConfigError as e:
     raise SystemExit(f"error: {e}") from None
   if distributed.is_first():
     print(run.summary, file=sys.stderr)

@@ -1,10 +1,12 @@
-"""A run's workdir: what it says about itself, its checkpoints, and the state built from them.
+"""A run's workdir: what it says about itself, its Orbax checkpoints, and what is restored from
+them (a resume, a fine-tuning start, the model alone for predict.py, evaluate.py and export.py).
 
-Written once, used by train.py, predict.py, evaluate.py and export.py (this module defines no
-flags: any script may import it). At its start a run writes into its workdir
+At its start a run writes into its workdir
   config.json  the resolved config (what model.py and the steps were given),
   data.json    the data's description: image shape, number of classes, class names,
-so that a checkpoint can be used with nothing but the workdir (`restore`).
+so that a checkpoint can be used with nothing but the workdir (`Restored`). A run started again
+in the same workdir resumes it, and keeps its config but for what `FREE_ON_RESUME` names.
+This module defines no flags: any script may import it.
 """
 
 import contextlib
@@ -12,34 +14,30 @@ import json
 import math
 import os
 
-import grain
 import jax
 import jax.numpy as jnp
 import ml_collections
-import optax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 from flax import nnx
+from jax.experimental import multihost_utils
 
 import input_pipeline
+import optim
 import parallel
-import steps
-from model import create_model
+from plan import ConfigError
 
 CONFIG_FILE, DATA_FILE = "config.json", "data.json"
-
-
-class ConfigError(ValueError):
-  """A config that cannot work; the message names the key, the value and the fix."""
 
 
 def array_handlers():
   """Orbax's writers of jax.Array leaves (its global registry is left as it is). Orbax splits
   the writing of a replicated array across its replicas on TPU (its default there); on the CPU,
-  where that compiles slicing programs at the first save (2.7 s against 0.25 s on 8 devices),
-  and on GPUs (Orbax's own choice for them, which it detects only from JAX_PLATFORMS), one
-  replica writes it."""
+  where that compiles slicing programs at the first save (slower than one replica writing), and
+  on GPUs (Orbax's own choice for them, which it detects only from JAX_PLATFORMS), one replica
+  writes it."""
   split = None if jax.default_backend() == "tpu" else False
   return ocp.type_handlers.create_type_handler_registry(
       (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=split)))
@@ -54,94 +52,6 @@ def checkpoint_manager(workdir: str, max_to_keep: int | None = None, create: boo
       options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=create),
       item_handlers=dict(
           state=ocp.PyTreeCheckpointHandler(type_handler_registry=array_handlers())))
-
-
-def global_batch_size(config, num_devices: int | None = None) -> int:
-  """Examples per optimizer step, over all devices and processes: `config.batch_size`, or
-  `config.per_device_batch_size` x the devices (default: all of them) when that is set."""
-  if config.per_device_batch_size:
-    return config.per_device_batch_size * (num_devices or jax.device_count())
-  return config.batch_size
-
-
-def peak_learning_rate(config) -> float:
-  """`config.learning_rate`, scaled by the global batch over `config.base_batch_size`."""
-  ratio = config.batch_size / config.base_batch_size
-  return config.learning_rate * {"none": 1.0, "linear": ratio, "sqrt": ratio**0.5}[
-      config.lr_scaling]
-
-
-def warmup_steps(config, num_train_steps: int) -> int:
-  """`config.warmup_steps`, or `config.warmup_epochs` of the run's steps."""
-  return config.warmup_steps or round(config.warmup_epochs * num_train_steps / config.num_epochs)
-
-
-def create_schedule(config, num_train_steps: int) -> optax.Schedule:
-  """The learning rate of update n (n = 0, 1, ...): a linear warmup from 0 to the peak over
-  `warmup_steps`, then `config.schedule` over the remaining steps (cosine and linear: to 0 at
-  `num_train_steps`)."""
-  peak, warmup = peak_learning_rate(config), warmup_steps(config, num_train_steps)
-  decay_steps = max(num_train_steps - warmup, 1)
-  decay = {"cosine": lambda: optax.cosine_decay_schedule(peak, decay_steps),
-           "linear": lambda: optax.linear_schedule(peak, 0.0, decay_steps),
-           "constant": lambda: optax.constant_schedule(peak)}[config.schedule]()
-  if not warmup:
-    return decay
-  return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
-
-
-def create_optimizer(config, num_train_steps: int) -> optax.GradientTransformation:
-  """`config.optimizer` at the schedule's rates, after clipping the gradient's global norm to
-  `grad_clip_norm` (when > 0). `momentum`: sgd's momentum (0: none), adam's and adamw's b1;
-  `nesterov`: Nesterov's momentum (sgd), NAdam (adam, adamw). `weight_decay` acts on the weights
-  only (arrays of 2 or more dimensions: not biases, nor norms' scales). adamw's is decoupled:
-  optax multiplies it by the learning rate, so a step takes lr x weight_decay x w off each
-  weight, as PyTorch's AdamW (0.05-0.1 is usual). adam's and sgd's is L2: weight_decay x w is
-  added to the gradient, as PyTorch's `weight_decay` (1e-4-5e-4 is usual with sgd)."""
-  schedule = create_schedule(config, num_train_steps)
-  weights = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)  # noqa: E731
-  momentum, nesterov, decay = config.momentum, config.nesterov, config.weight_decay
-  chain = [optax.clip_by_global_norm(config.grad_clip_norm)] if config.grad_clip_norm else []
-  if config.optimizer == "adamw":
-    chain.append(optax.adamw(schedule, b1=momentum, weight_decay=decay, mask=weights,
-                             nesterov=nesterov))
-  else:
-    if decay:
-      chain.append(optax.add_decayed_weights(decay, mask=weights))
-    chain.append(optax.adam(schedule, b1=momentum, nesterov=nesterov)
-                 if config.optimizer == "adam" else
-                 optax.sgd(schedule, momentum=momentum or None, nesterov=nesterov))
-  return optax.chain(*chain) if len(chain) > 1 else chain[0]
-
-
-def build_state(config, image_shape, num_classes, num_train_steps: int) -> tuple:
-  """The training state's objects: (model, optimizer), and with `config.ema_decay` a third, the
-  moving average of the model (a copy of it, which the train step moves and evaluation uses)."""
-  model = create_model(config, image_shape, num_classes, nnx.Rngs(config.seed))
-  optimizer = nnx.Optimizer(model, create_optimizer(config, num_train_steps), wrt=nnx.Param)
-  if not config.ema_decay:
-    return model, optimizer
-  average = nnx.clone(model)  # its own buffers, its floats in float32 (steps.train_step)
-  nnx.update(average, jax.tree.map(  # (jnp.array copies)
-      lambda x: jnp.array(x, jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype),
-      nnx.state(average)))
-  return model, optimizer, average
-
-
-def initial_state(config, info, mesh, num_train_steps: int):
-  """The model and optimizer's graph (`build_state`), their state's abstract value (shapes,
-  dtypes, shardings; fsdp splits the average like the parameters) and a function that builds
-  the state: under jit, each shard where it lives, so that no host and no device ever holds more
-  of it than its share (the same values as built eagerly)."""
-
-  def build():
-    return build_state(config, info.image_shape, info.num_classes, num_train_steps)
-
-  graphdef, abstract = nnx.split(nnx.eval_shape(build))
-  shardings = parallel.state_shardings(abstract, mesh, config.fsdp_min_size)
-  abstract = jax.tree.map(lambda x, where: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where),
-                          abstract, shardings)
-  return graphdef, abstract, jax.jit(lambda: nnx.split(build())[1], out_shardings=shardings)
 
 
 def leaf_name(path) -> str:
@@ -219,7 +129,7 @@ def read_description(workdir: str):
 
 def center_ratio(run) -> float:
   """The share of a photo that evaluation keeps: the run's eval_crop_ratio where the photos were
-  stored whole (input_pipeline.Crops), else 1 (the image scaled to cover, its centre kept)."""
+  stored whole (image_files.Crops), else 1 (the image scaled to cover, its centre kept)."""
   return run.config.get("eval_crop_ratio", 1.0) if run.info.crops_on_host else 1.0
 
 
@@ -271,7 +181,7 @@ class Restored:
     if self.config.parallelism == "pmap":  # the same parameters: placed as spmd places them
       self.config.parallelism = "spmd"
     self.mesh = mesh or parallel.make_mesh(self.config)
-    graphdef, abstract, _ = initial_state(self.config, self.info, self.mesh, 1)
+    graphdef, abstract, _ = optim.initial_state(self.config, self.info, self.mesh, 1)
     model = abstract[2 if len(abstract) > 2 else 0]
     self.bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model))
     check_fits_devices(model, self.mesh, self.config, workdir)
@@ -290,66 +200,6 @@ class Restored:
                     f"MB a device ({self.config.parallelism}; a whole copy: {self.bytes / 1e6:.3g} "
                     "MB)")  # as train.py logs the state's
     self.graphdef = nnx.graphdef(nnx.merge(graphdef, abstract)[-1 if len(abstract) > 2 else 0])
-
-
-def probabilities(graphdef, state, images_BHWC, mask_B=None) -> jax.Array:
-  """The model's class probabilities (float32 `[batch, classes]`) for stored images (uint8
-  pixels divided by 255 on the device), computed as evaluation computes the logits: the model
-  in eval mode, given the mask (`mask_B`, default all True) if its `__call__` takes one."""
-  model = nnx.merge(graphdef, state)
-  model.eval()
-  mask_B = jnp.ones(images_BHWC.shape[:1], bool) if mask_B is None else mask_B
-  logits_BK = steps.call_model(model, steps.prepare_images({"image": images_BHWC}), mask_B)
-  return jax.nn.softmax(logits_BK.astype(jnp.float32), axis=-1)
-
-
-def find_images(paths: list[str]) -> list[str]:
-  """The files of `paths`, a folder meaning the .jpg, .jpeg, .png and .npy files under it
-  (sorted). Raises ConfigError for a path that does not exist."""
-  found = []
-  for path in paths:
-    if os.path.isdir(path):
-      found += input_pipeline.images_under(path, (*input_pipeline.IMAGE_SUFFIXES, ".npy"))
-    elif os.path.exists(path):
-      found.append(path)
-    else:
-      raise ConfigError(f"{path!r} does not exist; give image files or folders of them.")
-  return found
-
-
-def sync_every(config) -> int:
-  """How often, in steps, the loops wait for a result: XLA:CPU collectives abort when hundreds
-  of calls are queued; other backends never need to wait (0)."""
-  return config.cpu_sync_every_steps if jax.default_backend() == "cpu" else 0
-
-
-def summarize(running: steps.Metrics) -> dict[str, float]:
-  """The running metrics, fetched in one transfer and computed on the host."""
-  running = jax.device_get(running)
-  return {**{name: float(value) for name, value in running.compute().items()},
-          "examples": int(running.loss.count)}
-
-
-def eval_iterator(batches: grain.MapDataset, config) -> grain.DatasetIterator:
-  """An endless iterator over `batches` repeated, read as training reads (worker processes for
-  encoded data): `evaluate` takes len(batches) elements of it each time, so its workers start
-  once and read the next evaluation's first elements ahead. Close it when done."""
-  return input_pipeline.as_iterator(batches.repeat(), config)
-
-
-def evaluate(compiled: steps.Steps, state, batches, config, metrics=steps.Metrics,
-             iterator=None):
-  """`metrics` (a collection) over the batches once; the merged metrics, on the devices. Read
-  from `iterator` (an `eval_iterator` of `batches`) when given, else from a new one."""
-  running, every = compiled.empty(metrics), sync_every(config)
-  with contextlib.ExitStack() as stack:
-    if iterator is None:
-      iterator = stack.enter_context(contextlib.closing(eval_iterator(batches, config)))
-    for i in range(1, len(batches) + 1):
-      running = compiled.eval(state, running, compiled.put_batch(next(iterator)))
-      if every and i % max(every // config.steps_per_dispatch, 1) == 0:
-        jax.block_until_ready(running)
-  return running
 
 
 def init_from(source: str, abstract, init):
@@ -414,3 +264,82 @@ def init_from(source: str, abstract, init):
     return jax.tree_util.tree_map_with_path(take, init())
 
   return build
+
+
+
+def restore_or_init(checkpoints, abstract, init, workdir: str):
+  """The step and state of the latest complete checkpoint in `workdir`, restored into the
+  shapes, dtypes and shardings of `abstract`, or (0, `init()`). The data resume from the step:
+  batch b is batch b whatever the steps per dispatch and the number of processes. Every
+  process must see the same checkpoints (a shared workdir)."""
+  step = checkpoints.latest_step()
+  if jax.process_count() > 1:
+    seen = multihost_utils.process_allgather(np.int32(-1 if step is None else step)).tolist()
+    if len(set(seen)) > 1:
+      raise ConfigError(
+          f"the workdir is not shared by the processes: their latest checkpoints in {workdir!r} "
+          f"are {', '.join(f'{s if s >= 0 else None} (process {i})' for i, s in enumerate(seen))}; "
+          "give every process the same --workdir, on a file system that they all see (or a "
+          "bucket: gs://...).")
+  if step is None:
+    return 0, init()
+  state = restore_state(checkpoints, step, abstract, workdir)
+  logging.info("Resumed from the checkpoint of step %d in %s", step, workdir)
+  return step, state
+
+
+
+# Keys that a resumed run may change: how it runs, not what it computes (the rest, what it
+# optimises and on what data, is the run's own: `resumed`).
+FREE_ON_RESUME = (
+    "num_workers", "read_threads", "prefetch_batches", "prefetch_to_device", "grad_accum_steps",
+    "steps_per_dispatch", "init_from", "parallelism", "fsdp_devices", "fsdp_min_size",
+    "print_shardings", "xla_options", "compilation_cache_dir", "compilation_cache_min_seconds",
+    "peak_flops_per_device", "profile_first_step", "profile_num_steps", "wandb_project",
+    "log_every_steps", "eval_every_steps", "checkpoint_every_steps", "max_checkpoints_to_keep",
+    "skip_nonfinite_steps", "cpu_sync_every_steps", "per_device_batch_size", "resume_may_change")
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+  """Nested dicts as one dict of dotted keys ('model.features')."""
+  flat = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      flat.update(flatten(value, f"{prefix}{key}."))
+    else:
+      flat[f"{prefix}{key}"] = value
+  return flat
+
+
+def resumed(config: ml_collections.ConfigDict, saved: dict, workdir: str,
+            num_devices: int) -> tuple[ml_collections.ConfigDict, list[str]]:
+  """A resolved `config` resuming the run whose resolved config is `saved` (its config.json):
+  the run's contract. A key outside `FREE_ON_RESUME` that differs raises ConfigError, unless
+  `config.resume_may_change` names it; `per_device_batch_size` on another device count keeps
+  the run's global batch (and so its steps and the data's order). Returns the config and the
+  log lines that say what changed. Keys that one of the two configs lacks are not compared."""
+  config, lines = config.copy_and_resolve_references(), []
+  if config.per_device_batch_size and config.batch_size != saved["batch_size"]:
+    run_batch = saved["batch_size"]
+    if run_batch % num_devices:
+      raise ConfigError(
+          f"the run in {workdir!r} has a global batch of {run_batch}, which {num_devices} "
+          f"devices do not divide (config.per_device_batch_size={config.per_device_batch_size}"
+          f"); resume it on a number of devices that divides {run_batch}, or use a new "
+          "--workdir.")
+    lines.append(f"resumed on {num_devices} devices: per_device_batch_size "
+                 f"{config.per_device_batch_size} -> {run_batch // num_devices}, keeping the "
+                 f"run's global batch of {run_batch}")
+    config.per_device_batch_size, config.batch_size = run_batch // num_devices, run_batch
+  may_change = {key.strip() for key in config.resume_may_change.split(",") if key.strip()}
+  given, saved = flatten(json.loads(config.to_json())), flatten(saved)
+  for key in sorted(given.keys() & saved.keys()):
+    if given[key] == saved[key] or key.split(".")[0] in FREE_ON_RESUME:
+      continue
+    if key not in may_change:
+      raise ConfigError(
+          f"config.{key}={given[key]!r} differs from the {saved[key]!r} of the run in "
+          f"{workdir!r} that this resumes ({CONFIG_FILE}); a resumed run keeps its config: "
+          f"use a new --workdir, or --config.resume_may_change={key} to change it (logged).")
+    lines.append(f"resumed with config.{key} changed: {saved[key]!r} -> {given[key]!r}")
+  return config, lines

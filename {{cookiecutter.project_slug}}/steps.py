@@ -1,4 +1,4 @@
-"""The train and eval steps, the metrics they merge, and how each parallelism compiles them.
+"""The train and eval steps, how each parallelism compiles them, and the evaluation loop.
 
 Every compiled call runs k = `config.steps_per_dispatch` steps (`lax.scan`) over k batches
 stacked on a leading axis, so the host dispatches once per k steps:
@@ -10,27 +10,29 @@ A step whose batch holds no real example (padding at the end of training, or bef
 batch of a resumed run) changes nothing, so k steps in one call equal k single calls.
 """
 
+import contextlib
 import functools
 import inspect
-import math
 from typing import NamedTuple
 
-import flax
+import grain
 import jax
 import jax.numpy as jnp
 import optax
-from clu import metrics
 from flax import nnx
-from jax.extend import core as jex
 
+import input_pipeline
 import parallel
+import pmap
+from augment import prepare_images
+from metrics import Metrics, NonFinite, StepAverage, TrainLoss, TrainMetrics
 
 PARALLELISMS = ("spmd", "pmap", "fsdp")
 # k when `config.steps_per_dispatch` is 0, on a GPU or TPU (or the largest number below it that
-# divides the log, eval and checkpoint intervals): enough steps a call to hide the
-# host's ~1.5 ms of work per call behind the default CNN's 0.4 ms steps (an H100); the rolled
-# loop compiles once whatever k. On the CPU k is 1: its steps are long, the k steps are unrolled
-# there (see `make`), and compiling 10 of them cost more than the dispatches they save (README).
+# divides the log, eval and checkpoint intervals): enough steps a call to hide the host's work
+# per call behind a small model's steps; the rolled loop compiles once whatever k. On the CPU k
+# is 1: its steps are long, the k steps are unrolled there (see `make`), and compiling several
+# of them costs more than the dispatches they save (BENCHMARKS.md).
 ACCELERATOR_STEPS_PER_DISPATCH = 10
 
 
@@ -45,164 +47,6 @@ def steps_per_dispatch(config, platform: str | None = None) -> int:
   intervals = (config.log_every_steps, config.eval_every_steps, config.checkpoint_every_steps)
   return next(k for k in range(ACCELERATOR_STEPS_PER_DISPATCH, 0, -1)
               if all(interval % k == 0 for interval in intervals))
-
-
-# Folded into the seed's key before the stream positions: the augmentation keys are then none of
-# the keys that `nnx.Rngs(seed)` hands out (fold_in(key(seed), n), n = 0, 1, ...).
-AUGMENT_STREAM = 0x61756720  # b"aug "
-
-
-@flax.struct.dataclass
-class Metrics(metrics.Collection):
-  """Sums over real examples only (padding is masked out), merged across steps and devices."""
-
-  loss: metrics.Average.from_output("loss")
-  accuracy: metrics.Accuracy
-
-
-@flax.struct.dataclass
-class TrainLoss(metrics.Collection):
-  """Training's: `loss` is the loss optimised (with label smoothing, when on) and
-  `cross_entropy` the plain cross-entropy of the labels: evaluation's loss, to compare with."""
-
-  loss: metrics.Average.from_output("loss")
-  cross_entropy: metrics.Average.from_output("cross_entropy")
-  accuracy: metrics.Accuracy
-
-
-@flax.struct.dataclass
-class NonFinite(metrics.Metric):
-  """Training steps with a non-finite loss or gradient (their updates were not applied): how
-  many of the merged steps, and the index among them of the first, or -1. Steps without a
-  real example are not counted."""
-
-  steps: jax.Array
-  count: jax.Array
-  first: jax.Array
-
-  @classmethod
-  def empty(cls):
-    return cls(steps=jnp.array(0), count=jnp.array(0), first=jnp.array(-1))
-
-  @classmethod
-  def from_step(cls, finite, real=True):
-    bad = real & ~finite
-    return cls(steps=jnp.where(real, 1, 0), count=jnp.where(bad, 1, 0),
-               first=jnp.where(bad, 0, -1))
-
-  def merge(self, other):
-    first = jnp.where(self.first >= 0, self.first,
-                      jnp.where(other.first >= 0, self.steps + other.first, -1))
-    return type(self)(self.steps + other.steps, self.count + other.count, first)
-
-  def compute(self):
-    return self.count
-
-
-@flax.struct.dataclass
-class StepAverage(metrics.Average):
-  """The mean of a value over the merged steps that applied their update."""
-
-  @classmethod
-  def from_step(cls, value, applied):
-    return cls(total=jnp.where(applied, value, 0.0).astype(jnp.float32),
-               count=applied.astype(jnp.int32))
-
-
-@flax.struct.dataclass
-class TrainMetrics(metrics.Collection):
-  """Metrics, the steps that were skipped, and the global norms (big_vision's) of the
-  gradient (before any clipping), of the parameters and of the update as applied (their change),
-  averaged over the steps that applied theirs. (CLU reads only a class's own fields.)"""
-
-  loss: metrics.Average.from_output("loss")
-  cross_entropy: metrics.Average.from_output("cross_entropy")
-  accuracy: metrics.Accuracy
-  nonfinite_steps: NonFinite
-  l2_grads: StepAverage
-  l2_params: StepAverage
-  l2_updates: StepAverage
-
-
-def with_confusion(num_classes: int) -> type[metrics.Collection]:
-  """Metrics and the confusion matrix: counts of real examples `[true class, predicted class]`."""
-
-  @flax.struct.dataclass
-  class Confusion(metrics.Metric):
-    counts: jax.Array
-
-    @classmethod
-    def empty(cls):
-      return cls(jnp.zeros((num_classes, num_classes), jnp.int32))
-
-    @classmethod
-    def from_model_output(cls, logits, labels, mask, **_):
-      predicted = jnp.argmax(logits, axis=-1)
-      return cls(cls.empty().counts.at[labels, predicted].add(mask.astype(jnp.int32)))
-
-    def merge(self, other):
-      return type(self)(self.counts + other.counts)
-
-    def compute(self):
-      return self.counts
-
-  @flax.struct.dataclass
-  class MetricsWithConfusion(metrics.Collection):
-    loss: metrics.Average.from_output("loss")
-    accuracy: metrics.Accuracy
-    confusion: Confusion
-
-  return MetricsWithConfusion
-
-
-def random_resized_crop(key, image_HWC, scale, ratio) -> jax.Array:
-  """A crop of a random fraction of the area in `scale` and aspect (width / height) in `ratio`
-  (log-uniform), resized back to the image's size (bilinear): the first of 10 draws that fits
-  in the image, or the whole image. The crop need not fall on whole pixels."""
-  height, width, _ = image_HWC.shape
-  area_key, ratio_key, place_key = jax.random.split(key, 3)
-  area = height * width * jax.random.uniform(area_key, (10,), minval=scale[0], maxval=scale[1])
-  aspect = jnp.exp(jax.random.uniform(ratio_key, (10,), minval=math.log(ratio[0]),
-                                      maxval=math.log(ratio[1])))
-  crop_h, crop_w = jnp.sqrt(area / aspect), jnp.sqrt(area * aspect)
-  fits = (crop_h <= height) & (crop_w <= width)
-  first = jnp.argmax(fits)
-  size_2 = jnp.where(fits.any(), jnp.stack([crop_h[first], crop_w[first]]),
-                     jnp.array([height, width], jnp.float32))
-  corner_2 = jax.random.uniform(place_key, (2,)) * (jnp.array([height, width]) - size_2)
-  # (jax.image.resize takes static sizes only; this is the resampling that it runs.)
-  zoom_2 = jnp.array([height, width]) / size_2
-  return jax.image.scale_and_translate(image_HWC, image_HWC.shape, (0, 1), zoom_2,
-                                       -corner_2 * zoom_2, method="linear")
-
-
-def prepare_images(batch, max_shift: int = 0, seed: int = 0, flip: bool = False,
-                   crop: tuple | None = None) -> jax.Array:
-  """Stored pixels -> float32 model input, on the device. Integer pixels are divided by 255.
-  Augmentations, each a function of `seed` and the example's stream position alone: with
-  `crop` ((scale range, aspect range), see `random_resized_crop`) a random resized crop, with
-  `flip` a horizontal flip of half the images, with `max_shift` a shift by up to that many
-  pixels each way (zero fill), in that order."""
-  images_BHWC = batch["image"].astype(jnp.float32)
-  if jnp.issubdtype(batch["image"].dtype, jnp.integer):
-    images_BHWC = images_BHWC / 255.0
-  if not (max_shift or flip or crop):
-    return images_BHWC
-  key = jax.random.fold_in(jax.random.key(seed), AUGMENT_STREAM)
-  keys_B = jax.vmap(lambda position: jax.random.fold_in(key, position))(batch["position"])
-  if crop:
-    images_BHWC = jax.vmap(lambda key, image: random_resized_crop(
-        jax.random.fold_in(key, 1), image, *crop))(keys_B, images_BHWC)
-  if flip:
-    flips_B = jax.vmap(lambda key: jax.random.bernoulli(jax.random.fold_in(key, 2)))(keys_B)
-    images_BHWC = jnp.where(flips_B[:, None, None, None], images_BHWC[:, :, ::-1], images_BHWC)
-  if not max_shift:
-    return images_BHWC
-  _, height, width, channels = images_BHWC.shape
-  shifts_B2 = jax.vmap(lambda key: jax.random.randint(key, (2,), 0, 2 * max_shift + 1))(keys_B)
-  padded = jnp.pad(images_BHWC, ((0, 0), (max_shift,) * 2, (max_shift,) * 2, (0, 0)))
-  return jax.vmap(lambda image, shift: jax.lax.dynamic_slice(
-      image, (shift[0], shift[1], 0), (height, width, channels)))(padded, shifts_B2)
 
 
 def takes_mask(model) -> bool:
@@ -227,7 +71,7 @@ def mask_warning(model) -> str | None:
   return (f"warning: {type(model).__name__} holds BatchNorm but its __call__ takes no "
           "example_mask, so its batch statistics include the padding of partial batches; give "
           "__call__ an example_mask=None parameter and pass it on: "
-          "parallel.BatchNorm(...)(x, mask=example_mask) (model.py's docstring)")
+          "pmap.BatchNorm(...)(x, mask=example_mask) (model.py's docstring)")
 
 
 def loss_and_metrics(model, batch, collection=Metrics, label_smoothing: float = 0.0):
@@ -300,22 +144,6 @@ def summed_gradients(model, batch, num_micro_batches: int = 1, label_smoothing: 
   return sums
 
 
-def fold_in_device_index(model, axis_name):
-  """pmap gives every device the same RNG keys: fold in the device index so that dropout differs
-  between devices. Returns a function that puts the shared keys back (keeping the state
-  replicated; the streams' counters advance identically everywhere)."""
-  streams = [s for _, s in nnx.iter_graph(model) if isinstance(s, nnx.RngStream)]
-  keys = [stream.key[...] for stream in streams]
-  for stream in streams:
-    stream.key[...] = jax.random.fold_in(stream.key[...], jax.lax.axis_index(axis_name))
-
-  def restore():
-    for stream, key in zip(streams, keys, strict=True):
-      stream.key[...] = key
-
-  return restore
-
-
 def step_options(config) -> dict:
   """`train_step`'s keyword arguments from the config (all hashable: static arguments)."""
   crop = (tuple(config.augment_crop_scale), tuple(config.augment_crop_ratio))
@@ -361,7 +189,7 @@ def train_step(graphdef, state, running, batch, *, grad_accum_steps=1, max_shift
   model.train()
   batch = dict(batch, image=prepare_images(batch, max_shift, seed, flip, crop))
   if axis_name is not None:
-    restore_keys = fold_in_device_index(model, axis_name)
+    restore_keys = pmap.fold_in_device_index(model, axis_name)
   grads, step_metrics = summed_gradients(model, batch, grad_accum_steps, label_smoothing,
                                          axis_name)
   if axis_name is not None:
@@ -471,11 +299,11 @@ def make(graphdef, config, mesh, unroll: bool | None = None, pmap_devices=None,
          crop_on_device: bool = True) -> Steps:
   """The train and eval steps of `config.parallelism`, each running stacked batches. `unroll`:
   the k steps of a call as straight-line code (True) or a rolled loop (False); None: unrolled
-  on the CPU, whose XLA runs convolution gradients ~100x slower inside a loop, rolled elsewhere
+  on the CPU, whose XLA runs convolution gradients far slower inside a loop, rolled elsewhere
   (it compiles once, whatever k). `pmap_devices`: pmap's devices (default: the local ones;
   aot.py: a topology's). A step is skipped by selection on GPUs and TPUs, under lax.cond on the
   CPU (`train_step`'s `skip_by`, `norms_of`). `crop_on_device` False: `config.augment_crop`'s
-  crops are the input pipeline's (photos stored whole: input_pipeline.Crops)."""
+  crops are the input pipeline's (photos stored whole: image_files.Crops)."""
   platform = (pmap_devices or mesh.devices.flat)[0].platform
   options = dict(step_options(config), skip_by="cond" if platform == "cpu" else "select",
                  norms_of="updated" if platform == "gpu" else "kept")
@@ -484,19 +312,20 @@ def make(graphdef, config, mesh, unroll: bool | None = None, pmap_devices=None,
   if unroll is None:
     unroll = platform == "cpu"
   if config.parallelism == "pmap":
-    axis = parallel.PMAP_AXIS
+    axis = pmap.PMAP_AXIS
     # State and batch: one slice per device (axis 0). Metrics: one value, the same everywhere.
-    pmap = functools.partial(jax.pmap, axis_name=axis, in_axes=(0, None, 0),
-                             devices=pmap_devices)
-    local = parallel.replicated(parallel.local_devices_mesh())
+    on_devices = functools.partial(jax.pmap, axis_name=axis, in_axes=(0, None, 0),
+                                   devices=pmap_devices)
+    local = parallel.replicated(pmap.local_devices_mesh())
     return Steps(
-        train=pmap(scanned(functools.partial(train_step, graphdef, axis_name=axis, **options),
-                           unroll), out_axes=(0, None), donate_argnums=(0, 1)),
-        eval=pmap(scanned_eval(functools.partial(eval_step, graphdef, axis_name=axis), unroll),
-                  out_axes=None, donate_argnums=1),
-        put_state=parallel.replicate,
-        get_state=lambda state: parallel.to_global(parallel.unreplicate(state), mesh),
-        put_batch=parallel.pmap_batch,
+        train=on_devices(scanned(functools.partial(
+            train_step, graphdef, axis_name=axis, **options), unroll), out_axes=(0, None),
+            donate_argnums=(0, 1)),
+        eval=on_devices(scanned_eval(functools.partial(eval_step, graphdef, axis_name=axis),
+                                     unroll), out_axes=None, donate_argnums=1),
+        put_state=pmap.replicate,
+        get_state=lambda state: parallel.to_global(pmap.unreplicate(state), mesh),
+        put_batch=pmap.pmap_batch,
         empty=lambda cls: jax.device_put(cls.empty(), local),
     )
   train = scanned(functools.partial(train_step, graphdef, **options), unroll)
@@ -517,40 +346,50 @@ def make(graphdef, config, mesh, unroll: bool | None = None, pmap_devices=None,
   )
 
 
-def _inner_jaxprs(params):
-  for value in params.values():
-    for v in value if isinstance(value, tuple) else (value,):
-      if isinstance(v, (jex.ClosedJaxpr, jex.Jaxpr)):
-        yield v.jaxpr if isinstance(v, jex.ClosedJaxpr) else v
 
 
-def _flops(jaxpr) -> int:
-  """Multiply-adds x 2 of every dot_general and conv_general_dilated in `jaxpr`, counting
-  nested jaxprs (a scan's body once per iteration, the largest branch of a cond)."""
-  total = 0
-  for eqn in jaxpr.eqns:
-    out = eqn.outvars[0].aval.shape
-    if eqn.primitive.name == "dot_general":
-      (contracting, _), _ = eqn.params["dimension_numbers"]
-      lhs = eqn.invars[0].aval.shape
-      total += 2 * math.prod(out) * math.prod(lhs[d] for d in contracting)
-    elif eqn.primitive.name == "conv_general_dilated":
-      rhs = eqn.invars[1].aval.shape
-      _, rhs_spec, _ = eqn.params["dimension_numbers"]  # rhs: out feature, in feature, spatial
-      # A strided convolution's input gradient dilates its input (lhs_dilation): of those
-      # products, only 1 in prod(lhs_dilation) is not by an inserted zero.
-      total += (2 * math.prod(out) * math.prod(rhs[d] for d in rhs_spec[1:])
-                // math.prod(eqn.params["lhs_dilation"]))
-    inner = [_flops(sub) for sub in _inner_jaxprs(eqn.params)]
-    if eqn.primitive.name == "cond":
-      total += max(inner, default=0)
-    else:
-      total += sum(inner) * eqn.params.get("length", 1)  # scan: its length; others: once
-  return total
+
+def probabilities(graphdef, state, images_BHWC, mask_B=None) -> jax.Array:
+  """The model's class probabilities (float32 `[batch, classes]`) for stored images (uint8
+  pixels divided by 255 on the device), computed as evaluation computes the logits: the model
+  in eval mode, given the mask (`mask_B`, default all True) if its `__call__` takes one."""
+  model = nnx.merge(graphdef, state)
+  model.eval()
+  mask_B = jnp.ones(images_BHWC.shape[:1], bool) if mask_B is None else mask_B
+  logits_BK = call_model(model, prepare_images({"image": images_BHWC}), mask_B)
+  return jax.nn.softmax(logits_BK.astype(jnp.float32), axis=-1)
 
 
-def model_flops(fn, *args, axis_env=None) -> int:
-  """FLOPs of the matrix products and convolutions of `fn(*args)` (forward and backward), from
-  its jaxpr: the same on every backend, whatever the compiler fuses or hands to a library.
-  `axis_env`: the named axes that `fn`'s collectives use, with their sizes (pmap's)."""
-  return _flops(jax.make_jaxpr(fn, axis_env=axis_env)(*args).jaxpr)
+def sync_every(config) -> int:
+  """How often, in steps, the loops wait for a result: XLA:CPU collectives abort when hundreds
+  of calls are queued; other backends never need to wait (0)."""
+  return config.cpu_sync_every_steps if jax.default_backend() == "cpu" else 0
+
+
+def summarize(running: Metrics) -> dict[str, float]:
+  """The running metrics, fetched in one transfer and computed on the host."""
+  running = jax.device_get(running)
+  return {**{name: float(value) for name, value in running.compute().items()},
+          "examples": int(running.loss.count)}
+
+
+def eval_iterator(batches: grain.MapDataset, config) -> grain.DatasetIterator:
+  """An endless iterator over `batches` repeated, read as training reads (worker processes for
+  encoded data): `evaluate` takes len(batches) elements of it each time, so its workers start
+  once and read the next evaluation's first elements ahead. Close it when done."""
+  return input_pipeline.as_iterator(batches.repeat(), config)
+
+
+def evaluate(compiled: Steps, state, batches, config, metrics=Metrics,
+             iterator=None):
+  """`metrics` (a collection) over the batches once; the merged metrics, on the devices. Read
+  from `iterator` (an `eval_iterator` of `batches`) when given, else from a new one."""
+  running, every = compiled.empty(metrics), sync_every(config)
+  with contextlib.ExitStack() as stack:
+    if iterator is None:
+      iterator = stack.enter_context(contextlib.closing(eval_iterator(batches, config)))
+    for i in range(1, len(batches) + 1):
+      running = compiled.eval(state, running, compiled.put_batch(next(iterator)))
+      if every and i % max(every // config.steps_per_dispatch, 1) == 0:
+        jax.block_until_ready(running)
+  return running

@@ -6,14 +6,14 @@ dataset `config.tfds_name` (e.g. 'imagenet2012') as TFDS prepared it in its data
 
 The image feature is the `Image` one and the label the `ClassLabel` one, whose names are the
 class names. Training reads the split 'train'; evaluation 'validation', else 'test'. Images
-are decoded as predict.py decodes files (`input_pipeline.decode_image`), in Grain's workers,
+are decoded as predict.py decodes files (`image_files.decode_image`), in Grain's workers,
 to `image_shape`: the first training image's height and width (1 channel if gray, else 3), or
 `config.image_size`.
 """
 
 import numpy as np
 
-import input_pipeline
+import image_files
 
 EVAL_SPLITS = ("validation", "test")
 
@@ -66,7 +66,7 @@ class Source:
 
   def take(self, indices: np.ndarray) -> dict[str, np.ndarray]:
     rows = self.data.__getitems__([int(i) for i in indices])
-    images = [input_pipeline.decode_image(row[self.image_key], self.image_shape) for row in rows]
+    images = [image_files.decode_image(row[self.image_key], self.image_shape) for row in rows]
     return {"image": np.stack(images),
             "label": np.array([row[self.label_key] for row in rows], np.int32)}
 
@@ -78,6 +78,6 @@ def sources(config) -> tuple[dict[str, Source], tuple[int, int, int], tuple[str,
   found, image, label, eval_split = builder(config)
   data = {split: found.as_data_source(split=name, decoders={image: tfds.decode.SkipDecoding()})
           for split, name in (("train", "train"), ("eval", eval_split))}
-  shape = tuple(config.image_size) or input_pipeline.encoded_shape(data["train"][0][image])
+  shape = tuple(config.image_size) or image_files.encoded_shape(data["train"][0][image])
   return ({split: Source(d, image, label, shape) for split, d in data.items()}, shape,
           tuple(found.info.features[label].names))

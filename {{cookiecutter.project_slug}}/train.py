@@ -12,11 +12,6 @@ import signal
 import threading
 import time
 
-# isort: split
-import writers  # first: lets CLU write TensorBoard files without TensorFlow
-
-# isort: split
-
 import flax
 import jax
 import ml_collections
@@ -28,25 +23,21 @@ from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
 import distributed
+import flops
 import input_pipeline
+import metrics
+import optim
 import parallel
 import plan
 import runs
 import steps
-from plan import Speed, validate_config
-from runs import (
-  ConfigError,
-  create_schedule,
-  initial_state,
-  peak_learning_rate,
-  summarize,
-  sync_every,
-)
+import writers
+from plan import ConfigError
 
 
 def evaluate(compiled: steps.Steps, state, eval_batches, config, iterator=None) -> dict[str, float]:
   """The eval split once: its loss, accuracy and number of examples."""
-  return summarize(runs.evaluate(compiled, state, eval_batches, config, iterator=iterator))
+  return steps.summarize(steps.evaluate(compiled, state, eval_batches, config, iterator=iterator))
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -89,38 +80,22 @@ def stop_now(received: list, checkpoints, dispatch: int, can_agree: bool):
   return int(np.max(signals)) or None
 
 
-def restore_or_init(checkpoints, abstract, init, workdir: str):
-  """The step and state of the latest complete checkpoint in `workdir`, restored into the
-  shapes, dtypes and shardings of `abstract`, or (0, `init()`). The data resume from the step:
-  batch b is batch b whatever the steps per dispatch and the number of processes. Every
-  process must see the same checkpoints (a shared workdir)."""
-  step = checkpoints.latest_step()
-  if jax.process_count() > 1:
-    seen = multihost_utils.process_allgather(np.int32(-1 if step is None else step)).tolist()
-    if len(set(seen)) > 1:
-      raise ConfigError(
-          f"the workdir is not shared by the processes: their latest checkpoints in {workdir!r} "
-          f"are {', '.join(f'{s if s >= 0 else None} (process {i})' for i, s in enumerate(seen))}; "
-          "give every process the same --workdir, on a file system that they all see (or a "
-          "bucket: gs://...).")
-  if step is None:
-    return 0, init()
-  state = runs.restore_state(checkpoints, step, abstract, workdir)
-  logging.info("Resumed from the checkpoint of step %d in %s", step, workdir)
-  return step, state
-
-
 class Profiler:
-  """A jax.profiler trace of steps [first, first + num) (whole dispatches) into the workdir."""
+  """A jax.profiler trace of steps [first, first + num) (whole dispatches) into the workdir, on
+  process 0, each dispatch annotated with its last step."""
 
   def __init__(self, config, workdir: str):
     self.first = config.profile_first_step if jax.process_index() == 0 else 0
     self.last, self.workdir, self.on = self.first + config.profile_num_steps - 1, workdir, False
 
-  def before(self, step: int, k: int):  # `step`: the steps done; the dispatch runs k more
-    if self.first and not self.on and step < self.first <= step + k:
+  def before(self, step: int, done: int):  # the dispatch runs steps step + 1 .. done
+    if self.first and not self.on and step < self.first <= done:
       jax.profiler.start_trace(self.workdir)
       self.on = True
+
+  def annotate(self, done: int):
+    return jax.profiler.StepTraceAnnotation("train", step_num=done) if self.on else (
+        contextlib.nullcontext())
 
   def after(self, step: int, running):
     if self.on and step >= self.last:
@@ -129,165 +104,168 @@ class Profiler:
       self.on, self.first = False, 0
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float] | None:
-  """Trains, resuming from the latest checkpoint in `workdir`; returns the final eval metrics,
-  or None when SIGTERM/SIGINT (or a preemption notice) stopped it after saving a checkpoint."""
-  validate_config(config, workdir)
-  config = plan.resolved(config)  # with the backend's choices made (k, the global batch)
-  workdir = workdir if "://" in workdir else os.path.abspath(workdir)
-  if (saved := runs.saved_config(workdir)) is not None:  # a resume: the run's own config
-    config, changes = plan.resumed(config, saved, workdir, jax.device_count())
+def prepare(config: ml_collections.ConfigDict, workdir: str):
+  """The config checked, with the backend's choices made (k, the global batch), and, when
+  `workdir` holds a run, that run's own config (`runs.resumed`; changes logged); the workdir an
+  absolute path (a bucket's as it is)."""
+  plan.validate_config(config, workdir)
+  config, workdir = plan.resolved(config), runs.absolute(workdir)
+  if (saved := runs.saved_config(workdir)) is not None:  # a resume
+    config, changes = runs.resumed(config, saved, workdir, jax.device_count())
     for line in changes:
       logging.warning("%s", line)
-  process = distributed.share()
+  return config, workdir
+
+
+def check_finite(nonfinite: metrics.NonFinite, since: int, config, checkpoints) -> None:
+  """Raises if a step from `since` on was not finite, unless such steps may be skipped."""
+  if nonfinite.count and not config.skip_nonfinite_steps:
+    checkpoints.wait_until_finished()
+    raise NonFiniteLoss(
+        f"non-finite loss or gradient at step {since + int(nonfinite.first)}; its update was "
+        f"not applied, and the last good checkpoint is step {checkpoints.latest_step()} in "
+        f"{checkpoints.directory}. Lower the learning rate, check the data, or set "
+        "--config.skip_nonfinite_steps=True.")
+
+
+def log_run(config, info, num_train_steps: int) -> None:
+  """What a run is about to do: the software and devices, the data, the batch and the schedule."""
   devices = jax.device_count()
   logging.info("jax %s, flax %s, Python %s; %d %s device%s%s", jax.__version__, flax.__version__,
                platform.python_version(), devices, jax.default_backend(), "s" * (devices > 1),
                f" in {jax.process_count()} processes" if jax.process_count() > 1 else "")
-  splits, info = input_pipeline.get_datasets(config)
-  num_train_steps = input_pipeline.num_batches(
-      config.num_epochs * info.num_examples["train"], config.batch_size)
-  k = config.steps_per_dispatch
   names = ", ".join(info.class_names)
   names = names if len(names) <= 60 else names[:60].rsplit(", ", 1)[0] + ", ..."
   logging.info("%s: %d train and %d eval images of %s, %d classes%s", config.dataset,
                info.num_examples["train"], info.num_examples["eval"],
                "x".join(map(str, info.image_shape)), info.num_classes, names and f" ({names})")
-
-  schedule = create_schedule(config, num_train_steps)
   logging.info("global batch %d%s; peak learning rate %.4g%s, %d warmup steps, %s decay",
                config.batch_size, f" ({config.per_device_batch_size} x {devices} devices)"
-               if config.per_device_batch_size else "", peak_learning_rate(config),
+               if config.per_device_batch_size else "", optim.peak_learning_rate(config),
                "" if config.lr_scaling == "none" else f" ({config.lr_scaling} scaling of "
                f"{config.learning_rate:g} at batch {config.base_batch_size})",
-               runs.warmup_steps(config, num_train_steps), config.schedule)
-  mesh = parallel.make_mesh(config)
-  graphdef, abstract, init = initial_state(config, info, mesh, num_train_steps)
-  compiled = steps.make(graphdef, config, mesh, crop_on_device=not info.crops_on_host)
+               optim.warmup_steps(config, num_train_steps), config.schedule)
 
-  if config.init_from:  # read before the workdir is touched: a mismatch stops here
-    init = runs.init_from(config.init_from, abstract, init)
-  checkpoints = runs.checkpoint_manager(workdir, config.max_checkpoints_to_keep)
-  first_step, state = restore_or_init(checkpoints, abstract, init, workdir)
-  runs.write_description(workdir, config, info)  # what predict.py, export.py, ... read
-  whole = sum(x.nbytes for x in jax.tree.leaves(state))
-  speed = Speed(graphdef, state, info.image_shape, config)
-  state = compiled.put_state(state)
+
+def log_state(config, graphdef, state, speed: flops.Speed, num_train_steps: int) -> None:
+  """The model, its size and where its state lives; the steps and their FLOPs."""
   logging.info("%d steps of %d examples, %d per call; %.3g FLOPs a step, peak %s",
-               num_train_steps, config.batch_size, k, speed.flops_per_step,
-               f"{speed.peak:.3g} FLOP/s" if speed.peak else "unknown")
+               num_train_steps, config.batch_size, config.steps_per_dispatch,
+               speed.flops_per_step, f"{speed.peak:.3g} FLOP/s" if speed.peak else "unknown")
   model = nnx.merge(graphdef, state)[0]
   logging.info("%s: %s parameters; model and optimizer state: %.3g MB a device (%s; a whole "
                "copy: %.3g MB)", type(model).__name__,
                f"{sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))):,}",
-               parallel.bytes_per_device(state) / 1e6, config.parallelism, whole / 1e6)
+               parallel.bytes_per_device(state) / 1e6, config.parallelism,
+               sum(x.nbytes for x in jax.tree.leaves(state)) / 1e6)
   if warning := steps.mask_warning(model):
     logging.warning("%s", warning)
+
+
+def compile_eval(compiled: steps.Steps, state, eval_batches) -> float:
+  """Compiles the eval step now, not mid-training, for the first and the last (shorter) element;
+  returns the seconds it took (a call returns once compiled and dispatched)."""
+  start = time.perf_counter()
+  for element in {len(e["mask"]): e for e in (eval_batches[0], eval_batches[-1])}.values():
+    compiled.eval(state, compiled.empty(metrics.Metrics), compiled.put_batch(element))
+  return time.perf_counter() - start
+
+
+def train_summary(fetched, step: int, since: int, lap: writers.Lap, speed, schedule) -> dict:
+  """The metrics of steps `since`..`step` (`fetched`), with their rates over `lap`."""
+  summary = steps.summarize(fetched)
+  if lap.steps:  # no rate for an interval that holds only the compiling call
+    summary["examples_per_sec"] = summary["examples"] * lap.steps / (step - since + 1) / (
+        lap.seconds)
+    summary.update(speed.report(lap.steps / lap.seconds))
+    summary["input_wait_fraction"] = lap.waited / lap.seconds
+  # The rate of the interval's last update (n = step - 1), from the schedule, on the host.
+  summary["learning_rate"] = float(schedule(step - 1))
+  return summary
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float] | None:
+  """Trains, resuming from the latest checkpoint in `workdir`; returns the final eval metrics,
+  or None when SIGTERM/SIGINT (or a preemption notice) stopped it after saving a checkpoint."""
+  config, workdir = prepare(config, workdir)
+  process = distributed.share()
+  splits, info = input_pipeline.get_datasets(config)
+  num_train_steps = input_pipeline.num_batches(
+      config.num_epochs * info.num_examples["train"], config.batch_size)
+  k, is_main = config.steps_per_dispatch, jax.process_index() == 0
+  log_run(config, info, num_train_steps)
+  schedule = optim.create_schedule(config, num_train_steps)
+  mesh = parallel.make_mesh(config)
+  graphdef, abstract, init = optim.initial_state(config, info, mesh, num_train_steps)
+  compiled = steps.make(graphdef, config, mesh, crop_on_device=not info.crops_on_host)
+  if config.init_from:  # read before the workdir is touched: a mismatch stops here
+    init = runs.init_from(config.init_from, abstract, init)
+  checkpoints = runs.checkpoint_manager(workdir, config.max_checkpoints_to_keep)
+  first_step, state = runs.restore_or_init(checkpoints, abstract, init, workdir)
+  runs.write_description(workdir, config, info)  # what predict.py, export.py, ... read
+  speed = flops.Speed(graphdef, state, info.image_shape, config)
+  state = compiled.put_state(state)
+  log_state(config, graphdef, state, speed, num_train_steps)
   train_iter = input_pipeline.as_iterator(
       input_pipeline.train_batches(splits["train"], config, first_step, **process), config,
       put=compiled.put_batch)
   eval_batches = input_pipeline.eval_batches(splits["eval"], config, **process)
+  eval_iter = steps.eval_iterator(eval_batches, config)  # its workers start once
   if config.print_shardings:
-    logging.info("%s\n%s", parallel.describe(state, "state"), parallel.describe(
-        compiled.put_batch(eval_batches[0]), "batches (the first eval call's)"))
-
-  writer = writers.create_writer(workdir, write=jax.process_index() == 0, config=config)
-  if first_step == 0:
-    writer.write_hparams(plan.flatten(config.to_dict()))  # TensorBoard's HPARAMS tab
-  progress = writers.Progress(num_train_steps, writer, show=jax.process_index() == 0)
-  # Compile the eval step now, not mid-training (a call returns once compiled and dispatched).
-  start = time.perf_counter()
-  for element in {len(e["mask"]): e for e in (eval_batches[0], eval_batches[-1])}.values():
-    compiled.eval(state, compiled.empty(steps.Metrics), compiled.put_batch(element))  # k, last
-  eval_compile_s = time.perf_counter() - start
-  profiler = Profiler(config, workdir)
-
-  def save(step):
-    checkpoints.save(step, force=True, args=ocp.args.Composite(
-        state=ocp.args.PyTreeSave(compiled.get_state(state))))
-
-  def check_finite(nonfinite: steps.NonFinite, since: int):
-    """Raises if a step from `since` on was not finite, unless such steps may be skipped."""
-    if nonfinite.count and not config.skip_nonfinite_steps:
-      checkpoints.wait_until_finished()
-      raise NonFiniteLoss(
-          f"non-finite loss or gradient at step {since + int(nonfinite.first)}; its update was "
-          f"not applied, and the last good checkpoint is step {checkpoints.latest_step()} in "
-          f"{checkpoints.directory}. Lower the learning rate, check the data, or set "
-          "--config.skip_nonfinite_steps=True.")
+    logging.info("%s", parallel.describe_run(state, compiled.put_batch(eval_batches[0])))
+  writer = writers.create_writer(workdir, write=is_main, config=config, new_run=first_step == 0)
+  clock = writers.Clock()
+  progress = writers.Progress(num_train_steps, writer, clock, show=is_main)
+  eval_compile_s, profiler = compile_eval(compiled, state, eval_batches), Profiler(config, workdir)
 
   # `running` merges the metrics of the training steps from `since` on, on the devices. Each
   # dispatch runs the steps of one element: up to the next multiple of k (or the end).
-  running, since, every = compiled.empty(steps.TrainMetrics), first_step + 1, sync_every(config)
-  last_log, eval_metrics, stopped_by, waited = time.perf_counter(), None, None, 0.0
-  step, loop_start = first_step, None
+  running, since = compiled.empty(metrics.TrainMetrics), first_step + 1
+  step, eval_metrics, stopped_by, every = first_step, None, None, steps.sync_every(config)
   # Closed at the end, however it ends: the workers stopped, the progress bar cleared.
-  eval_iter = runs.eval_iterator(eval_batches, config)
   with (stop_signals() as received, contextlib.closing(train_iter), contextlib.closing(eval_iter),
         contextlib.closing(progress)):
     while step < num_train_steps:
-      profiler.before(step, k)
       done = min((step // k + 1) * k, num_train_steps)  # `done` counts finished updates
-      wait_start = time.perf_counter()
-      batches = next(train_iter)
-      call_start = time.perf_counter()
-      waited += call_start - wait_start  # for the input: an input-bound loop shows here
-      with (jax.profiler.StepTraceAnnotation("train", step_num=done) if profiler.on
-            else contextlib.nullcontext()):
+      profiler.before(step, done)
+      with clock.waiting():  # for the input: an input-bound loop shows here
+        batches = next(train_iter)
+      with profiler.annotate(done):
         state, running = compiled.train(state, running, batches)
       if every and done // every > step // every:
         jax.block_until_ready(running)
       step = done
       profiler.after(step, running)
       progress.update(step)
-      if loop_start is None:  # the loop's clock starts once the first dispatch is compiled
+      if not clock.running:  # the loop's clock starts once the first dispatch is compiled
         jax.block_until_ready(running)
-        loop_start, loop_first_step, loop_cpu = time.perf_counter(), step, time.thread_time()
         progress.log("first calls (compiling, or loading from the cache): train %.2f s, eval "
-                     "%.2f s", loop_start - call_start, eval_compile_s)
-        progress.start(step)
-        last_log, waited = loop_start, 0.0
+                     "%.2f s", clock.start(step), eval_compile_s)
       is_last = step == num_train_steps
-      # (the dispatch number: the same on every process)
-      stopped_by = stop_now(received, checkpoints, -(-step // k),
+      stopped_by = stop_now(received, checkpoints, -(-step // k),  # (the dispatch number)
                             can_agree=step % config.log_every_steps == 0)
-      if step % config.log_every_steps == 0 or step % config.checkpoint_every_steps == 0 or (
-          is_last or stopped_by):
+      log_now = step % config.log_every_steps == 0 or is_last
+      if log_now or step % config.checkpoint_every_steps == 0 or stopped_by:
         fetched = jax.device_get(running)  # one transfer, for the check and the summary
-        check_finite(fetched.nonfinite_steps, since)
-      if step % config.log_every_steps == 0 or is_last:
-        summary = summarize(fetched)
-        now = time.perf_counter()
-        timed = step - max(since - 1, loop_first_step)  # the first call ran before the clock
-        if timed:  # no rate for an interval that holds only the compiling call
-          summary["examples_per_sec"] = summary["examples"] * timed / (step - since + 1) / (
-              now - last_log)
-          summary.update(speed.report(timed / (now - last_log)))
-          summary["input_wait_fraction"] = waited / (now - last_log)
-        # The rate of the interval's last update (n = step - 1), from the schedule, on the host.
-        summary["learning_rate"] = float(schedule(step - 1))
-        writer.write_scalars(step, {f"train_{name}": v for name, v in summary.items()})
-        progress.report(step, summary)
-        if summary["nonfinite_steps"]:
-          progress.log("Skipped %d of steps %d-%d: non-finite loss or gradient.",
-                       int(summary["nonfinite_steps"]), since, step, level=logging.WARNING)
-        running, since, last_log, waited = compiled.empty(steps.TrainMetrics), step + 1, now, 0.0
+        check_finite(fetched.nonfinite_steps, since, config, checkpoints)
+        if log_now:
+          summary = train_summary(fetched, step, since, clock.lap(step, since), speed, schedule)
+          writer.write_scalars(step, {f"train_{name}": v for name, v in summary.items()})
+          progress.report(step, since, summary)
+          running, since = compiled.empty(metrics.TrainMetrics), step + 1
       # On a stop signal: save, and leave the evaluation (the grace period is for saving).
       evaluate_now = (step % config.eval_every_steps == 0 or is_last) and not stopped_by
       save_now = step % config.checkpoint_every_steps == 0 or is_last or stopped_by
       if evaluate_now or save_now:
         jax.block_until_ready(state)  # the steps queued so far are training time
-        paused = time.perf_counter()
-        if save_now:  # first: asynchronous, it writes while the evaluation runs
-          save(step)
-        if evaluate_now:
-          eval_metrics = evaluate(compiled, state, eval_batches, config, eval_iter)
-          writer.write_scalars(step, {f"eval_{name}": v for name, v in eval_metrics.items()})
-          progress.log("eval at step %d: loss %.4f  accuracy %.4f  (%d examples)", step,
-                       eval_metrics["loss"], eval_metrics["accuracy"], eval_metrics["examples"])
-        paused = time.perf_counter() - paused  # left out of the training rates
-        last_log += paused
-        progress.pause(paused)
+        with clock.paused():  # left out of the training rates
+          if save_now:  # first: asynchronous, it writes while the evaluation runs
+            checkpoints.save(step, force=True, args=ocp.args.Composite(
+                state=ocp.args.PyTreeSave(compiled.get_state(state))))
+          if evaluate_now:
+            eval_metrics = evaluate(compiled, state, eval_batches, config, eval_iter)
+            writer.write_scalars(step, {f"eval_{name}": v for name, v in eval_metrics.items()})
+            progress.report_eval(step, eval_metrics)
       if stopped_by:
         break
   checkpoints.close()  # waits for the last asynchronous save
@@ -297,14 +275,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                     "command again to resume.", name, step, num_train_steps, step, workdir)
     writer.close()
     return None
-  if loop_start is not None and num_train_steps > loop_first_step:
-    # Training throughput of the whole loop (input pipeline, logging, evaluation, checkpoints).
-    # And the main thread's CPU time per step: the host work that a step must hide.
-    loop_steps = num_train_steps - loop_first_step
-    writer.write_scalars(num_train_steps, {
-        "loop_examples_per_sec": loop_steps * config.batch_size / (
-            time.perf_counter() - loop_start),
-        "loop_host_us_per_step": 1e6 * (time.thread_time() - loop_cpu) / loop_steps})
+  if loop := clock.whole_loop(num_train_steps, config.batch_size):
+    writer.write_scalars(num_train_steps, loop)
   if eval_metrics is None:  # nothing left to train: report the restored state
     eval_metrics = evaluate(compiled, state, eval_batches, config)
   writer.close()

@@ -13,7 +13,7 @@ scaled and center-cropped to it; they keep 1 channel if all are gray, else they 
 decode, and resize, them while training. `--resize_shorter=S` (with `--image_size`, the size
 that training and evaluation crop to, e.g. 224 from 256) keeps each photo whole, with its
 aspect: encoded, as a JPEG of shorter side S where it was larger (at quality 95; else the file's
-bytes), so that training crops from all of it (input_pipeline.Crops). An unreadable image is
+bytes), so that training crops from all of it (image_files.Crops). An unreadable image is
 reported by its path and skipped; the class names go into `metadata.json`.
 
 The .npz holds `train_images`, `train_labels`, `eval_images`, `eval_labels` (images
@@ -41,6 +41,7 @@ from array_record.python.array_record_module import ArrayRecordWriter
 from flax import serialization
 from PIL import Image
 
+import image_files
 import input_pipeline
 import writers
 
@@ -130,7 +131,7 @@ def list_image_folder(folder: str, eval_fraction: float,
   if not classes:
     raise ValueError(f"{root} has no class folders: put each class's images (.jpg, .jpeg, .png) "
                      f"in {os.path.join(root, 'CLASS_NAME')}/.")
-  files = {name: input_pipeline.images_under(os.path.join(root, name)) for name in classes}
+  files = {name: image_files.images_under(os.path.join(root, name)) for name in classes}
   for name, paths in files.items():
     if not paths:
       raise ValueError(f"class folder {os.path.join(root, name)} holds no .jpg, .jpeg or .png "
@@ -143,7 +144,7 @@ def list_image_folder(folder: str, eval_fraction: float,
     examples = {
         "train": [(p, label) for label, name in enumerate(classes) for p in files[name]],
         "eval": [(p, label) for label, name in enumerate(classes)
-                 for p in input_pipeline.images_under(os.path.join(split_dirs["eval"], name))]}
+                 for p in image_files.images_under(os.path.join(split_dirs["eval"], name))]}
   else:
     if not 0 < eval_fraction < 1:
       raise ValueError(f"--eval_fraction={eval_fraction} must be between 0 and 1 (or put the "
@@ -220,7 +221,7 @@ def write_image_folder(out_dir: str, folder: str, image_size: tuple[int, int] | 
                          f"{sizes[1][1]}x{sizes[1][0]}, ...); give --image_size=H,W to scale and "
                          "crop them to one.")
       image_size = sizes[0][::-1]
-    channels = 1 if all(mode in input_pipeline.GRAY_MODES for _, mode in headers) else 3
+    channels = 1 if all(mode in image_files.GRAY_MODES for _, mode in headers) else 3
     image_shape = (*image_size, channels)
     os.makedirs(out_dir, exist_ok=True)
     num_examples = {}
@@ -231,7 +232,7 @@ def write_image_folder(out_dir: str, folder: str, image_size: tuple[int, int] | 
           part = triples[start:start + chunk]
           images = (pool.map(shrink, [p for p, _, _ in part], [resize_shorter] * len(part),
                              [channels] * len(part)) if resize_shorter else
-                    pool.map(input_pipeline.read_image, [p for p, _, _ in part],
+                    pool.map(image_files.read_image, [p for p, _, _ in part],
                              [image_shape] * len(part), [keep_encoded] * len(part)))
           for i, ((path, label, _), image) in enumerate(zip(part, images, strict=True)):
             if isinstance(image, str):

@@ -1,100 +1,61 @@
-"""CLU metric writers (TensorBoard, with or without TensorFlow; Weights & Biases beside it) and
-the progress a person reads.
+"""What a run writes for people to read: TensorBoard event files, a Weights & Biases run beside
+them (`config.wandb_project`), the progress lines and bar of the log, and the training loop's
+clock that their rates come from.
 
-CLU 0.0.12 imports TensorFlow when `clu.metric_writers` (and so `clu.periodic_actions`) is
-imported, only to define its TensorBoard `SummaryWriter`. When TensorFlow is not installed, this
-module gives CLU a `SummaryWriter` backed by tensorboardX, which writes the same standard event
-files, before CLU is imported. With TensorFlow installed, CLU's own writer is used unchanged.
-Import this module before anything that imports `clu.metric_writers`.
+Every writer has the methods of CLU's `MetricWriter` that the scripts use (`write_scalars`,
+`write_images`, `write_hparams`, `flush`, `close`), so the loop does not know which writers it
+feeds. CLU's own writers are not used: `clu.metric_writers` (and so `clu.periodic_actions`)
+imports TensorFlow at import. TensorBoard's event files are written by tensorboardX instead,
+the same standard files, without TensorFlow.
 """
 
-import importlib.util
+import concurrent.futures
+import contextlib
 import os
 import sys
 import time
-import types
+from typing import NamedTuple
 
 from absl import logging
 
 
-def _tensorboardx_summary_writer(interface):
-  import tensorboardX
-  import tensorboardX.summary
+class TensorBoardWriter:
+  """TensorBoard event files in `logdir` (tensorboardX)."""
 
-  class SummaryWriter(interface.MetricWriter):
-    """CLU's MetricWriter interface, written as TensorBoard event files by tensorboardX."""
+  def __init__(self, logdir: str):
+    import tensorboardX
 
-    def __init__(self, logdir: str):
-      self._writer = tensorboardX.SummaryWriter(logdir=logdir)
+    self._writer = tensorboardX.SummaryWriter(logdir=logdir)
 
-    def write_scalars(self, step, scalars):
-      for key, value in scalars.items():
-        self._writer.add_scalar(key, float(value), global_step=step)
+  def write_scalars(self, step: int, scalars: dict):
+    for key, value in scalars.items():
+      self._writer.add_scalar(key, float(value), global_step=step)
 
-    def write_images(self, step, images):
-      for key, value in images.items():
-        self._writer.add_images(key, value, global_step=step, dataformats="NHWC")
+  def write_images(self, step: int, images: dict):
+    for key, value in images.items():
+      self._writer.add_images(key, value, global_step=step, dataformats="NHWC")
 
-    def write_texts(self, step, texts):
-      for key, value in texts.items():
-        self._writer.add_text(key, value, global_step=step)
+  def write_hparams(self, hparams: dict):
+    import tensorboardX.summary
 
-    def write_histograms(self, step, arrays, num_buckets=None):
-      for key, value in arrays.items():
-        self._writer.add_histogram(key, value, global_step=step)
+    # Into this writer's own file (add_hparams would open a second one).
+    plain = {k: v if isinstance(v, (int, float, str, bool)) else str(v)
+             for k, v in hparams.items()}
+    for summary in tensorboardX.summary.hparams(plain, {}):
+      self._writer.file_writer.add_summary(summary)
 
-    def write_hparams(self, hparams):
-      # Into this writer's own file (add_hparams would open a second one).
-      plain = {k: v if isinstance(v, (int, float, str, bool)) else str(v)
-               for k, v in hparams.items()}
-      for summary in tensorboardX.summary.hparams(plain, {}):
-        self._writer.file_writer.add_summary(summary)
+  def flush(self):
+    self._writer.flush()
 
-    def write_videos(self, step, videos):
-      del step, videos  # not supported by this writer; CLU's logging writer ignores them too
-
-    def write_audios(self, step, audios, *, sample_rate):
-      for key, value in audios.items():
-        self._writer.add_audio(key, value, global_step=step, sample_rate=sample_rate)
-
-    def write_summaries(self, step, values, metadata=None):
-      del step, values, metadata  # raw TF summaries need TensorFlow
-
-    def flush(self):
-      self._writer.flush()
-
-    def close(self):
-      self._writer.close()
-
-  return SummaryWriter
+  def close(self):
+    self._writer.close()
 
 
-def _install():
-  name = "clu.metric_writers.summary_writer"
-  if importlib.util.find_spec("tensorflow") is not None or name in sys.modules:
-    return
-  shim = types.ModuleType(name)
-
-  def __getattr__(attr):  # called while clu.metric_writers imports, after its interface module
-    if attr != "SummaryWriter":
-      raise AttributeError(attr)
-    shim.SummaryWriter = _tensorboardx_summary_writer(sys.modules["clu.metric_writers.interface"])
-    return shim.SummaryWriter
-
-  shim.__getattr__ = __getattr__
-  sys.modules[name] = shim
-
-
-_install()
-
-from clu import metric_writers  # noqa: E402  (after the shim, on purpose)
-
-
-class WandbWriter(metric_writers.MetricWriter):
+class WandbWriter:
   """Scalars and hyperparameters to a Weights & Biases run (the `wandb` extra), one W&B run per
   workdir: its id is kept in `workdir/wandb_run_id`, so a resumed run logs to the same one. W&B
   reads its own variables (WANDB_MODE=offline, WANDB_ENTITY, ...); its files go into the
-  workdir unless WANDB_DIR names a place. Images, texts and histograms stay TensorBoard's."""
+  workdir unless WANDB_DIR names a place. Images stay TensorBoard's."""
 
   def __init__(self, workdir: str, project: str, config: dict):
     import wandb  # only here: a run without `config.wandb_project` never imports it
@@ -109,29 +70,14 @@ class WandbWriter(metric_writers.MetricWriter):
     if run_id is None:
       id_file.write_text(self._run.id)
 
-  def write_scalars(self, step, scalars):
+  def write_scalars(self, step: int, scalars: dict):
     self._run.log({key: float(value) for key, value in scalars.items()}, step=step)
 
-  def write_hparams(self, hparams):
-    self._run.config.update(hparams, allow_val_change=True)
-
-  def write_summaries(self, step, values, metadata=None):
-    del step, values, metadata
-
-  def write_images(self, step, images):
+  def write_images(self, step: int, images: dict):
     del step, images
 
-  def write_videos(self, step, videos):
-    del step, videos
-
-  def write_audios(self, step, audios, *, sample_rate):
-    del step, audios, sample_rate
-
-  def write_texts(self, step, texts):
-    del step, texts
-
-  def write_histograms(self, step, arrays, num_buckets=None):
-    del step, arrays, num_buckets
+  def write_hparams(self, hparams: dict):
+    self._run.config.update(hparams, allow_val_change=True)
 
   def flush(self):
     pass
@@ -140,18 +86,123 @@ class WandbWriter(metric_writers.MetricWriter):
     self._run.finish()
 
 
-def create_writer(workdir: str, write: bool = True, config=None) -> metric_writers.MetricWriter:
-  """TensorBoard event files in `workdir` and, when `config.wandb_project` names one, a W&B run
-  (`WandbWriter`), written by a background thread; nothing when `write` is False (processes
-  other than 0). The log gets `Progress`'s lines instead."""
-  if not write:
-    return metric_writers.MultiWriter([])
-  chosen = [metric_writers.SummaryWriter(workdir)]
-  if config is not None and config.get("wandb_project"):
-    from plan import flatten  # the config as TensorBoard's hparams get it
+class Writers:
+  """Several writers behind one, written by one background thread (calls keep their order; the
+  loop never waits for a file or the network). A writer's error is raised at the next call."""
 
-    chosen.append(WandbWriter(workdir, config.wandb_project, flatten(config.to_dict())))
-  return metric_writers.AsyncMultiWriter(chosen)
+  def __init__(self, writers: list):
+    self.writers, self.pending = writers, []
+    self.thread = concurrent.futures.ThreadPoolExecutor(1, "writers") if writers else None
+
+  def _each(self, method: str, *args):
+    for future in [f for f in self.pending if f.done()]:
+      self.pending.remove(future)
+      future.result()
+    self.pending += [self.thread.submit(getattr(w, method), *args) for w in self.writers]
+
+  def write_scalars(self, step: int, scalars: dict):
+    self._each("write_scalars", step, dict(scalars))
+
+  def write_images(self, step: int, images: dict):
+    self._each("write_images", step, images)
+
+  def write_hparams(self, hparams: dict):
+    self._each("write_hparams", hparams)
+
+  def flush(self):
+    self._each("flush")
+    for future in self.pending:
+      future.result()
+    self.pending = []
+
+  def close(self):
+    if self.thread:
+      self.flush()
+      self._each("close")
+      self.thread.shutdown()
+      self.writers, self.thread = [], None
+      for future in self.pending:
+        future.result()
+
+
+def create_writer(workdir: str, write: bool = True, config=None, new_run: bool = False) -> Writers:
+  """TensorBoard event files in `workdir` and, when `config.wandb_project` names one, a W&B run
+  (`WandbWriter`); with `new_run`, the config as their hyperparameters (TensorBoard's HPARAMS
+  tab). Nothing when `write` is False (processes other than 0): the log gets `Progress`'s lines."""
+  if not write:
+    return Writers([])
+  chosen = [TensorBoardWriter(workdir)]
+  flat = None
+  if config is not None:
+    from runs import flatten  # the config as dotted keys
+
+    flat = flatten(config.to_dict())
+    if config.get("wandb_project"):
+      chosen.append(WandbWriter(workdir, config.wandb_project, flat))
+  writers = Writers(chosen)
+  if new_run and flat is not None:
+    writers.write_hparams(flat)
+  return writers
+
+
+class Lap(NamedTuple):
+  """A log interval of the training loop, on its clock."""
+
+  steps: int  # its steps that ran on the clock (the compiling first call runs before it)
+  seconds: float  # its time, less evaluation and saving
+  waited: float  # of which, waiting for the input
+
+
+class Clock:
+  """The training loop's time, in one place. It runs from the return of the first dispatch
+  (compiled by then); a lap is a log interval, less what ran `paused` (evaluation, saving);
+  `waiting` counts the time spent waiting for the input."""
+
+  def __init__(self):
+    self.created = self.lap_start = self.first_time = self.call_start = time.perf_counter()
+    self.running, self.first_step, self.waited, self.last_lap = False, 0, 0.0, Lap(0, 0.0, 0.0)
+
+  def start(self, step: int) -> float:
+    """Starts the clock after `step`; returns the seconds of the call that ended there."""
+    now = time.perf_counter()
+    self.running, self.first_step, self.first_time, self.cpu = True, step, now, time.thread_time()
+    self.lap_start, self.waited = now, 0.0
+    return now - self.call_start
+
+  @contextlib.contextmanager
+  def waiting(self):
+    start = time.perf_counter()
+    yield
+    self.call_start = time.perf_counter()
+    self.waited += self.call_start - start
+
+  @contextlib.contextmanager
+  def paused(self):
+    start = time.perf_counter()
+    yield
+    self.lap_start += time.perf_counter() - start
+
+  def lap(self, step: int, since: int) -> Lap:
+    """The lap of steps `since`..`step`; the next starts now."""
+    now = time.perf_counter()
+    self.last_lap = Lap(step - max(since - 1, self.first_step), now - self.lap_start, self.waited)
+    self.lap_start, self.waited = now, 0.0
+    return self.last_lap
+
+  def eta(self, step: int, num_steps: int) -> str:
+    rate = (step - self.first_step) / max(time.perf_counter() - self.first_time, 1e-9)
+    return _minutes((num_steps - step) / rate) if rate else "?"
+
+  def whole_loop(self, last_step: int, batch_size: int) -> dict[str, float]:
+    """Training throughput of the whole loop (input pipeline, logging, evaluation, checkpoints),
+    and the main thread's CPU time per step (the host work that a step must hide); {} when the
+    clock never ran a step."""
+    num_steps = last_step - self.first_step if self.running else 0
+    if not num_steps:
+      return {}
+    return {"loop_examples_per_sec": num_steps * batch_size / (
+                time.perf_counter() - self.first_time),
+            "loop_host_us_per_step": 1e6 * (time.thread_time() - self.cpu) / num_steps}
 
 
 def _minutes(seconds: float) -> str:
@@ -167,33 +218,18 @@ def draw_bar(done: int, total: int, text: str = "", width: int = 30):
 
 class Progress:
   """One log line per log interval (step, loss, accuracy, examples/s, ETA) and, when stderr is a
-  terminal, a progress bar between them, redrawn at most 4 times a second. TensorBoard gets
-  `steps_per_sec` and `uptime`."""
+  terminal, a progress bar between them, redrawn at most 4 times a second. The writers get
+  `steps_per_sec` (of the clock's last lap) and `uptime`."""
 
-  def __init__(self, num_steps: int, writer: metric_writers.MetricWriter, show: bool = True):
-    self.num_steps, self.writer = num_steps, writer
-    self.bar = show and sys.stderr.isatty()
-    self.t0, self.drawn = time.perf_counter(), 0.0
-    self.start(0)
-
-  def start(self, step: int):
-    """Starts the clock that the ETA and steps/s read (after the first call has compiled)."""
-    self.first_step = self.last_step = step
-    self.first_time = self.last_time = time.perf_counter()
-
-  def pause(self, seconds: float):
-    """Leaves `seconds` (an evaluation, a checkpoint) out of the next `steps_per_sec`."""
-    self.last_time += seconds
-
-  def eta(self, step: int, now: float) -> str:
-    rate = (step - self.first_step) / max(now - self.first_time, 1e-9)
-    return _minutes((self.num_steps - step) / rate) if rate else "?"
+  def __init__(self, num_steps: int, writer: Writers, clock: Clock, show: bool = True):
+    self.num_steps, self.writer, self.clock = num_steps, writer, clock
+    self.bar, self.drawn = show and sys.stderr.isatty(), 0.0
 
   def update(self, step: int):
     """After every call: one clock read, unless the bar is due."""
     if self.bar and (now := time.perf_counter()) - self.drawn > 0.25:
       self.drawn = now
-      draw_bar(step, self.num_steps, f"ETA {self.eta(step, now)}")
+      draw_bar(step, self.num_steps, f"ETA {self.clock.eta(step, self.num_steps)}")
 
   def log(self, message: str, *args, level: int = logging.INFO):
     """A log line, printed above the bar."""
@@ -206,12 +242,11 @@ class Progress:
       sys.stderr.write("\r\033[K")
       sys.stderr.flush()
 
-  def report(self, step: int, summary: dict[str, float]):
-    now = time.perf_counter()
-    self.writer.write_scalars(step, {
-        "steps_per_sec": (step - self.last_step) / max(now - self.last_time, 1e-9),
-        "uptime": now - self.t0})
-    self.last_step, self.last_time = step, now
+  def report(self, step: int, since: int, summary: dict[str, float]):
+    """The log line of the training steps `since`..`step`, and a warning for skipped steps."""
+    lap = self.clock.last_lap
+    self.writer.write_scalars(step, {"steps_per_sec": lap.steps / max(lap.seconds, 1e-9),
+                                     "uptime": time.perf_counter() - self.clock.created})
     rate = summary.get("examples_per_sec")  # none for the compiling call alone
     wait = summary.get("input_wait_fraction")
     smoothed = summary["loss"] != summary.get("cross_entropy", summary["loss"])
@@ -219,7 +254,11 @@ class Progress:
              step, self.num_steps, summary["loss"],
              f" (smoothed labels; cross-entropy {summary['cross_entropy']:.4f})" if smoothed
              else "", summary["accuracy"], "?" if rate is None else f"{rate:.0f}",
-             "?" if wait is None else f"{100 * wait:.0f}%", self.eta(step, now))
+             "?" if wait is None else f"{100 * wait:.0f}%", self.clock.eta(step, self.num_steps))
+    if summary["nonfinite_steps"]:
+      self.log("Skipped %d of steps %d-%d: non-finite loss or gradient.",
+               int(summary["nonfinite_steps"]), since, step, level=logging.WARNING)
 
-
-__all__ = ["metric_writers", "create_writer", "draw_bar", "Progress", "WandbWriter"]
+  def report_eval(self, step: int, metrics: dict[str, float]):
+    self.log("eval at step %d: loss %.4f  accuracy %.4f  (%d examples)", step, metrics["loss"],
+             metrics["accuracy"], metrics["examples"])

@@ -24,9 +24,10 @@ from flax import nnx
 import aot
 import chips
 import input_pipeline
+import metrics
+import optim
 import parallel
 import plan
-import runs
 from configs import default
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,8 +57,8 @@ class MLP(nnx.Module):
 
 @pytest.fixture
 def mlp(monkeypatch):
-  """model.py's `create_model` replaced by `MLP` (runs.build_state calls it), on 32x32x3 images."""
-  monkeypatch.setattr(runs, "create_model",
+  """model.py's `create_model` replaced by `MLP` (optim.build_state calls it), on 32x32x3 images."""
+  monkeypatch.setattr(optim, "create_model",
                       lambda config, image_shape, num_classes, rngs: MLP(image_shape, num_classes,
                                                                          rngs))
   config = default.get_config()
@@ -108,14 +109,14 @@ def test_xla_options_reach_the_compiler(tiny_config):
                                             "xla_no_such_option": 1}
   info = input_pipeline.describe(tiny_config)
   mesh = parallel.make_mesh(tiny_config)
-  graphdef, state, _ = runs.initial_state(tiny_config, info, mesh, 10)
+  graphdef, state, _ = optim.initial_state(tiny_config, info, mesh, 10)
   batches = aot.abstract_batches(tiny_config, info, 8, mesh, pmap=False)
   compiled = steps.make(graphdef, tiny_config, mesh)
-  metrics = aot.abstract(steps.Metrics.empty(), parallel.replicated(mesh))
+  running = aot.abstract(metrics.Metrics.empty(), parallel.replicated(mesh))
   with pytest.raises(Exception, match="xla_no_such_option"):
-    compiled.eval.lower(state, metrics, batches).compile()
+    compiled.eval.lower(state, running, batches).compile()
   tiny_config.xla_options = "xla_cpu_enable_fast_math=false"
-  steps.make(graphdef, tiny_config, mesh).eval.lower(state, metrics, batches).compile()
+  steps.make(graphdef, tiny_config, mesh).eval.lower(state, running, batches).compile()
 
 
 @pytest.mark.parametrize("platform, k", [("tpu", None), ("gpu", None), ("cpu", 1)])
@@ -323,11 +324,11 @@ def test_gpu_refuses_what_does_not_fit(tmp_path):
 # The 1.16 GB MLP's fsdp step for 8 H100s, with and without XLA options; prints its figures.
 GPU_MLP = """
 import json, sys
-import aot, chips, runs
+import aot, chips, optim
 from test_aot import MLP
 from configs import default
-runs.create_model = lambda config, image_shape, num_classes, rngs: MLP(image_shape, num_classes,
-                                                                       rngs)
+optim.create_model = lambda config, image_shape, num_classes, rngs: MLP(image_shape, num_classes,
+                                                                        rngs)
 config = default.get_config()
 config.dataset, config.synthetic.image_shape = "synthetic", (32, 32, 3)
 config.parallelism, config.xla_options = "fsdp", sys.argv[1]

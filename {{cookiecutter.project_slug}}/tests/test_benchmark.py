@@ -1,8 +1,11 @@
 """Smoke test of benchmark.py: a real --tiny run measures every model and path (no timings)."""
 
+import datetime
+import importlib.metadata
 import json
 import math
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -21,9 +24,12 @@ def assert_positive_finite(numbers: dict, keys: tuple[str, ...], where: str):
 
 @pytest.mark.slow
 def test_tiny_benchmark_measures_every_model_and_path(tmp_path):
-  out = tmp_path / "bench.json"
-  done = subprocess.run([sys.executable, "benchmark.py", "--tiny", f"--out={out}"], cwd=PROJECT,
-                        capture_output=True, text=True, timeout=400)
+  out, markdown = tmp_path / "bench.json", tmp_path / "tables.md"
+  dates = {f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d}"}  # the run's: it may cross midnight
+  done = subprocess.run([sys.executable, "benchmark.py", "--tiny", f"--out={out}",
+                         f"--markdown={markdown}"], cwd=PROJECT, capture_output=True, text=True,
+                        timeout=400)
+  dates.add(f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d}")
   assert done.returncode == 0, done.stderr[-3000:]
 
   results = json.loads(out.read_text())
@@ -66,6 +72,37 @@ def test_tiny_benchmark_measures_every_model_and_path(tmp_path):
                r"default run \(configs/tiny.py, k=1, no compilation cache\): \d+\.\d s as a whole "
                r"process"):
     assert re.search(f"^{line}", done.stdout, re.MULTILINE), (line, done.stdout)
+
+  # The Markdown file: the JSON's figures as its tables show them, under the machine and date.
+  text = markdown.read_text()
+  rows = [line.strip("| ").split(" | ") for line in text.splitlines() if line.startswith("| ")]
+  header = dict(row for row in rows if len(row) == 2)
+  assert header["date (UTC)"] in dates and header["command"] == "`python benchmark.py`"
+  assert header["JAX backend"] == (f"{results['backend']}: {benchmark.NUM_DEVICES} devices "
+                                   f"({results['device_kind']})")
+  assert header["versions"] == (
+      f"Python {platform.python_version()}, jax {results['jax']}, flax {results['flax']}, "
+      f"grain {importlib.metadata.version('grain')}")
+  assert header["machine"].endswith(f", {os.cpu_count()} cores")
+  assert header["--tiny"].startswith("yes")
+  for name, model in results["models"].items():
+    for path, r in model["paths"].items():
+      assert [name, "x".join(map(str, model["image_shape"])), str(model["batch_size"]), path,
+              f"{r['compile_s']:.2f}", f"{r['first_step_s']:.2f}", f"{r['step_ms']:.2f}",
+              f"{r['examples_per_sec']:.0f}", f"{r['peak_host_mb']:.0f}",
+              f"{r['state_mb_per_device']:.3f}", f"{r['step_peak_mb_per_device']:.3f}"] in rows
+  for key, loop in results["loop"].items():
+    row = next(row for row in rows if row[0] == key)
+    assert row[6:8] == [f"{loop['loop_examples_per_sec']:.0f}",
+                        f"{loop['step_examples_per_sec']:.0f}"], row
+    assert row[-1] == f"{loop['efficiency']:.2f}", row
+  pipeline, large = results["pipeline"], results["models"]["large"]
+  for line in (f"- loop efficiency: {results['loop'][f'digits:{ours}']['efficiency']:.2f}",
+               f"- pmap/spmd step time: {large['pmap_over_spmd_step_time']:.2f} (large)",
+               f"- input pipeline (64x64x3, batch 1024): {pipeline['images_per_sec']:.0f} images/s",
+               f"- default run (configs/tiny.py, k=1, no compilation cache): {run['wall_s']:.1f} s "
+               f"as a whole process, {run['startup_s']:.1f} s to its first step"):
+    assert line in text, (line, text)
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ from conftest import DIGIT_NAMES as NAMES
 from conftest import reads_as_the_digits, trains_as_written
 from PIL import Image
 
+import image_files
 import input_pipeline
 import plan
 import runs
@@ -80,7 +81,7 @@ def test_what_cannot_be_read_is_one_line(folders, tmp_path):
       (config_for(str(tmp_path / "empty")), f"config.data_dir={str(tmp_path / 'empty')!r} holds "
        "neither a dataset saved by save_to_disk (dataset_dict.json) nor Parquet files "
        "(SPLIT-*.parquet).")]:
-    with pytest.raises(runs.ConfigError) as e:
+    with pytest.raises(plan.ConfigError) as e:
       plan.validate_config(config)
     assert str(e.value) == message
   config = config_for(str(both), eval_split="test")
@@ -106,6 +107,6 @@ def test_a_run_on_a_hugging_face_dataset_keeps_its_class_names(folders, tmp_path
   images = source.take(np.arange(40))
   for i, image in enumerate(images["image"]):
     Image.fromarray(image[..., 0]).save(tmp_path / f"{i:02d}.png")
-  paths = runs.find_images([str(tmp_path)])
+  paths = image_files.find_images([str(tmp_path)])
   predicted = [NAMES[int(np.argmax(p))] for _, p in predict.predict(run, paths)]
   assert sum(p == NAMES[label] for p, label in zip(predicted, images["label"], strict=True)) > 20

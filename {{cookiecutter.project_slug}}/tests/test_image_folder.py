@@ -16,8 +16,10 @@ from conftest import run_main
 from flax import serialization
 from PIL import Image
 
+import image_files
 import input_pipeline
 import runs
+import steps
 import train
 import write_arrayrecord
 from configs import default
@@ -152,7 +154,7 @@ def test_evaluation_decodes_encoded_images_in_worker_processes(tmp_path):
   assert [len(e["mask"]) for e in batches] == [2, 1]  # 3 images: no batch of padding alone
   expected = [batches[i] for i in range(len(batches))]  # read here, in this process
   assert input_pipeline.default_workers(config) >= 1
-  with contextlib.closing(runs.eval_iterator(batches, config)) as iterator:
+  with contextlib.closing(steps.eval_iterator(batches, config)) as iterator:
     passes = [[next(iterator) for _ in range(len(batches))] for _ in range(2)]
     assert multiprocessing.active_children()  # the workers, alive between passes
   for elements in passes:
@@ -222,11 +224,11 @@ def test_decode_image_scales_to_cover_and_crops_the_center():
   pixels[:, 20:] = 255
   data = io.BytesIO()
   Image.fromarray(pixels).save(data, "PNG")
-  out = input_pipeline.decode_image(data.getvalue(), (10, 10, 1))
+  out = image_files.decode_image(data.getvalue(), (10, 10, 1))
   assert out.shape == (10, 10, 1)
   np.testing.assert_array_equal(out[:, :4, 0], 0)
   np.testing.assert_array_equal(out[:, 6:, 0], 255)
-  gray = input_pipeline.decode_image(data.getvalue(), (20, 40, 1))
+  gray = image_files.decode_image(data.getvalue(), (20, 40, 1))
   np.testing.assert_array_equal(gray[..., 0], pixels)  # the size it has: unchanged
 
 

@@ -10,8 +10,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import input_pipeline
+import metrics
+import optim
 import parallel
-import runs
+import pmap
 import steps
 import train
 from model import create_model
@@ -72,16 +74,16 @@ def test_train_step_on_padded_batch_equals_step_on_real_examples(tiny_config):
   graphdef, state = nnx.split(model_and_optimizer(tiny_config))
 
   one_device = jax.jit(functools.partial(steps.train_step, graphdef, max_shift=1, seed=0))
-  expected, expected_metrics = one_device(state, steps.TrainMetrics.empty(), real)
+  expected, expected_metrics = one_device(state, metrics.TrainMetrics.empty(), real)
 
   tiny_config.augment_max_shift, tiny_config.seed = 1, 0  # shifts keyed by position: the same
   compiled = steps.make(graphdef, tiny_config, parallel.make_mesh())
   placed = compiled.put_state(state)
-  new_state, metrics = compiled.train(placed, compiled.empty(steps.TrainMetrics),
+  new_state, running = compiled.train(placed, compiled.empty(metrics.TrainMetrics),
                                       compiled.put_batch(jax.tree.map(lambda x: x[None], padded)))
   assert max_abs_diff(compiled.get_state(new_state), expected) < 1e-6
-  assert int(metrics.loss.count) == int(expected_metrics.loss.count) == 77
-  assert abs(float(metrics.loss.compute()) - float(expected_metrics.loss.compute())) < 1e-6
+  assert int(running.loss.count) == int(expected_metrics.loss.count) == 77
+  assert abs(float(running.loss.compute()) - float(expected_metrics.loss.compute())) < 1e-6
 
 
 def test_eval_counts_every_example_once(tiny_config):
@@ -120,7 +122,7 @@ class NormNoMask(nnx.Module):
   """BatchNorm, and a __call__ that cannot take the mask."""
 
   def __init__(self, image_shape, num_classes, rngs):
-    self.norm = parallel.BatchNorm(image_shape[-1], rngs=rngs)
+    self.norm = pmap.BatchNorm(image_shape[-1], rngs=rngs)
     self.dense = nnx.Linear(int(np.prod(image_shape)), num_classes, rngs=rngs)
 
   def __call__(self, images):
@@ -163,7 +165,7 @@ def test_the_mask_reaches_decorated_and_keyword_calls_and_a_batchnorm_without_it
 
 def test_a_batchnorm_model_without_the_mask_trains_with_one_warning(tiny_config, tmp_path,
                                                                    monkeypatch, caplog):
-  monkeypatch.setattr(runs, "create_model", lambda config, image_shape, num_classes, rngs:
+  monkeypatch.setattr(optim, "create_model", lambda config, image_shape, num_classes, rngs:
                       NormNoMask(image_shape, num_classes, rngs))
   tiny_config.eval_every_steps = tiny_config.checkpoint_every_steps = 1000
   result = train.train_and_evaluate(tiny_config, str(tmp_path))

@@ -3,6 +3,8 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
+import flops
+import optim
 from model import create_model
 
 
@@ -33,16 +35,15 @@ def test_bfloat16_compute_with_float32_params(tiny_config):
     pytest.param("resnet18", 11_689_512, 3 * 2 * 1.81e9, marks=pytest.mark.slow),
     ("resnet50", 25_557_032, 3 * 2 * 4.1e9)])
 def test_resnets_have_the_papers_sizes_and_flops(tiny_config, name, num_params, train_flops):
-  """The FLOPs the project reports for a training step (plan.Speed, the jaxpr's matrix
+  """The FLOPs the project reports for a training step (flops.Speed, the jaxpr's matrix
   products and convolutions) are 3 forward passes' (the backward pass twice the forward)."""
   import plan
-  import runs
 
   tiny_config.model.name, tiny_config.batch_size = name, 2
-  objects = nnx.eval_shape(lambda: runs.build_state(tiny_config, (224, 224, 3), 1000, 10))
+  objects = nnx.eval_shape(lambda: optim.build_state(tiny_config, (224, 224, 3), 1000, 10))
   assert sum(p.size for p in jax.tree.leaves(nnx.state(objects[0], nnx.Param))) == num_params
   graphdef, state = nnx.split(objects)
-  speed = plan.Speed(graphdef, state, (224, 224, 3), plan.resolved(tiny_config))
+  speed = flops.Speed(graphdef, state, (224, 224, 3), plan.resolved(tiny_config))
   assert speed.flops_per_step / 2 == pytest.approx(train_flops, rel=0.03)
 
 

@@ -15,10 +15,11 @@ from conftest import two_epochs
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+import metrics
+import optim
 import parallel
-import runs
+import pmap
 import steps
-import train
 from model import create_model
 
 NUM_DEVICES = 8
@@ -93,17 +94,17 @@ def run(config, parallelism, batch_list, graphdef=None, state=None, k=1, unroll=
     graphdef, state = initial_state(config)
   if parallelism == "single":
     step = single_step(config, graphdef)
-    state, running = jax.device_put((state, steps.TrainMetrics.empty()), jax.devices()[0])
+    state, running = jax.device_put((state, metrics.TrainMetrics.empty()), jax.devices()[0])
     for batch in batch_list:
       state, running = step(state, running, batch)
-    return state, train.summarize(running)
+    return state, steps.summarize(running)
   compiled, mesh = steps_for(config, parallelism, graphdef, k, unroll)
   state = compiled.put_state(parallel.place_state(state, mesh, config.fsdp_min_size))
-  running = compiled.empty(steps.TrainMetrics)
+  running = compiled.empty(metrics.TrainMetrics)
   for group in stacked(batch_list, k):
     state, running = compiled.train(state, running, compiled.put_batch(group))
     jax.block_until_ready(state)  # as the training loop does on the CPU: never queue collectives
-  return compiled.get_state(state), train.summarize(running)
+  return compiled.get_state(state), steps.summarize(running)
 
 
 def as_numpy(x):
@@ -131,10 +132,10 @@ def test_pmap_equals_spmd_equals_single_device(tiny_config, k, num_real):
   pmap, pmap_metrics = run(tiny_config, "pmap", data, k=k)
   assert_trees_close(spmd, single, atol=1e-6)
   assert_trees_close(pmap, single, atol=1e-6)
-  for metrics in (single_metrics, spmd_metrics, pmap_metrics):  # merged over the three steps
-    assert metrics["examples"] == sum(num_real) and metrics["nonfinite_steps"] == 0
-    assert metrics["loss"] == pytest.approx(single_metrics["loss"], abs=1e-6)
-    assert metrics["accuracy"] == single_metrics["accuracy"]
+  for result in (single_metrics, spmd_metrics, pmap_metrics):  # merged over the three steps
+    assert result["examples"] == sum(num_real) and result["nonfinite_steps"] == 0
+    assert result["loss"] == pytest.approx(single_metrics["loss"], abs=1e-6)
+    assert result["accuracy"] == single_metrics["accuracy"]
   step_counter = pmap[1]["step"][...]
   assert step_counter.dtype == jnp.uint32 and int(step_counter) == 3  # never averaged
 
@@ -174,7 +175,7 @@ def test_every_path_equals_one_device_with_the_recipe_on(straight_runs):
     straight_runs[parallelism]  # (made first: their programs are in the compilation cache)
   config = two_epochs("spmd")
   config.steps_per_dispatch = 1
-  graphdef, state = nnx.split(runs.build_state(config, (8, 8, 1), 10, 45))
+  graphdef, state = nnx.split(optim.build_state(config, (8, 8, 1), 10, 45))
   assert len(state) == 3  # model, optimizer, average
   data = batches([64, 20, 64])
   copy = lambda: jax.tree.map(jnp.copy, state)  # (the steps donate it)  # noqa: E731
@@ -223,14 +224,14 @@ def test_gradient_accumulation_equals_one_large_batch(tiny_config, parallelism):
 @pytest.mark.parametrize("model", ["cnn", "dropout"])  # dropout: the state holds PRNG keys
 def test_replicate_and_unreplicate(tiny_config, model):
   _, state = initial_state(tiny_config, DropoutCNN(nnx.Rngs(0)) if model == "dropout" else None)
-  replicated = parallel.replicate(state)
+  replicated = pmap.replicate(state)
   for x, r in zip(jax.tree.leaves(state), jax.tree.leaves(replicated), strict=True):
     assert r.shape == (NUM_DEVICES, *x.shape) and r.dtype == x.dtype
     assert len(r.addressable_shards) == NUM_DEVICES
     assert {s.device for s in r.addressable_shards} == set(jax.local_devices())
     for shard in r.addressable_shards:
       np.testing.assert_array_equal(as_numpy(shard.data)[0], as_numpy(x))
-  back = parallel.unreplicate(replicated)
+  back = pmap.unreplicate(replicated)
   assert [x.dtype for x in jax.tree.leaves(back)] == [x.dtype for x in jax.tree.leaves(state)]
   assert_trees_close(back, state, atol=0)
 
@@ -242,11 +243,12 @@ REPLICATE = """
 import re
 import jax, numpy as np
 import parallel
+import pmap
 x = jax.device_put(np.arange(8 * 2**20, dtype=np.float32), jax.devices()[0])
 kib = lambda field: int(re.search(field + r":\\s+(\\d+)", open("/proc/self/status").read())[1])
 open("/proc/self/clear_refs", "w").write("5")  # the peak is now the current memory
 before = kib("VmRSS")
-replicated = jax.block_until_ready(parallel.replicate(x))
+replicated = jax.block_until_ready(pmap.replicate(x))
 print((kib("VmHWM") - before) * 1024 / x.nbytes, parallel.bytes_per_device(replicated) / x.nbytes)
 """
 
@@ -266,13 +268,13 @@ def test_replicate_holds_one_copy_per_device():
 
 def test_shard_batch_round_trip_and_error():
   batch = {"image": np.arange(64 * 3).reshape(64, 3), "label": np.arange(64)}
-  sharded = parallel.shard_batch(batch, 8)
+  sharded = pmap.shard_batch(batch, 8)
   assert sharded["image"].shape == (8, 8, 3) and sharded["label"].shape == (8, 8)
   np.testing.assert_array_equal(sharded["label"][2], np.arange(16, 24))  # contiguous pieces
-  back = parallel.unshard_batch(sharded)
+  back = pmap.unshard_batch(sharded)
   np.testing.assert_array_equal(back["image"], batch["image"])
   with pytest.raises(ValueError, match="a batch of 60 examples does not split over 8 devices"):
-    parallel.shard_batch({"label": np.arange(60)}, 8)
+    pmap.shard_batch({"label": np.arange(60)}, 8)
 
 
 class DropoutCNN(nnx.Module):
@@ -298,7 +300,7 @@ def test_dropout_gives_the_same_numbers_on_spmd_fsdp_and_one_device_not_pmap(tin
 
   graphdef, state = fresh()
   compiled, _ = steps_for(tiny_config, "pmap", graphdef)
-  replicated, running = compiled.put_state(state), compiled.empty(steps.TrainMetrics)
+  replicated, running = compiled.put_state(state), compiled.empty(metrics.TrainMetrics)
   for group in stacked(data, 1):
     replicated, running = compiled.train(replicated, running, compiled.put_batch(group))
   for leaf in jax.tree.leaves(replicated):
@@ -307,10 +309,10 @@ def test_dropout_gives_the_same_numbers_on_spmd_fsdp_and_one_device_not_pmap(tin
   kernel = lambda state: np.asarray(state[0]["dense"]["kernel"][...])  # noqa: E731
   assert np.abs(kernel(compiled.get_state(replicated)) - kernel(results["single"])).max() > 1e-3
 
-  @functools.partial(jax.pmap, axis_name=parallel.PMAP_AXIS)
+  @functools.partial(jax.pmap, axis_name=pmap.PMAP_AXIS)
   def dropout_masks(state, images):
     model, _ = nnx.merge(graphdef, state)
-    steps.fold_in_device_index(model, parallel.PMAP_AXIS)
+    pmap.fold_in_device_index(model, pmap.PMAP_AXIS)
     return model.dropout(images) != 0
 
   masks = np.asarray(dropout_masks(compiled.put_state(fresh()[1]), jnp.ones((NUM_DEVICES, 4, 64))))
@@ -320,7 +322,7 @@ def test_dropout_gives_the_same_numbers_on_spmd_fsdp_and_one_device_not_pmap(tin
 class BatchNormCNN(nnx.Module):
   def __init__(self, axis_name, rngs):
     self.conv = nnx.Conv(1, 4, kernel_size=(3, 3), use_bias=False, rngs=rngs)  # BN has one
-    self.norm = parallel.BatchNorm(4, momentum=0.9, axis_name=axis_name, rngs=rngs)
+    self.norm = pmap.BatchNorm(4, momentum=0.9, axis_name=axis_name, rngs=rngs)
     self.dense = nnx.Linear(8 * 8 * 4, 10, rngs=rngs)
 
   def __call__(self, images, example_mask=None):  # the steps pass the batch's mask here
@@ -329,7 +331,7 @@ class BatchNormCNN(nnx.Module):
 
 
 def batchnorm_state(parallelism, optimizer=None):
-  model = BatchNormCNN(parallel.PMAP_AXIS if parallelism == "pmap" else None, nnx.Rngs(0))
+  model = BatchNormCNN(pmap.PMAP_AXIS if parallelism == "pmap" else None, nnx.Rngs(0))
   return nnx.split((model, nnx.Optimizer(model, optimizer or ADAM, wrt=nnx.Param)))
 
 
@@ -424,15 +426,15 @@ def test_rolled_loop_equals_single_calls(tiny_config, parallelism):
   mesh = parallel.make_mesh(tiny_config)
   compiled = steps.make(graphdef, tiny_config, mesh, unroll=False)
   placed = compiled.put_state(parallel.place_state(state, mesh))
-  lowered = compiled.train.lower(placed, compiled.empty(steps.TrainMetrics),
+  lowered = compiled.train.lower(placed, compiled.empty(metrics.TrainMetrics),
                                  compiled.put_batch(stacked(data, 3)[0]))
   assert "stablehlo.while" in lowered.as_text()  # a loop, not k copies of the step
-  got, metrics = run(tiny_config, parallelism, data, graphdef, state, k=3, unroll=False)
+  got, got_metrics = run(tiny_config, parallelism, data, graphdef, state, k=3, unroll=False)
   assert_trees_close(got, expected, atol=1e-6)
-  assert metrics["examples"] == expected_metrics["examples"] == 64 + 20 + 64 + 37
-  assert metrics["loss"] == pytest.approx(expected_metrics["loss"], abs=1e-6)
-  assert metrics["accuracy"] == expected_metrics["accuracy"]
-  assert metrics["nonfinite_steps"] == 0 and int(got[1]["step"][...]) == 4
+  assert got_metrics["examples"] == expected_metrics["examples"] == 64 + 20 + 64 + 37
+  assert got_metrics["loss"] == pytest.approx(expected_metrics["loss"], abs=1e-6)
+  assert got_metrics["accuracy"] == expected_metrics["accuracy"]
+  assert got_metrics["nonfinite_steps"] == 0 and int(got[1]["step"][...]) == 4
 
 
 class FakeTpu:

@@ -14,7 +14,7 @@ import pytest
 from conftest import two_epochs
 
 import input_pipeline
-import steps
+import metrics
 import train
 import writers
 from write_arrayrecord import write_dataset
@@ -243,17 +243,17 @@ def test_nonfinite_steps_can_be_skipped(tiny_config, tmp_path):
 
 def test_nonfinite_steps_are_counted_and_the_first_found_however_merged():
   finite = [True, True, False, True, False, True]  # steps 0-5; 2 and 4 not finite
-  flags = [steps.NonFinite.from_step(jax.numpy.array(ok)) for ok in finite]
-  one_by_one = steps.NonFinite.empty()
+  flags = [metrics.NonFinite.from_step(jax.numpy.array(ok)) for ok in finite]
+  one_by_one = metrics.NonFinite.empty()
   for flag in flags:
     one_by_one = one_by_one.merge(flag)
   halves = flags[0].merge(flags[1]).merge(flags[2]).merge(
       flags[3].merge(flags[4]).merge(flags[5]))  # merged in two windows, then together
-  late = steps.NonFinite.empty().merge(flags[3]).merge(flags[4])  # a window from step 3 on
+  late = metrics.NonFinite.empty().merge(flags[3]).merge(flags[4])  # a window from step 3 on
   for merged in (one_by_one, halves):
     assert (int(merged.steps), int(merged.count), int(merged.first)) == (6, 2, 2)
   assert (int(late.count), int(late.first)) == (1, 1)
-  padding_first = steps.NonFinite.from_step(jax.numpy.array(True), real=False).merge(flags[2])
+  padding_first = metrics.NonFinite.from_step(jax.numpy.array(True), real=False).merge(flags[2])
   assert (int(padding_first.steps), int(padding_first.count), int(padding_first.first)) == (1, 1, 0)
-  clean = steps.NonFinite.empty().merge(flags[0]).merge(flags[1])
+  clean = metrics.NonFinite.empty().merge(flags[0]).merge(flags[1])
   assert (int(clean.count), int(clean.first)) == (0, -1)

@@ -11,27 +11,29 @@ import optax
 import pytest
 from flax import nnx
 
+import augment
+import flops
 import input_pipeline
+import metrics
+import optim
 import parallel
-import runs
 import steps
-import train
 from configs import default
 from model import create_model
 
 
 def test_integer_pixels_are_divided_by_255_and_floats_kept():
   pixels = np.array([0, 51, 255], np.uint8).reshape(3, 1, 1, 1)
-  np.testing.assert_allclose(steps.prepare_images({"image": pixels}).ravel(), [0, 0.2, 1])
+  np.testing.assert_allclose(augment.prepare_images({"image": pixels}).ravel(), [0, 0.2, 1])
   floats = np.array([0.5, -2.0, np.nan], np.float32).reshape(3, 1, 1, 1)
-  np.testing.assert_array_equal(steps.prepare_images({"image": floats}), floats)
+  np.testing.assert_array_equal(augment.prepare_images({"image": floats}), floats)
 
 
 def test_random_shift_moves_pixels_by_stream_position():
   images = np.zeros((300, 8, 8, 1), np.uint8)
   images[:, 4, 4] = 255
   positions = np.arange(300, dtype=np.uint32)
-  shift = jax.jit(functools.partial(steps.prepare_images, max_shift=1, seed=0))
+  shift = jax.jit(functools.partial(augment.prepare_images, max_shift=1, seed=0))
   shifted = np.asarray(shift({"image": images, "position": positions}))
   assert shifted.shape == images.shape and (shifted.sum(axis=(1, 2, 3)) == 1.0).all()
   moved_to = collections.Counter(tuple(np.argwhere(image[..., 0])[0]) for image in shifted)
@@ -40,7 +42,7 @@ def test_random_shift_moves_pixels_by_stream_position():
   # A function of the position (and seed) alone, not of the batch it is in:
   again = np.asarray(shift({"image": images[::-1], "position": positions[::-1]}))[::-1]
   np.testing.assert_array_equal(again, shifted)
-  other_seed = jax.jit(functools.partial(steps.prepare_images, max_shift=1, seed=1))
+  other_seed = jax.jit(functools.partial(augment.prepare_images, max_shift=1, seed=1))
   assert (np.asarray(other_seed({"image": images, "position": positions})) != shifted).any()
 
 
@@ -64,14 +66,14 @@ def test_flops_of_the_default_cnn_step_equal_the_analytic_count():
   # too, except the first layer's (the images need no gradient).
   expected = 2 * conv1 + 3 * conv2 + 3 * dense
   assert expected == 237_895_680
-  assert steps.model_flops(step, state, steps.TrainMetrics.empty(), batch) == expected
+  assert flops.model_flops(step, state, metrics.TrainMetrics.empty(), batch) == expected
 
   # Gradient accumulation splits the batch, not the work; k steps cost k times one.
   accumulated = functools.partial(step, grad_accum_steps=4)
-  assert steps.model_flops(accumulated, state, steps.TrainMetrics.empty(), batch) == expected
+  assert flops.model_flops(accumulated, state, metrics.TrainMetrics.empty(), batch) == expected
   k_steps = steps.scanned(step)
   stacked = jax.tree.map(lambda x: jnp.stack([x] * 3), batch)
-  assert steps.model_flops(k_steps, state, steps.TrainMetrics.empty(), stacked) == 3 * expected
+  assert flops.model_flops(k_steps, state, metrics.TrainMetrics.empty(), stacked) == 3 * expected
 
 
 def test_flops_counted_under_pmap_for_a_model_that_reduces_over_its_axis(tiny_config):
@@ -83,7 +85,7 @@ def test_flops_counted_under_pmap_for_a_model_that_reduces_over_its_axis(tiny_co
   for parallelism in ("spmd", "pmap"):
     tiny_config.parallelism = parallelism
     graphdef, state = batchnorm_state(parallelism)
-    counts[parallelism] = train.Speed(graphdef, state, (8, 8, 1), tiny_config).flops_per_step
+    counts[parallelism] = flops.Speed(graphdef, state, (8, 8, 1), tiny_config).flops_per_step
   assert counts["pmap"] == counts["spmd"] > 0
 
 
@@ -96,11 +98,11 @@ def test_the_train_step_shifts_each_example_as_its_stream_position_says(tiny_con
   graphdef, state = initial_state(tiny_config)
   batch = batches([64])[0]
   batch["position"] += 640
-  shifted = steps.prepare_images(batch, max_shift=1, seed=0)  # float pixels: kept as they are
+  shifted = augment.prepare_images(batch, max_shift=1, seed=0)  # float pixels: kept as they are
 
   def step(batch, max_shift):
     return jax.jit(functools.partial(steps.train_step, graphdef, max_shift=max_shift, seed=0))(
-        state, steps.TrainMetrics.empty(), batch)[0]
+        state, metrics.TrainMetrics.empty(), batch)[0]
 
   assert_trees_close(step(batch, 1), step(dict(batch, image=shifted), 0), atol=1e-6)
   assert not np.array_equal(np.asarray(shifted), batch["image"] / 255)  # the shifts moved pixels
@@ -116,7 +118,7 @@ def test_a_skipped_step_leaves_the_whole_state_bitwise_unchanged(tiny_config):
   good, padding = batches([64, 0])
   nan = dict(good, image=good["image"].astype(np.float32))
   nan["image"][5, 2, 2] = np.nan
-  running = steps.TrainMetrics.empty()
+  running = metrics.TrainMetrics.empty()
   for batch in (nan, padding):
     after, running = step(state, running, batch)
     for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(after), strict=True):
@@ -143,11 +145,11 @@ def test_skipping_by_selection_equals_skipping_under_cond(tiny_config):
     graphdef, state = initial_state(tiny_config, DropoutCNN(nnx.Rngs(0)))
     step = jax.jit(functools.partial(steps.train_step, graphdef, **steps.step_options(tiny_config),
                                      skip_by=skip_by, norms_of=norms_of))
-    running = steps.TrainMetrics.empty()
+    running = metrics.TrainMetrics.empty()
     for batch in data:
       state, running = step(state, running, batch)
     results[skip_by, norms_of] = ([as_numpy(x) for x in jax.tree.leaves(state)],
-                                  train.summarize(running))
+                                  steps.summarize(running))
     assert int(nnx.merge(graphdef, state)[1].step[...]) == 2  # steps 1 and 4 were applied
   cond, cond_metrics = results.pop(("cond", "kept"))
   for select, select_metrics in results.values():
@@ -173,12 +175,12 @@ def test_skipping_a_step_keeps_no_second_copy_of_the_state(tiny_config, parallel
   placed = parallel.place_state(state, mesh, tiny_config.fsdp_min_size)
   compiled = steps.make(graphdef, tiny_config, mesh)
   batch = compiled.put_batch(stacked(batches([64]), 1)[0])
-  step = compiled.train.lower(placed, compiled.empty(steps.TrainMetrics), batch).compile()
+  step = compiled.train.lower(placed, compiled.empty(metrics.TrainMetrics), batch).compile()
 
   def bare_update(state, batch):  # the gradient, the update and their norms, nothing else
     model, optimizer = nnx.merge(graphdef, state)
     batch = jax.tree.map(lambda x: x[0], batch)
-    grads, _ = steps.summed_gradients(model, dict(batch, image=steps.prepare_images(batch)))
+    grads, _ = steps.summed_gradients(model, dict(batch, image=augment.prepare_images(batch)))
     updates = optimizer.update(model, grads)
     norms = [optax.tree.norm(tree) for tree in (grads, nnx.state(model, nnx.Param), updates)]
     return nnx.state((model, optimizer)), norms
@@ -200,7 +202,7 @@ def test_augmentation_keys_are_not_parameter_initialisation_keys():
   images[:, 4, 4] = 255
   positions = np.arange(300, dtype=np.uint32)
   for seed in (0, 1):
-    shifted = np.asarray(jax.jit(functools.partial(steps.prepare_images, max_shift=1, seed=seed))(
+    shifted = np.asarray(jax.jit(functools.partial(augment.prepare_images, max_shift=1, seed=seed))(
         {"image": images, "position": positions}))
     # The pixel at (4, 4) lands at (5 - s0, 5 - s1) for the offsets s in [0, 2] (1 = no shift).
     applied = np.array([5 - np.argwhere(image[..., 0])[0] for image in shifted])
@@ -220,19 +222,19 @@ def test_flips_and_crops_depend_on_the_seed_and_the_stream_position_alone():
   rng = np.random.default_rng(0)
   images = rng.integers(0, 256, (64, 12, 12, 3), dtype=np.uint8)
   positions = np.arange(1000, 1064, dtype=np.uint32)
-  augment = jax.jit(functools.partial(steps.prepare_images, seed=3, **PHOTO))
-  out = np.asarray(augment({"image": images, "position": positions}))
+  augmented = jax.jit(functools.partial(augment.prepare_images, seed=3, **PHOTO))
+  out = np.asarray(augmented({"image": images, "position": positions}))
   assert out.shape == images.shape and out.dtype == np.float32
   order = rng.permutation(64)[:16]  # another, smaller batch, in another order
-  again = np.asarray(augment({"image": images[order], "position": positions[order]}))
+  again = np.asarray(augmented({"image": images[order], "position": positions[order]}))
   np.testing.assert_array_equal(again, out[order])
-  other_seed = jax.jit(functools.partial(steps.prepare_images, seed=4, **PHOTO))
+  other_seed = jax.jit(functools.partial(augment.prepare_images, seed=4, **PHOTO))
   assert (np.asarray(other_seed({"image": images, "position": positions})) != out).any(axis=(
       1, 2, 3)).all()
-  shifted = np.asarray(augment({"image": images, "position": positions + 1}))
+  shifted = np.asarray(augmented({"image": images, "position": positions + 1}))
   assert (shifted != out).any(axis=(1, 2, 3)).all()
 
-  flip = jax.jit(functools.partial(steps.prepare_images, seed=3, flip=True))
+  flip = jax.jit(functools.partial(augment.prepare_images, seed=3, flip=True))
   floats = images / np.float32(255)
   once = np.asarray(flip({"image": floats, "position": positions}))
   mirrored = (once == floats[:, :, ::-1]).all(axis=(1, 2, 3))
@@ -248,7 +250,7 @@ def test_a_crop_of_the_whole_image_is_the_image_and_smaller_crops_zoom_in():
   board = np.kron(np.array([[0.0, 1.0], [1.0, 0.0]], np.float32), np.ones((16, 16), np.float32))
   batch = {"image": np.repeat(board[None, :, :, None], 8, axis=0),
            "position": np.arange(8, dtype=np.uint32)}
-  crop = jax.jit(steps.prepare_images, static_argnames="crop")  # (one program, not op by op)
+  crop = jax.jit(augment.prepare_images, static_argnames="crop")  # (one program, not op by op)
   whole = crop(batch, crop=((1.0, 1.0), (1.0, 1.0)))
   np.testing.assert_allclose(whole, batch["image"], atol=1e-6)
   quarter = np.asarray(crop(batch, crop=((0.25, 0.25), (1.0, 1.0))))
@@ -262,23 +264,23 @@ def test_evaluation_uses_the_moving_average(tiny_config):
   from test_parallel import batches
 
   tiny_config.ema_decay = 0.5
-  graphdef, state = nnx.split(runs.build_state(tiny_config, (8, 8, 1), 10, 10))
+  graphdef, state = nnx.split(optim.build_state(tiny_config, (8, 8, 1), 10, 10))
   batch = batches([64])[0]
   state, _ = jax.jit(functools.partial(steps.train_step, graphdef, ema_decay=0.5))(
-      state, steps.TrainMetrics.empty(), batch)
+      state, metrics.TrainMetrics.empty(), batch)
   model, average = state[0], state[2]
   # One step from equal values: the average moved halfway to the parameters.
-  start = nnx.split(runs.build_state(tiny_config, (8, 8, 1), 10, 10))[1][0]
+  start = nnx.split(optim.build_state(tiny_config, (8, 8, 1), 10, 10))[1][0]
   for p, a, s in zip(jax.tree.leaves(model), jax.tree.leaves(average), jax.tree.leaves(start),
                      strict=True):
     np.testing.assert_allclose(a, 0.5 * s + 0.5 * p, rtol=1e-6, atol=1e-7)
   evaluate = jax.jit(functools.partial(steps.eval_step, graphdef))
-  got = evaluate(state, steps.Metrics.empty(), batch).compute()
+  got = evaluate(state, metrics.Metrics.empty(), batch).compute()
   as_average = nnx.State(dict(state))
   as_average[0] = average
-  expected = evaluate(as_average, steps.Metrics.empty(), batch).compute()
+  expected = evaluate(as_average, metrics.Metrics.empty(), batch).compute()
   plain = dict(state)
-  no_average = evaluate(nnx.State({**plain, 2: model}), steps.Metrics.empty(), batch).compute()
+  no_average = evaluate(nnx.State({**plain, 2: model}), metrics.Metrics.empty(), batch).compute()
   assert float(got["loss"]) == float(expected["loss"])
   assert float(got["loss"]) != float(no_average["loss"])
 
@@ -305,11 +307,11 @@ def test_the_moving_average_warms_up_and_is_kept_in_float32(tiny_config):
                                    rtol=1e-6, atol=1e-7)
 
   tiny_config.ema_decay = 0.9999
-  graphdef, state = nnx.split(runs.build_state(tiny_config, (8, 8, 1), 10, 10))
-  running = steps.TrainMetrics.empty()
+  graphdef, state = nnx.split(optim.build_state(tiny_config, (8, 8, 1), 10, 10))
+  running = metrics.TrainMetrics.empty()
   check_steps([0.1, 2 / 11, 3 / 12])
   tiny_config.ema_warmup, tiny_config.model.param_dtype = False, "bfloat16"
-  graphdef, state = nnx.split(runs.build_state(tiny_config, (8, 8, 1), 10, 10))
+  graphdef, state = nnx.split(optim.build_state(tiny_config, (8, 8, 1), 10, 10))
   assert {x.dtype for x in floats(state[0]["dense"])} == {jnp.dtype(jnp.bfloat16)}
   assert {x.dtype for x in floats(state[2])} == {jnp.dtype(jnp.float32)}
   check_steps([0.9999])
@@ -324,13 +326,13 @@ def test_training_logs_the_plain_cross_entropy_beside_the_smoothed_loss(tiny_con
   results, tiny_config.augment_max_shift = {}, 0  # (eval's images: no shift)
   for smoothing in (0.0, 0.2):
     tiny_config.label_smoothing = smoothing
-    graphdef, state = nnx.split(runs.build_state(tiny_config, (8, 8, 1), 10, 10))
+    graphdef, state = nnx.split(optim.build_state(tiny_config, (8, 8, 1), 10, 10))
     step = jax.jit(functools.partial(steps.train_step, graphdef,
                                      **steps.step_options(tiny_config)))
-    _, running = step(state, steps.TrainMetrics.empty(), batch)
-    results[smoothing] = train.summarize(running)
+    _, running = step(state, metrics.TrainMetrics.empty(), batch)
+    results[smoothing] = steps.summarize(running)
   evaluated = jax.jit(functools.partial(steps.eval_step, graphdef))(
-      state, steps.Metrics.empty(), batch).compute()  # the same start: the same logits
+      state, metrics.Metrics.empty(), batch).compute()  # the same start: the same logits
   for summary in results.values():
     assert summary["cross_entropy"] == pytest.approx(float(evaluated["loss"]), rel=1e-6)
   assert results[0.0]["loss"] == results[0.0]["cross_entropy"]

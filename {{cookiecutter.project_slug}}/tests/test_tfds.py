@@ -13,7 +13,6 @@ from PIL import Image
 
 import input_pipeline
 import plan
-import runs
 from configs import default, tiny
 
 
@@ -77,7 +76,7 @@ def test_what_cannot_be_read_is_one_line(data_dir, tmp_path):
        "--file_format=array_record --data_dir=DIR."),
       (config_for(str(tmp_path)), f"digits_for_test is not prepared in {tmp_path}; prepare "
        "it: tfds build digits_for_test --file_format=array_record --data_dir=DIR.")]:
-    with pytest.raises(runs.ConfigError) as e:
+    with pytest.raises(plan.ConfigError) as e:
       plan.validate_config(config)
     assert str(e.value) == message
 

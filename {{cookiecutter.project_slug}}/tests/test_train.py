@@ -25,6 +25,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from test_preemption import final_state
 
 import distributed
+import optim
 import plan
 import runs
 import train
@@ -124,8 +125,8 @@ def test_the_schedule_follows_the_batch_the_warmup_and_the_decay(tiny_config, sc
   tiny_config.lr_scaling, tiny_config.warmup_steps, tiny_config.schedule = scaling, warmup, decay
   tiny_config.learning_rate, tiny_config.base_batch_size = 0.1, 16  # the batch is 64: 4 x
   peak = 0.1 * {"none": 1, "linear": 4, "sqrt": 2}[scaling]
-  assert runs.peak_learning_rate(tiny_config) == pytest.approx(peak, rel=1e-12)
-  schedule = runs.create_schedule(tiny_config, 30)
+  assert optim.peak_learning_rate(tiny_config) == pytest.approx(peak, rel=1e-12)
+  schedule = optim.create_schedule(tiny_config, 30)
   for n in range(35):  # beyond the end too; (optax computes in float32: a few ulps of the peak)
     assert float(schedule(n)) == pytest.approx(expected_learning_rate(n, peak, warmup, decay, 30),
                                                rel=0, abs=4 * FLOAT32_EPS * peak), n
@@ -134,9 +135,9 @@ def test_the_schedule_follows_the_batch_the_warmup_and_the_decay(tiny_config, sc
 def test_a_warmup_in_epochs_is_that_share_of_the_runs_steps(tiny_config):
   """warmup_epochs=0.5 of a 2-epoch run of 46 steps: 12 warmup steps (23 x 0.5, rounded)."""
   tiny_config.warmup_epochs, tiny_config.num_epochs, tiny_config.schedule = 0.5, 2, "constant"
-  assert runs.warmup_steps(tiny_config, 46) == 12
-  schedule = runs.create_schedule(tiny_config, 46)
-  peak = runs.peak_learning_rate(tiny_config)
+  assert optim.warmup_steps(tiny_config, 46) == 12
+  schedule = optim.create_schedule(tiny_config, 46)
+  peak = optim.peak_learning_rate(tiny_config)
   assert [float(schedule(n)) for n in (6, 12)] == pytest.approx([peak / 2, peak], rel=1e-6)
 
 
@@ -159,10 +160,10 @@ def test_the_straight_runs_log_the_learning_rate_of_each_interval(straight_runs)
 
 def test_the_global_batch_of_a_per_device_batch_follows_the_device_count(tiny_config):
   tiny_config.per_device_batch_size = 8
-  assert runs.global_batch_size(tiny_config) == 64  # the 8 devices here
-  assert runs.global_batch_size(tiny_config, num_devices=4) == 32
+  assert plan.global_batch_size(tiny_config) == 64  # the 8 devices here
+  assert plan.global_batch_size(tiny_config, num_devices=4) == 32
   tiny_config.per_device_batch_size = 0  # the global batch_size, whatever the devices
-  assert runs.global_batch_size(tiny_config, num_devices=4) == tiny_config.batch_size == 64
+  assert plan.global_batch_size(tiny_config, num_devices=4) == tiny_config.batch_size == 64
 
 
 @pytest.mark.slow
@@ -188,7 +189,7 @@ def test_adamw_decays_the_weights_only(tiny_config):
 
   tiny_config.optimizer, tiny_config.weight_decay, tiny_config.learning_rate = "adamw", 0.1, 0.5
   model = BatchNormCNN(None, nnx.Rngs(0))
-  optimizer = nnx.Optimizer(model, runs.create_optimizer(tiny_config, 10), wrt=nnx.Param)
+  optimizer = nnx.Optimizer(model, optim.create_optimizer(tiny_config, 10), wrt=nnx.Param)
   before = {jax.tree_util.keystr(p): np.asarray(x)
             for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(model))}
   optimizer.update(model, jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param)))
@@ -211,9 +212,9 @@ def test_weight_decay_of_adam_and_sgd_is_l2_on_the_weights(tiny_config, optimize
   tiny_config.optimizer, tiny_config.learning_rate = optimizer, 0.5
   tiny_config.schedule = "constant"
   start = {"kernel": jnp.array([[1.0, -2.0], [0.5, 3.0]]), "bias": jnp.array([1.0, -1.0])}
-  plain = runs.create_optimizer(tiny_config, 10)
+  plain = optim.create_optimizer(tiny_config, 10)
   tiny_config.weight_decay = 0.1
-  decayed = runs.create_optimizer(tiny_config, 10)
+  decayed = optim.create_optimizer(tiny_config, 10)
   params, plain_state, decayed_state = start, plain.init(start), decayed.init(start)
   for scale in (1.0, -2.0):
     grads = {"kernel": jnp.array([[0.1, 0.2], [-0.3, 0.0]]) * scale, "bias": jnp.ones(2) * scale}
@@ -233,7 +234,7 @@ def test_sgd_momentum_and_nesterov(tiny_config):
   grads = [{"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, 4.0])}]
   for nesterov in (False, True):
     tiny_config.nesterov = nesterov
-    sgd = runs.create_optimizer(tiny_config, 10)
+    sgd = optim.create_optimizer(tiny_config, 10)
     state, velocity = sgd.init(params), np.zeros(2)
     for g in grads:
       updates, state = sgd.update(g, state, params)
@@ -246,7 +247,7 @@ def test_clipping_scales_a_gradient_over_the_norm_to_the_norm(tiny_config):
   tiny_config.optimizer, tiny_config.grad_clip_norm, tiny_config.learning_rate = "sgd", 2.0, 1.0
   tiny_config.momentum = 0.0  # plain sgd: the update is the (clipped) gradient
   tiny_config.schedule = "constant"
-  sgd = runs.create_optimizer(tiny_config, 10)
+  sgd = optim.create_optimizer(tiny_config, 10)
   params = {"w": jnp.ones(4), "b": jnp.ones(())}
   state = sgd.init(params)
   under = {"w": jnp.array([1.0, -1.0, 0.5, 0.0]), "b": jnp.array(0.5)}  # norm 1.58
@@ -370,7 +371,7 @@ def test_a_resume_keeps_the_runs_config(tiny_config, tmp_path, caplog):
   before = {p: os.path.getmtime(p) for p in glob.glob(f"{workdir}/**", recursive=True)}
   changed = tiny_config.copy_and_resolve_references()
   changed.learning_rate = 0.5
-  with pytest.raises(train.ConfigError, match=(
+  with pytest.raises(plan.ConfigError, match=(
       r"^config.learning_rate=0.5 differs from the 0.01 of the run in '.*' that this resumes "
       r"\(config.json\); a resumed run keeps its config: use a new --workdir, or "
       r"--config.resume_may_change=learning_rate to change it \(logged\).$")):
@@ -668,11 +669,11 @@ def test_the_state_is_built_in_shards_with_the_values_of_an_eager_build(tiny_con
 
   tiny_config.parallelism, tiny_config.fsdp_min_size = "fsdp", 0
   _, info = input_pipeline.get_datasets(tiny_config)
-  graphdef, abstract, init = runs.initial_state(tiny_config, info, parallel.make_mesh(tiny_config),
+  graphdef, abstract, init = optim.initial_state(tiny_config, info, parallel.make_mesh(tiny_config),
                                                  100)
   state = init()
   model = create_model(tiny_config, info.image_shape, info.num_classes, nnx.Rngs(tiny_config.seed))
-  eager = nnx.split((model, nnx.Optimizer(model, runs.create_optimizer(tiny_config, 100),
+  eager = nnx.split((model, nnx.Optimizer(model, optim.create_optimizer(tiny_config, 100),
                                           wrt=nnx.Param)))[1]
   for x, y, a in zip(jax.tree.leaves(state), jax.tree.leaves(eager), jax.tree.leaves(abstract),
                      strict=True):
@@ -707,9 +708,9 @@ def test_rates_leave_out_evaluation_and_checkpoints(tiny_config, tmp_path, monke
 
 def test_a_float16_model_is_refused(tiny_config):
   tiny_config.model.dtype = "float16"
-  with pytest.raises(train.ConfigError, match=r"^config.model.dtype='float16' needs loss "
+  with pytest.raises(plan.ConfigError, match=r"^config.model.dtype='float16' needs loss "
                      r"scaling, .*; use bfloat16"):
-    train.validate_config(tiny_config)
+    plan.validate_config(tiny_config)
 
 
 @pytest.mark.parametrize("missing", [["gcsfs"], ["gcsfs", "google.cloud.storage"]])
@@ -717,15 +718,15 @@ def test_a_bucket_workdir_without_its_packages_is_refused(tiny_config, monkeypat
   """Without the `gcs` extra (and without TensorFlow), a gs:// workdir stops before anything is
   read, written or compiled, instead of deep inside Orbax or the TensorBoard writer."""
   monkeypatch.setattr(plan, "_installed", lambda module: module not in [*missing, "tensorflow"])
-  with pytest.raises(train.ConfigError) as refused:
-    train.validate_config(tiny_config, "gs://bucket/run")
+  with pytest.raises(plan.ConfigError) as refused:
+    plan.validate_config(tiny_config, "gs://bucket/run")
   assert str(refused.value) == (
       f"--workdir='gs://bucket/run' needs {' and '.join(missing)}, which are not installed; "
       'install them: pip install -e ".[gcs]"')
   monkeypatch.setattr(plan, "_installed", lambda module: module != "tensorflow")
-  train.validate_config(tiny_config, "gs://bucket/run")  # with the packages: accepted
-  with pytest.raises(train.ConfigError, match="ftp:// is not supported"):
-    train.validate_config(tiny_config, "ftp://host/run")
+  plan.validate_config(tiny_config, "gs://bucket/run")  # with the packages: accepted
+  with pytest.raises(plan.ConfigError, match="ftp:// is not supported"):
+    plan.validate_config(tiny_config, "ftp://host/run")
 
 
 def test_checkpoints_are_written_by_one_replica_on_cpu_and_by_all_on_tpu(monkeypatch):

@@ -22,10 +22,14 @@ from tensorboard.backend.event_processing import event_accumulator
 
 import evaluate
 import export
+import image_files
 import input_pipeline
+import optim
 import parallel
+import plan
 import predict
 import runs
+import steps
 import train
 import write_arrayrecord
 from configs import default
@@ -83,7 +87,7 @@ def test_fine_tuning_copies_the_convolutions_and_starts_a_new_classifier(folder_
 
   config, info = runs.read_description(workdir)  # the state it started from, built again
   mesh = parallel.make_mesh(config)
-  _, abstract, init = runs.initial_state(config, info, mesh, 10)
+  _, abstract, init = optim.initial_state(config, info, mesh, 10)
   start = jax.device_get(runs.init_from(source, abstract, init)())
   fresh = jax.device_get(init())
   with ocp.CheckpointManager(os.path.join(source, "checkpoints")) as checkpoints:
@@ -102,7 +106,7 @@ def test_fine_tuning_copies_the_convolutions_and_starts_a_new_classifier(folder_
   # Under fsdp each leaf is read into its shards: an eighth of the kernel on each device.
   sharded = config.copy_and_resolve_references()
   sharded.parallelism, sharded.fsdp_min_size = "fsdp", 0
-  _, abstract, init = runs.initial_state(sharded, info, parallel.make_mesh(sharded), 10)
+  _, abstract, init = optim.initial_state(sharded, info, parallel.make_mesh(sharded), 10)
   kernel = runs.init_from(source, abstract, init)()[0]["convs"][1]["kernel"][...]
   wanted = jax.tree.leaves(abstract[0]["convs"][1]["kernel"])[0].sharding
   assert kernel.sharding.is_equivalent_to(wanted, kernel.ndim)
@@ -118,7 +122,7 @@ def test_another_model_is_not_fine_tuned_and_the_workdir_is_kept(straight_runs, 
                                                                   tmp_path):
   tiny_config.model.features = (8, 16, 32)  # an extra convolution
   tiny_config.init_from = str(straight_runs["spmd"][0])
-  with pytest.raises(train.ConfigError) as error:
+  with pytest.raises(plan.ConfigError) as error:
     train.train_and_evaluate(tiny_config, str(tmp_path / "workdir"))
   assert str(error.value) == (
       f"config.init_from={tiny_config.init_from!r}: convs/2/bias is in this model but not in "
@@ -130,7 +134,7 @@ def test_predictions_agree_with_evaluation_and_are_named_by_the_folders(folder_r
   root, workdir, metrics, _ = folder_run
   run = runs.Restored(workdir)
   assert run.info.class_names == tuple(sorted(CLASSES))
-  paths = runs.find_images([str(root / "pngs" / "val")])
+  paths = image_files.find_images([str(root / "pngs" / "val")])
   (root / "broken.png").write_bytes(b"not an image")
   predicted = dict(predict.predict(run, [*paths, str(root / "broken.png")], batch_size=24))
   assert predicted.pop(str(root / "broken.png")).startswith("UnidentifiedImageError")
@@ -178,7 +182,7 @@ def test_a_model_larger_than_the_devices_is_refused_saying_what_it_needs(straigh
   whole, need = sum(x.nbytes for x in jax.tree.leaves(state)), parallel.bytes_per_device(state)
   assert need == whole if parallelism == "spmd" else need < whole / 4
   monkeypatch.setattr(runs, "device_memory_bytes", lambda device: 256)
-  with pytest.raises(runs.ConfigError) as e:
+  with pytest.raises(plan.ConfigError) as e:
     runs.Restored(str(workdir))
   fix = (f"devices of {need / 2**30:.3g} GiB or more." if parallelism == "spmd" else
          f"{-(-need * 8 // 256)} or more of them.")
@@ -189,14 +193,14 @@ def test_a_model_larger_than_the_devices_is_refused_saying_what_it_needs(straigh
 
 def test_a_workdir_without_a_checkpoint_or_that_step_is_one_line(folder_run, tmp_path):
   _, workdir, _, _ = folder_run
-  with pytest.raises(runs.ConfigError, match=r"holds no config.json: give the --workdir of a "):
+  with pytest.raises(plan.ConfigError, match=r"holds no config.json: give the --workdir of a "):
     runs.Restored(str(tmp_path))
   for name in (runs.CONFIG_FILE, runs.DATA_FILE):
     shutil.copy(os.path.join(workdir, name), tmp_path)
-  with pytest.raises(runs.ConfigError, match="holds no checkpoint yet; train first"):
+  with pytest.raises(plan.ConfigError, match="holds no checkpoint yet; train first"):
     runs.Restored(str(tmp_path))
   assert sorted(os.listdir(tmp_path)) == sorted([runs.CONFIG_FILE, runs.DATA_FILE])
-  with pytest.raises(runs.ConfigError, match=r"^--step=7: workdir .* holds the checkpoints of "
+  with pytest.raises(plan.ConfigError, match=r"^--step=7: workdir .* holds the checkpoints of "
                                              r"steps 10, 20, 30, 40, 50, 54\.$"):
     runs.Restored(workdir, step=7)
 
@@ -228,11 +232,11 @@ assert not [m for m in sys.modules if m.split(".")[0] in ("flax", "runs", "model
 def test_the_exported_model_runs_without_flax_or_the_project(folder_run, tmp_path):
   root, workdir, _, _ = folder_run
   run = runs.Restored(workdir)
-  paths = runs.find_images([str(root / "pngs" / "val")])[:13]
+  paths = image_files.find_images([str(root / "pngs" / "val")])[:13]
   wanted = np.stack([p for _, p in predict.predict(run, paths)])
   export.write(run, str(tmp_path / "model.npz"))
   np.save(tmp_path / "images.npy",
-          np.stack([input_pipeline.read_image(p, (8, 8, 1)) for p in paths]))
+          np.stack([image_files.read_image(p, (8, 8, 1)) for p in paths]))
   env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
   done = subprocess.run([sys.executable, "-I", "-c", LOAD_EXPORTED], cwd=tmp_path, env=env,
                         capture_output=True, text=True, timeout=120)
@@ -261,7 +265,7 @@ def test_an_fsdp_runs_export_holds_its_whole_arrays_and_answers_as_it_does(strai
     np.testing.assert_array_equal(read, wanted)
   images = (np.arange(5 * 8 * 8) % 17 * 15).astype(np.uint8).reshape(5, 8, 8, 1)
   np.testing.assert_allclose(exported.call(arrays, images),
-                             runs.probabilities(run.graphdef, run.state, images), atol=1e-6)
+                             steps.probabilities(run.graphdef, run.state, images), atol=1e-6)
 
 
 def script(*args) -> subprocess.CompletedProcess:
@@ -334,7 +338,7 @@ def test_a_run_on_float_pixels_is_used_as_it_was_trained(tmp_path):
   assert (probs.argmax(-1) == sources["eval"].labels).sum() == round(360 * metrics["accuracy"])
   for i in range(12):
     np.save(tmp_path / f"{i:02d}.npy", images[i])
-  paths = runs.find_images([str(tmp_path)])
+  paths = image_files.find_images([str(tmp_path)])
   predicted = np.stack([p for _, p in predict.predict(run, paths)])
   np.testing.assert_allclose(predicted, probs[:12], atol=1e-6)
 

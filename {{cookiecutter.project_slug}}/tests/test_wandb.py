@@ -13,7 +13,6 @@ from conftest import PROJECT
 from wandb.proto import wandb_internal_pb2
 
 import plan
-import runs
 import train
 from configs import tiny
 
@@ -97,7 +96,7 @@ def test_wandb_project_without_wandb_installed_is_one_line(monkeypatch):
   monkeypatch.setattr(plan, "_installed", lambda module: module != "wandb" and installed(module))
   config = tiny.get_config()
   config.wandb_project = "mine"
-  with pytest.raises(runs.ConfigError) as e:
+  with pytest.raises(plan.ConfigError) as e:
     plan.validate_config(config)
   assert str(e.value) == ("config.wandb_project='mine' needs the `wandb` package: pip install -e "
                           "'.[wandb]'.")

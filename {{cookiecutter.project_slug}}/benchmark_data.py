@@ -1,0 +1,170 @@
+"""The input side of benchmark.py: how fast the host feeds the devices. The Grain iterator alone
+on synthetic images as the loop reads it (placed on the devices); the same over JPEG files kept
+encoded and decoded by Grain's worker processes; and, for `benchmark.py --data_dir`, the
+training batches of your own data as train.py reads them (the config's decoding, crops and
+workers), in images per second and per CPU-second of this process and its workers, beside a
+plain PIL loop (open, decode, resize) over the same images: how many cores one accelerator needs.
+"""
+
+import functools
+import glob
+import io
+import json
+import os
+import resource
+import tempfile
+import time
+
+import jax
+import numpy as np
+from flax import serialization
+from PIL import Image
+
+import image_files
+import input_pipeline
+import parallel
+import plan
+import steps
+import write_arrayrecord
+
+PIPELINE = dict(image_shape=(64, 64, 3), batch_size=1024)
+DECODING = dict(image_shape=(64, 64, 3), batch_size=256, num_images=2048)
+
+
+def measure_pipeline(config, is_tiny: bool, seconds: float = 3.0) -> dict:
+  """Images/s of the Grain iterator alone over `config`'s synthetic images, resized to
+  PIPELINE, placing each element on the devices (spmd)."""
+  config = config.copy_and_resolve_references()
+  config.dataset = "synthetic"
+  config.synthetic.image_shape = PIPELINE["image_shape"]
+  config.batch_size = PIPELINE["batch_size"]
+  config.synthetic.num_train = 8 * config.batch_size
+  config.num_epochs = 1000  # never runs out
+  splits, _ = input_pipeline.get_datasets(config)
+  put = functools.partial(parallel.global_batch, mesh=parallel.make_mesh())
+  iterator = input_pipeline.as_iterator(input_pipeline.train_batches(splits["train"], config),
+                                        config, put=put)
+  jax.block_until_ready(next(iterator))  # threads started, first element read
+  start, images = time.perf_counter(), 0
+  while time.perf_counter() - start < (0.3 if is_tiny else seconds):
+    element = next(iterator)
+    images += element["mask"].size
+  jax.block_until_ready(element)
+  return dict(images_per_sec=images / (time.perf_counter() - start),
+              steps_per_dispatch=config.steps_per_dispatch, **PIPELINE)
+
+
+def write_jpeg_folder(folder: str, num_images: int, size: int, num_classes: int = 4):
+  """Smooth random RGB images (a JPEG's usual content), one subfolder per class."""
+  rng = np.random.default_rng(0)
+  for i in range(num_images):
+    os.makedirs(directory := os.path.join(folder, f"class{i % num_classes}"), exist_ok=True)
+    coarse = Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))
+    coarse.resize((size, size), Image.Resampling.BICUBIC).save(f"{directory}/{i:05d}.jpg")
+
+
+def measure_decoding(config, is_tiny: bool, seconds: float = 3.0) -> dict:
+  """Images/s of the Grain iterator over JPEG files kept encoded (`write_arrayrecord.py
+  --keep_encoded`), decoded by `config`'s worker processes."""
+  config = config.copy_and_resolve_references()
+  config.dataset, config.batch_size = "arrayrecord", DECODING["batch_size"]
+  config.num_epochs = 1000  # never runs out
+  num_images = DECODING["num_images"] // (8 if is_tiny else 1)
+  with tempfile.TemporaryDirectory() as root:
+    write_jpeg_folder(f"{root}/jpeg", num_images, DECODING["image_shape"][0])
+    write_arrayrecord.write_image_folder(f"{root}/data", f"{root}/jpeg", keep_encoded=True)
+    config.data_dir = f"{root}/data"
+    splits, _ = input_pipeline.get_datasets(config)
+    iterator = input_pipeline.as_iterator(
+        input_pipeline.train_batches(splits["train"], config), config)
+    next(iterator)  # workers started, first element read
+    start, images = time.perf_counter(), 0
+    while time.perf_counter() - start < (0.3 if is_tiny else seconds):
+      images += next(iterator)["mask"].size
+    images_per_sec = images / (time.perf_counter() - start)
+    iterator.close()
+  return dict(DECODING, images_per_sec=images_per_sec, num_images=num_images,
+              workers=input_pipeline.default_workers(config))
+
+
+def cpu_seconds() -> float:
+  """CPU time of this process and of its children, live (from /proc, Linux) or ended."""
+  own, ended = (resource.getrusage(who) for who in (resource.RUSAGE_SELF,
+                                                    resource.RUSAGE_CHILDREN))
+  total = own.ru_utime + own.ru_stime + ended.ru_utime + ended.ru_stime
+  for stat in glob.glob("/proc/[0-9]*/stat"):
+    try:
+      with open(stat) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:  # ended meanwhile
+      continue
+    if int(fields[1]) == os.getpid():  # a live child: its user and system ticks
+      total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+  return total
+
+
+def pil_loop(encoded, image_shape, seconds: float) -> float:
+  """Images per CPU-second of PIL opening, decoding and resizing `encoded()`'s images in turn."""
+  height, width, channels = image_shape
+  done, start = 0, time.process_time()
+  while time.process_time() - start < seconds:
+    with Image.open(io.BytesIO(encoded(done))) as image:
+      np.asarray(image.convert("L" if channels == 1 else "RGB").resize(
+          (width, height), Image.Resampling.BILINEAR))
+    done += 1
+  return done / (time.process_time() - start)
+
+
+def measure_data(config, seconds: float, rate: float, image_folder: str | None = None) -> dict:
+  """The training batches of `config.data_dir` for `seconds`: images per second and per
+  CPU-second (this process and its Grain workers), the cores that feed `rate` images/s, and the
+  plain PIL loop over `image_folder`'s files (or the stored images, when kept encoded)."""
+  config = config.copy_and_resolve_references()
+  config.steps_per_dispatch = steps.steps_per_dispatch(config)
+  config.num_epochs = 10**6  # never runs out
+  splits, info = input_pipeline.get_datasets(config)
+  iterator = input_pipeline.as_iterator(input_pipeline.train_batches(splits["train"], config),
+                                        config)
+  next(iterator)  # workers started, first element read
+  start, cpu_start, images = time.perf_counter(), cpu_seconds(), 0
+  while time.perf_counter() - start < seconds:
+    images += int(next(iterator)["mask"].sum())
+  wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start
+  iterator.close()
+  result = dict(data_dir=config.data_dir, dataset=config.dataset,
+                image_shape=list(info.image_shape), crops_on_host=info.crops_on_host,
+                workers=input_pipeline.default_workers(config), images=images, seconds=wall,
+                images_per_second=images / wall, images_per_cpu_second=images / cpu,
+                target_images_per_second=rate, cores_per_accelerator=rate * cpu / images)
+  source, encoded = splits["train"], None
+  if image_folder:
+    paths = image_files.images_under(image_folder)
+    encoded = lambda i: open(paths[i % len(paths)], "rb").read()  # noqa: E731, SIM115
+  elif isinstance(source, input_pipeline.RecordSource) and isinstance(
+      serialization.msgpack_restore(source.records[0])["image"], bytes):
+    encoded = lambda i: serialization.msgpack_restore(  # noqa: E731
+        source.records[i % len(source)])["image"]
+  if encoded is not None:
+    result["pil_loop_of"] = image_folder or "the stored images"
+    result["pil_loop_images_per_cpu_second"] = pil_loop(encoded, info.image_shape,
+                                                        min(seconds, 10.0))
+    result["pipeline_over_pil_loop"] = (result["images_per_cpu_second"]
+                                        / result["pil_loop_images_per_cpu_second"])
+  return result
+
+
+def main(config, data_dir: str, seconds: float, rate: float, image_folder: str | None, out: str):
+  """`benchmark.py --data_dir`: `measure_data` on `data_dir` read as `config.dataset` reads it
+  ('arrayrecord' for the digits' and synthetic configs), printed and written to `out` (JSON)."""
+  config.data_dir = data_dir
+  if config.dataset in ("digits", "synthetic"):
+    config.dataset = "arrayrecord"
+  try:
+    plan.validate_config(config)
+  except plan.ConfigError as e:
+    raise SystemExit(f"error: {e}") from None
+  result = measure_data(config, seconds, rate, image_folder)
+  print("\n".join(f"{key}: {value:,.4g}" if isinstance(value, float) else f"{key}: {value}"
+                  for key, value in result.items()))
+  with open(out, "w") as f:
+    json.dump(result, f, indent=2)

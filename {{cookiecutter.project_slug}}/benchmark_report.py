@@ -1,0 +1,110 @@
+"""The results of benchmark.py as tables: printed as text (`report`) and written as Markdown
+(`markdown`, BENCHMARKS.md) headed by what a reader needs to weigh them: the machine (CPU model
+and cores, JAX backend and devices), the Python, jax, flax and grain versions, the date, whether
+it was a --tiny smoke run, and the command that regenerates them. It measures nothing.
+"""
+
+import datetime
+import importlib.metadata
+import os
+import platform
+import re
+
+
+def shape(dims) -> str:
+  return "x".join(map(str, dims))
+
+
+def tables(results: dict) -> dict[str, tuple[list[str], list[list[str]]]]:
+  """The train step's table (a row per model and path) and the loop's: headers and cells."""
+  step = (["model", "shape", "batch", "path", "compile s", "first step s", "step ms",
+           "examples/s", "peak host MB", "state MB/device", "step peak MB/device"], [])
+  for name, model in results["models"].items():
+    for path, r in model["paths"].items():
+      step[1].append([name, shape(model["image_shape"]), str(model["batch_size"]), path,
+                      f"{r['compile_s']:.2f}", f"{r['first_step_s']:.2f}", f"{r['step_ms']:.2f}",
+                      f"{r['examples_per_sec']:.0f}", f"{r['peak_host_mb']:.0f}",
+                      f"{r['state_mb_per_device']:.3f}", f"{r['step_peak_mb_per_device']:.3f}"])
+  loop = (["loop", "shape", "batch", "features", "dtype", "k", "loop examples/s",
+           "bare step examples/s", "host us/step", "paired ratios", "efficiency"], [])
+  for key, r in results["loop"].items():
+    loop[1].append([key, shape(r["image_shape"]), str(r["batch_size"]), str(tuple(r["features"])),
+                    r["dtype"], str(r["steps_per_dispatch"]), f"{r['loop_examples_per_sec']:.0f}",
+                    f"{r['step_examples_per_sec']:.0f}", f"{r['host_us_per_step']:.0f}",
+                    " ".join(f"{e:.2f}" for e in r["efficiencies"]), f"{r['efficiency']:.2f}"])
+  return {"Train step": step, "Training loop": loop}
+
+
+def notes(results: dict) -> list[str]:
+  """The figures that are no table: ratios, the input pipeline, the default run."""
+  lines = []
+  for name, model in results["models"].items():
+    lines.append(f"pmap/spmd step time: {model['pmap_over_spmd_step_time']:.2f} ({name})")
+    lines.append(f"moving average: spmd step time x{model['ema_over_spmd_step_time']:.2f}, state "
+                 f"{model['ema_state_mb_per_device']:.3f} MB/device against "
+                 f"{model['paths']['spmd']['state_mb_per_device']:.3f} ({name})")
+  pipeline, decoding, run = results["pipeline"], results["decoding"], results["default_run"]
+  lines.append(f"input pipeline ({shape(pipeline['image_shape'])}, batch "
+               f"{pipeline['batch_size']}): {pipeline['images_per_sec']:.0f} images/s")
+  lines.append(f"image decoding (JPEG {shape(decoding['image_shape'][:2])}, "
+               f"{decoding['workers']} workers): {decoding['images_per_sec']:.0f} images/s")
+  lines.append(f"default run ({run['config']}, k={run['steps_per_dispatch']}, no compilation "
+               f"cache): {run['wall_s']:.1f} s as a whole process, {run['startup_s']:.1f} s to "
+               f"its first step (first calls: train {run['first_train_call_s']:.2f} s, eval "
+               f"{run['first_eval_call_s']:.2f} s); accuracy {run['accuracy']:.4f}")
+  for key, loop in results["loop"].items():
+    model, path = key.split(":")
+    label = "" if model == "digits" else f" ({model})"
+    label = label if path == results["config_parallelism"] else f" ({path})"
+    lines.append(f"loop efficiency{label}: {loop['efficiency']:.2f}")
+  return lines
+
+
+def numeric(rows: list[list[str]]) -> list[bool]:
+  """Which columns hold numbers (aligned right)."""
+  return [bool(re.fullmatch(r"[\d. ]+", cell)) for cell in rows[0]]
+
+
+def report(results: dict) -> str:
+  """The tables as text, for the terminal."""
+  lines = [f"jax {results['jax']}, flax {results['flax']}, {results['device_count']} "
+           f"{results['backend']} devices ({results['device_kind']})" +
+           (" (tiny)" if results["tiny"] else "")]
+  for header, rows in tables(results).values():
+    widths = [max(map(len, column)) for column in zip(header, *rows, strict=True)]
+    lines += ["  ".join(cell.rjust(width) if right else cell.ljust(width) for cell, width, right
+                        in zip(row, widths, numeric(rows), strict=True))
+              for row in (header, *rows)]
+  return "\n".join(lines + notes(results))
+
+
+def machine() -> str:
+  """The CPU's model and its cores."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      cpu = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.MULTILINE)[1]
+  except (OSError, TypeError):  # not Linux
+    cpu = platform.processor() or platform.machine()
+  return f"{cpu}, {os.cpu_count()} cores"
+
+
+def markdown(results: dict) -> str:
+  """The tables as Markdown, headed by the machine, the versions and the date."""
+  tiny = results["tiny"]
+  versions = ", ".join([f"Python {platform.python_version()}", f"jax {results['jax']}",
+                        f"flax {results['flax']}", f"grain {importlib.metadata.version('grain')}"])
+  lines = ["# Benchmarks", "",
+           "Figures for one machine, written by `benchmark.py`; what each measures and how: its "
+           "docstring. Regenerate them with `python benchmark.py`.", "",
+           "| | |", "| --- | --- |", f"| machine | {machine()} |",
+           f"| JAX backend | {results['backend']}: {results['device_count']} devices "
+           f"({results['device_kind']}) |", f"| versions | {versions} |",
+           f"| date (UTC) | {datetime.datetime.now(datetime.UTC):%Y-%m-%d} |",
+           f"| --tiny | {'yes: a smoke run, its timings mean nothing' if tiny else 'no'} |",
+           "| command | `python benchmark.py` |"]
+  for title, (header, rows) in tables(results).items():
+    lines += ["", f"## {title}", "", "| " + " | ".join(header) + " |",
+              "|" + "".join(" ---: |" if right else " --- |" for right in numeric(rows)),
+              *("| " + " | ".join(row) + " |" for row in rows)]
+  return "\n".join(lines + ["", "## Ratios, input, default run", ""] +
+                   [f"- {line}" for line in notes(results)]) + "\n"
