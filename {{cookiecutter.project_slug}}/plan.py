@@ -336,6 +336,8 @@ def unknown_key(argv) -> str | None:
   """The first --config.KEY of `argv` that its --config=FILE[:ARG] does not have, with the
   closest key of that level that it has (difflib), as one line; None when they all exist."""
   file = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+  if file is None and "--config" in argv[:-1]:  # (--config FILE)
+    file = argv[argv.index("--config") + 1]
   if file is None:
     return None
   path, _, arg = file.partition(":")

@@ -577,6 +577,16 @@ def test_bad_config_is_one_line_before_anything_is_read_or_written(tmp_path, mon
   assert not workdir.exists()
 
 
+@pytest.mark.parametrize("config", [["--config=configs/tiny.py"], ["--config", "configs/tiny.py"]])
+def test_an_unknown_key_is_named_with_the_closest_key(monkeypatch, config):
+  """However --config is spelt: the first --config.KEY that the file lacks, the nearest key."""
+  monkeypatch.chdir(PROJECT)
+  argv = ["train.py", *config, "--config.seed=1", "--config.model.featurs=(8,)"]
+  assert plan.unknown_key(argv).startswith(
+      "the config has no key 'model.featurs' (did you mean 'model.features'?);")
+  assert plan.unknown_key(["train.py", *config, "--config.model.features=(8,)"]) is None
+
+
 def test_a_config_file_that_is_not_there_is_one_line(tmp_path, monkeypatch):
   monkeypatch.chdir(PROJECT)
   workdir = tmp_path / "run"
