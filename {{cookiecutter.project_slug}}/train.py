@@ -249,9 +249,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         fetched = jax.device_get(running)  # one transfer, for the check and the summary
         check_finite(fetched.nonfinite_steps, since, config, checkpoints)
         if log_now:
-          summary = train_summary(fetched, step, since, clock.lap(step, since), speed, schedule)
+          lap = clock.lap(step, since)
+          summary = train_summary(fetched, step, since, lap, speed, schedule)
           writer.write_scalars(step, {f"train_{name}": v for name, v in summary.items()})
-          progress.report(step, since, summary)
+          progress.report(step, since, summary, lap)
           running, since = compiled.empty(metrics.TrainMetrics), step + 1
       # On a stop signal: save, and leave the evaluation (the grace period is for saving).
       evaluate_now = (step % config.eval_every_steps == 0 or is_last) and not stopped_by

@@ -160,7 +160,7 @@ class Clock:
 
   def __init__(self):
     self.created = self.lap_start = self.first_time = self.call_start = time.perf_counter()
-    self.running, self.first_step, self.waited, self.last_lap = False, 0, 0.0, Lap(0, 0.0, 0.0)
+    self.running, self.first_step, self.waited = False, 0, 0.0
 
   def start(self, step: int) -> float:
     """Starts the clock after `step`; returns the seconds of the call that ended there."""
@@ -185,9 +185,9 @@ class Clock:
   def lap(self, step: int, since: int) -> Lap:
     """The lap of steps `since`..`step`; the next starts now."""
     now = time.perf_counter()
-    self.last_lap = Lap(step - max(since - 1, self.first_step), now - self.lap_start, self.waited)
+    lap = Lap(step - max(since - 1, self.first_step), now - self.lap_start, self.waited)
     self.lap_start, self.waited = now, 0.0
-    return self.last_lap
+    return lap
 
   def eta(self, step: int, num_steps: int) -> str:
     rate = (step - self.first_step) / max(time.perf_counter() - self.first_time, 1e-9)
@@ -219,7 +219,7 @@ def draw_bar(done: int, total: int, text: str = "", width: int = 30):
 class Progress:
   """One log line per log interval (step, loss, accuracy, examples/s, ETA) and, when stderr is a
   terminal, a progress bar between them, redrawn at most 4 times a second. The writers get
-  `steps_per_sec` (of the clock's last lap) and `uptime`."""
+  `steps_per_sec` (of each lap) and `uptime`."""
 
   def __init__(self, num_steps: int, writer: Writers, clock: Clock, show: bool = True):
     self.num_steps, self.writer, self.clock = num_steps, writer, clock
@@ -242,9 +242,9 @@ class Progress:
       sys.stderr.write("\r\033[K")
       sys.stderr.flush()
 
-  def report(self, step: int, since: int, summary: dict[str, float]):
-    """The log line of the training steps `since`..`step`, and a warning for skipped steps."""
-    lap = self.clock.last_lap
+  def report(self, step: int, since: int, summary: dict[str, float], lap: Lap):
+    """The log line of the training steps `since`..`step` (timed by `lap`), and a warning for
+    skipped steps."""
     self.writer.write_scalars(step, {"steps_per_sec": lap.steps / max(lap.seconds, 1e-9),
                                      "uptime": time.perf_counter() - self.clock.created})
     rate = summary.get("examples_per_sec")  # none for the compiling call alone
