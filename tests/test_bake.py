@@ -55,6 +55,7 @@ EXPECTED_FILES = [
     "runs.py",
     "steps.py",
     "tests/conftest.py",
+    "tests/shipped_model.py",
     "tests/test_accelerator.py",
     "tests/test_aot.py",
     "tests/test_benchmark.py",
@@ -71,6 +72,7 @@ EXPECTED_FILES = [
     "tests/test_train.py",
     "tests/test_use.py",
     "tests/test_wandb.py",
+    "tests/test_your_model.py",
     "train.py",
     "write_arrayrecord.py",
     "writers.py",
@@ -269,16 +271,12 @@ def test_requirements_match_pyproject(cookies):
   assert {r for r in listed if r[0] not in template_only} == wanted
 
 
-@pytest.mark.baked_suite
-@pytest.mark.parametrize("tier", ["fast", "slow"])
-def test_baked_suite_default(cookies, tier):
-  """A tier of the default project's own test suite passes with the interpreter running this
-  test, as its README runs them: the fast one with `pytest -n 2`, the slow one with
-  `-m slow -n 2`. Both start cold: the bake holds no compilation cache. Prints the tier's
-  slowest tests."""
-  project = bake_ok(cookies)
+def run_tier(project: Path, tier: str, *options: str) -> str:
+  """A tier of a baked project's own test suite, with the interpreter running this test, as its
+  README runs them: the fast one with `pytest -n 2`, the slow one with `-m slow -n 2`, cold (a
+  bake holds no compilation cache). Asserts that it passed; returns its output."""
   env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-  command = [sys.executable, "-m", "pytest", "-q", "-x", "--durations=15"]
+  command = [sys.executable, "-m", "pytest", "-q", "-x", "--durations=15", *options]
   proc = run(command + (["-m", "slow"] if tier == "slow" else []) + ["-n", "2"], cwd=project,
              timeout=1800, env=env)
   output = proc.stdout + proc.stderr
@@ -286,4 +284,33 @@ def test_baked_suite_default(cookies, tier):
   assert proc.returncode == 0, output[-5000:]
   assert re.search(r"\b[1-9]\d* passed\b", summary), summary
   assert not re.search(r"\b(failed|errors?)\b", summary), summary
-  print(output[output.find("slowest"):] if "slowest" in output else summary)
+  return output
+
+
+@pytest.mark.baked_suite
+@pytest.mark.parametrize("tier", ["fast", "slow"])
+def test_baked_suite_default(cookies, tier):
+  """Each tier of the default project's own test suite passes. Prints its slowest tests."""
+  output = run_tier(bake_ok(cookies), tier)
+  print(output[output.find("slowest"):] if "slowest" in output else output[-300:])
+
+
+USER_MODELS = TEMPLATE / "tests" / "user_models"
+
+
+@pytest.mark.baked_suite
+@pytest.mark.parametrize("model", ["residual_dropout", "mlp"])
+def test_baked_fast_tier_passes_with_a_model_of_your_own(cookies, model):
+  """model.py replaced by a user's (tests/user_models/: a residual CNN with the masked BatchNorm
+  and Dropout, written as the baked README says; an MLP without convolutions): the fast tier
+  passes, the tests of the machinery on their own models, the your-model tier on this one; and
+  the your-model tier's slow test: train.py stopped by Ctrl-C and resumed by the same command."""
+  project = bake_ok(cookies)
+  (project / "model.py").write_text((USER_MODELS / f"{model}.py").read_text())
+  output = run_tier(project, "fast", "-rA")
+  ours = re.findall(r"^PASSED tests/test_your_model.py::(\w+)", output, re.MULTILINE)
+  assert len(ours) == 4, output[-5000:]  # every test of the your-model tier ran, on this model
+  print(output.strip().splitlines()[-1])
+  output = run_tier(project, "slow", "-rA", "tests/test_your_model.py")
+  assert "PASSED tests/test_your_model.py::test_your_model_stops_on_ctrl_c" in output, output
+  print(output.strip().splitlines()[-1])

@@ -98,6 +98,15 @@ def test_readme_commands_run_as_written(tmp_path):
   print(f"template README: trained to {final_accuracy(output)}; its log: {len(log)} lines")
 
   project = clone / "build" / SLUG
+  # Run again, the command leaves the bake (an edited model.py) as it is, saying why in a line.
+  edited = (project / "model.py").read_text() + "# mine\n"
+  (project / "model.py").write_text(edited)
+  again = subprocess.run(["bash", "-e", "-c", bake], check=False, cwd=clone,
+                         env=fresh_shell_env(), stdin=subprocess.DEVNULL, capture_output=True,
+                         text=True, timeout=300)
+  assert again.returncode != 0 and (project / "model.py").read_text() == edited
+  assert again.stdout.strip().splitlines()[-1] == (  # (cookiecutter prints it on stdout)
+      f'Error: "build/{SLUG}" directory already exists'), again.stdout[-2000:]
   write_mine_npz(project / "mine.npz")
   write_photos(project / "photos")
   ran, skipped, models = 0, [], []

@@ -39,16 +39,30 @@ PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 FLAGS = flags.FLAGS
 
 
+def is_key(x) -> bool:
+  return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def raw(x):
+  """An array as the file holds it: a typed PRNG key (a Dropout's stream) as its key data."""
+  return jax.random.key_data(x) if is_key(x) else x
+
+
 def export(run: runs.Restored) -> jax.export.Exported:
-  """The inference function of `run`'s model: (its arrays, in `jax.tree.leaves` order, images)
-  -> probabilities, for one device."""
-  arrays, treedef = jax.tree.flatten(run.state)
-  infer = jax.jit(lambda arrays, images: steps.probabilities(
-      run.graphdef, jax.tree.unflatten(treedef, arrays), images))
+  """The inference function of `run`'s model: (its arrays, in `jax.tree.leaves` order, `raw`,
+  images) -> probabilities, for one device."""
+  leaves, treedef = jax.tree.flatten(run.state)
+  impls = [jax.random.key_impl(x) if is_key(x) else None for x in leaves]
+
+  def infer(arrays, images):
+    arrays = [jax.random.wrap_key_data(x, impl=impl) if impl else x
+              for x, impl in zip(arrays, impls, strict=True)]
+    return steps.probabilities(run.graphdef, jax.tree.unflatten(treedef, arrays), images)
+
   batch, = jax.export.symbolic_shape("batch")
   images = jax.ShapeDtypeStruct((batch, *run.info.image_shape), run.info.pixel_dtype)
-  arrays = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays]
-  return jax.export.export(infer, platforms=PLATFORMS)(arrays, images)
+  arrays = [jax.eval_shape(raw, x) for x in leaves]
+  return jax.export.export(jax.jit(infer), platforms=PLATFORMS)(arrays, images)
 
 
 def write(run: runs.Restored, path: str) -> None:
@@ -64,7 +78,7 @@ def write(run: runs.Restored, path: str) -> None:
 
   put("program", np.frombuffer(exported.serialize(), np.uint8))
   for i, array in enumerate(jax.tree.leaves(run.state)):
-    put(f"array_{i}", multihost_utils.process_allgather(array, tiled=True))
+    put(f"array_{i}", multihost_utils.process_allgather(raw(array), tiled=True))
   if archive is not None:
     archive.close()
 

@@ -82,17 +82,17 @@ class ResNet(nnx.Module):
   convolution and a 3x3 stride-2 max pool, four stages of residual blocks (the first block of
   stages 2-4 halves the resolution and doubles the width), global average pool, linear. Its
   BatchNorm (`pmap.BatchNorm`) takes the statistics of the real examples of the whole
-  global batch on every path: under pmap too (`axis_name`), padding left out (`example_mask`)."""
+  global batch on every path (pmap's too), padding left out (`example_mask`)."""
 
   def __init__(self, image_shape, num_classes: int, *, stage_sizes: tuple[int, ...],
                bottleneck: bool, width: int = 64, dtype=jnp.float32, param_dtype=jnp.float32,
-               axis_name: str | None = None, rngs: nnx.Rngs):
+               rngs: nnx.Rngs):
     conv = functools.partial(nnx.Conv, use_bias=False, dtype=dtype, param_dtype=param_dtype,
                              kernel_init=nnx.initializers.variance_scaling(2.0, "fan_out",
                                                                            "normal"),
                              rngs=rngs)
     norm = functools.partial(pmap.BatchNorm, momentum=0.9, epsilon=1e-5, dtype=dtype,
-                             param_dtype=param_dtype, axis_name=axis_name, rngs=rngs)
+                             param_dtype=param_dtype, rngs=rngs)
     self.stem = conv(image_shape[-1], width, (7, 7), strides=2, padding=((3, 3), (3, 3)))
     self.stem_norm = norm(width)
     blocks, features = [], width
@@ -121,8 +121,7 @@ MODELS = ("cnn", *RESNETS)
 def create_model(config, image_shape, num_classes, rngs: nnx.Rngs) -> nnx.Module:
   dtypes = dict(dtype=jnp.dtype(config.model.dtype),
                 param_dtype=jnp.dtype(config.model.param_dtype), rngs=rngs)
-  if config.model.name in RESNETS:  # BatchNorm reduces over pmap's axis too
-    axis_name = pmap.PMAP_AXIS if config.parallelism == "pmap" else None
+  if config.model.name in RESNETS:
     return ResNet(image_shape, num_classes, **RESNETS[config.model.name],
-                  width=config.model.width, axis_name=axis_name, **dtypes)
+                  width=config.model.width, **dtypes)
   return CNN(image_shape, num_classes, features=tuple(config.model.features), **dtypes)

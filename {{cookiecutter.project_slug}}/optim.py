@@ -2,13 +2,24 @@
 schedule, and the moving average of its parameters; built under jit, each shard where it lives.
 """
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
 import parallel
-from model import create_model
+
+
+def model_module(config):
+  """The module whose `create_model` builds the model: `config.model.module`, model.py (yours)
+  unless a config names another (the tests name their own copy of the shipped models)."""
+  return importlib.import_module(config.model.get("module", "model"))
+
+
+def create_model(config, image_shape, num_classes, rngs: nnx.Rngs) -> nnx.Module:
+  return model_module(config).create_model(config, image_shape, num_classes, rngs)
 
 
 def peak_learning_rate(config) -> float:

@@ -18,7 +18,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 import input_pipeline
-import model as models
+import optim
 import parallel
 import steps
 
@@ -115,8 +115,6 @@ VALUE_RULES = (
     (("model.features",), lambda v: isinstance(v, (tuple, list)) and len(v) > 0 and all(
         map(_int(1), v)), "must be a tuple of positive integers (one width per convolution), "
      "e.g. --config.model.features='(32,64)'."),
-    (("model.name",), lambda v: v in getattr(models, "MODELS", (v,)),
-     f"is none of model.py's {getattr(models, 'MODELS', None)}; choose one."),
     (("model.width",), _int(1), "must be a positive integer (ResNet's first stage's width, 64 "
      "in the papers)."),
 )
@@ -183,6 +181,21 @@ def _intervals(config, target):
       return (f"config.{key}={config[key]} is not a multiple of config.steps_per_dispatch={k}; "
               f"use {' or '.join(map(str, sorted({lower, lower + k})))}, or another "
               "steps_per_dispatch.")
+
+
+def _model(config, target):
+  name = config.model.get("module", "model")
+  try:
+    module = optim.model_module(config)
+  except ImportError as e:
+    return (f"config.model.module={name!r} cannot be imported ({e}); name a module on the path "
+            "whose create_model builds the model (model.py: 'model').")
+  if not callable(getattr(module, "create_model", None)):
+    return (f"config.model.module={name!r} ({module.__file__}) has no create_model(config, "
+            "image_shape, num_classes, rngs); define it there (model.py's docstring).")
+  names = getattr(module, "MODELS", None)
+  if names is not None and config.model.get("name", names[0]) not in names:
+    return f"config.model.name={config.model.name!r} is none of {name}.py's {names}; choose one."
 
 
 def _nesterov(config, target):
@@ -302,7 +315,7 @@ def _local_workdir(config, target):
             f"{'not writable' if os.path.isdir(existing) else 'a file'}); give another directory.")
 
 
-RULES = (_data_dir_read, _warmup, _fsdp_devices, _xla_options, _intervals, _nesterov,
+RULES = (_model, _data_dir_read, _warmup, _fsdp_devices, _xla_options, _intervals, _nesterov,
          _batch_divides, _synthetic, _arrayrecord, _hub_dataset, _wandb, _init_from,
          _remote_workdir, _local_workdir)
 

@@ -79,10 +79,20 @@ def pmap_batch(local_batch):
                         NamedSharding(mesh, P(PMAP_AXIS)))
 
 
+def bound(axis_name: str) -> bool:
+  """Whether the code being traced runs under a pmap (or shard_map) axis of that name."""
+  try:
+    jax.lax.axis_index(axis_name)
+  except NameError:  # "unbound axis name"
+    return False
+  return True
+
+
 class BatchNorm(nnx.BatchNorm):
   """nnx.BatchNorm whose batch statistics are those of the real examples of the global batch on
   every path: give `mask` (`[batch]`, False on padding: the `example_mask` that the steps pass
-  to the model) and, under pmap, `axis_name=PMAP_AXIS`. Features on the last axis.
+  to the model). Under pmap it reduces over pmap's axis (`PMAP_AXIS`) by itself, unless given
+  another `axis_name`. Features on the last axis.
 
   Under jit the batch is one global array and nnx.BatchNorm's masked mean is already exact. Under
   pmap nnx.BatchNorm averages each device's masked mean: wrong when devices hold different
@@ -95,14 +105,15 @@ class BatchNorm(nnx.BatchNorm):
       use_running_average = self.use_running_average
     if mask is not None:  # [batch] -> [batch, 1, ...]: one flag per example
       mask = mask.reshape(-1, *[1] * (x.ndim - 1))
-    if self.axis_name is None or mask is None or use_running_average:
+    axis_name = self.axis_name or (PMAP_AXIS if bound(PMAP_AXIS) else None)
+    if axis_name is None or mask is None or use_running_average:
       return super().__call__(x, use_running_average, mask=mask)
     axes = tuple(range(x.ndim - 1))  # statistics per feature (the last axis)
     weight = jnp.broadcast_to(mask, x.shape).astype(jnp.float32)
     x32 = x.astype(jnp.float32)
     count, total, squares = jax.lax.psum(
         (weight.sum(axes), (weight * x32).sum(axes), (weight * x32 * x32).sum(axes)),
-        self.axis_name)
+        axis_name)
     mean = total / jnp.maximum(count, 1)
     var = jnp.maximum(squares / jnp.maximum(count, 1) - mean * mean, 0.0)
     self.mean[...] = self.momentum * self.mean[...] + (1 - self.momentum) * mean

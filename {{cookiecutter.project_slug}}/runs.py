@@ -59,8 +59,18 @@ def leaf_name(path) -> str:
   return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
+def stored_shape(x) -> tuple:
+  """A leaf's shape as Orbax stores it: a typed PRNG key (a Dropout's stream, `nnx.Rngs`) as its
+  raw key data (key<fry>[] is stored as uint32[2]); any other leaf as it is."""
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    return tuple(jax.eval_shape(jax.random.key_data, x).shape)
+  return tuple(x.shape)
+
+
 def shapes(tree) -> dict[str, tuple]:
-  return {leaf_name(path): tuple(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+  """Each leaf's stored shape (`stored_shape`), by name: a checkpoint's metadata or a state."""
+  return {leaf_name(path): stored_shape(x)
+          for path, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def check_checkpoint_fits(checkpoints, step: int, abstract_state, workdir: str) -> None:

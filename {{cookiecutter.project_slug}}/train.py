@@ -128,12 +128,15 @@ def check_finite(nonfinite: metrics.NonFinite, since: int, config, checkpoints) 
         "--config.skip_nonfinite_steps=True.")
 
 
-def log_run(config, info, num_train_steps: int) -> None:
-  """What a run is about to do: the software and devices, the data, the batch and the schedule."""
+def log_run(config, info, num_train_steps: int, workdir: str) -> None:
+  """What a run is about to do: the software and devices, where it writes, the data, the batch
+  and the schedule."""
   devices = jax.device_count()
   logging.info("jax %s, flax %s, Python %s; %d %s device%s%s", jax.__version__, flax.__version__,
                platform.python_version(), devices, jax.default_backend(), "s" * (devices > 1),
                f" in {jax.process_count()} processes" if jax.process_count() > 1 else "")
+  logging.info("checkpoints and TensorBoard files in %s; compilation cache %s", workdir,
+               jax.config.jax_compilation_cache_dir or "off")
   names = ", ".join(info.class_names)
   names = names if len(names) <= 60 else names[:60].rsplit(", ", 1)[0] + ", ..."
   logging.info("%s: %d train and %d eval images of %s, %d classes%s", config.dataset,
@@ -193,7 +196,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   num_train_steps = input_pipeline.num_batches(
       config.num_epochs * info.num_examples["train"], config.batch_size)
   k, is_main = config.steps_per_dispatch, jax.process_index() == 0
-  log_run(config, info, num_train_steps)
+  log_run(config, info, num_train_steps, workdir)
   schedule = optim.create_schedule(config, num_train_steps)
   mesh = parallel.make_mesh(config)
   graphdef, abstract, init = optim.initial_state(config, info, mesh, num_train_steps)
@@ -271,6 +274,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         break
   checkpoints.close()  # waits for the last asynchronous save
   if stopped_by:
+    global last_stop
+    last_stop = stopped_by
     name = signal.Signals(stopped_by).name if isinstance(stopped_by, int) else stopped_by
     logging.warning("Stopped by %s after step %d of %d; saved checkpoint %d in %s. Run the same "
                     "command again to resume.", name, step, num_train_steps, step, workdir)
@@ -286,6 +291,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   return eval_metrics
 
 
+last_stop = None  # what stopped the last train_and_evaluate that stopped early (main's exit code)
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
 flags.mark_flag_as_required("config")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints and metrics go.", required=True)
@@ -319,8 +325,8 @@ def main(argv):
     result = train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except (ConfigError, NonFiniteLoss) as e:
     raise SystemExit(f"error: {e}") from None
-  if result is None:  # stopped by a signal, after saving: the conventional 128 + SIGTERM
-    raise SystemExit(128 + signal.SIGTERM)
+  if result is None:  # stopped after saving: 128 + the signal, as shells expect (130: Ctrl-C)
+    raise SystemExit(128 + (last_stop if isinstance(last_stop, int) else signal.SIGTERM))
 
 
 if __name__ == "__main__":

@@ -39,12 +39,14 @@ def get_config() -> ml_collections.ConfigDict:
   config.prefetch_batches = 4  # elements (steps_per_dispatch batches each) read ahead, on the host
   config.prefetch_to_device = 2  # elements placed on the devices ahead of the step; 0: none
 
-  # Model and optimisation.
+  # Model and optimisation. module: the module whose create_model builds the model (model.py:
+  # yours; its create_model reads the keys below, and any you add).
   # name: model.py's 'cnn' (of one convolution per entry of `features`), 'resnet18' or
   # 'resnet50' (of `width` channels in its first stage). dtype: the computation's; param_dtype:
   # the parameters' (bfloat16 compute with float32 parameters: mixed precision).
   config.model = ml_collections.ConfigDict(
-      dict(name="cnn", features=(32, 64), width=64, dtype="float32", param_dtype="float32"))
+      dict(module="model", name="cnn", features=(32, 64), width=64, dtype="float32",
+           param_dtype="float32"))
   config.optimizer = "adam"  # 'adam', 'adamw' or 'sgd'
   config.learning_rate = 3e-3  # peak at `base_batch_size` (scaled by `lr_scaling`)
   # The global batch over the base one scales the peak: 'none', 'linear' (Goyal et al. 2017,

@@ -32,10 +32,24 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
+# The tests' own models, whatever model.py holds: shipped_model.py (the hook's copy of model.py
+# as the template shipped it), named by `owned` configs and `OWN_MODEL`, importable by every
+# process that the tests start. tests/test_your_model.py tests model.py itself.
+TESTS = os.path.join(PROJECT, "tests")
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (TESTS, os.environ.get("PYTHONPATH"))))
+SHIPPED_MODEL = "shipped_model"
+OWN_MODEL = f"--config.model.module={SHIPPED_MODEL}"  # the same, on a command line
+
 import pytest  # noqa: E402
 from absl import flags  # noqa: E402
 
 flags.FLAGS.mark_as_parsed()  # absl flags are parsed by app.run in train.py, not under pytest
+
+
+def owned(config):
+  """`config` (changed in place, and returned) on the tests' own models (shipped_model.py)."""
+  config.model.module = SHIPPED_MODEL
+  return config
 
 
 # The recipe's options, all on (off in configs/default.py): the runs of `two_epochs` check that
@@ -52,7 +66,7 @@ def two_epochs(parallelism):
   `parallelism`."""
   from configs import tiny
 
-  config = tiny.get_config()
+  config = owned(tiny.get_config())
   config.update(RECIPE)
   config.num_epochs, config.max_checkpoints_to_keep, config.parallelism = 2, 10, parallelism
   config.fsdp_min_size = 0  # fsdp: split every leaf of the tiny CNN that divides over 8
@@ -166,10 +180,11 @@ def run_main(module, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def tiny_config():
-  """configs/tiny.py, its steps per dispatch chosen as train_and_evaluate chooses them (1 here)."""
+  """configs/tiny.py on the tests' own models (`owned`), its steps per dispatch chosen as
+  train_and_evaluate chooses them (1 here)."""
   import steps
   from configs import tiny
 
-  config = tiny.get_config()
+  config = owned(tiny.get_config())
   config.steps_per_dispatch = steps.steps_per_dispatch(config)
   return config

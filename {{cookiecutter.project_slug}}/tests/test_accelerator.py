@@ -28,10 +28,11 @@ from absl import flags
 flags.FLAGS.mark_as_parsed()
 import train
 from configs import tiny
+from conftest import owned
 from test_train import read_scalars
 
 def config(parallelism):
-  c = tiny.get_config()
+  c = owned(tiny.get_config())
   c.parallelism, c.num_epochs, c.max_checkpoints_to_keep = parallelism, 2, 10
   return c
 

@@ -19,6 +19,7 @@ import sys
 import types
 
 import pytest
+from conftest import OWN_MODEL, owned
 from flax import nnx
 
 import aot
@@ -67,7 +68,7 @@ def mlp(monkeypatch):
 
 
 def config_for(parallelism, **overrides):
-  config = default.get_config()
+  config = owned(default.get_config())
   config.parallelism = parallelism
   config.update(overrides)
   return config
@@ -79,15 +80,15 @@ def analyze(config, topology, num_slices=1) -> dict:
 
 def run_aot(*args, timeout=600) -> subprocess.CompletedProcess:
   """`python aot.py ARGS` as a user runs it (a real process)."""
-  return subprocess.run([sys.executable, "aot.py", *args], cwd=PROJECT, capture_output=True,
-                        text=True, timeout=timeout)
+  return subprocess.run([sys.executable, "aot.py", *args[:1], OWN_MODEL, *args[1:]], cwd=PROJECT,
+                        capture_output=True, text=True, timeout=timeout)
 
 
 def test_describe_is_what_get_datasets_reads(tmp_path):
   """aot.py never reads the data: `input_pipeline.describe` gives the same description."""
   import write_arrayrecord
 
-  config = default.get_config()
+  config = owned(default.get_config())
   config.synthetic.num_train, config.synthetic.num_eval = 40, 8
   for dataset in ("digits", "synthetic", "arrayrecord"):
     if dataset == "arrayrecord":
@@ -128,7 +129,7 @@ def test_every_config_is_valid_at_the_accelerators_k_and_the_cpus(platform, k):
                                                                            "*.py")))
   assert "default" in names and "tiny" in names
   for name in names:
-    config = importlib.import_module(f"configs.{name}").get_config()
+    config = owned(importlib.import_module(f"configs.{name}").get_config())
     if config.dataset == "arrayrecord" and not config.data_dir:  # (imagenet.py: data elsewhere)
       config.dataset = "synthetic"  # of its shapes
     plan.validate_config(config, devices=devices)
@@ -191,7 +192,7 @@ def test_tiny_config_compiles_for_tpus_at_their_k():
   there: k = 5 (the largest up to 10 that divides its log interval), rolled."""
   from configs import tiny
 
-  result = analyze(tiny.get_config(), "v5e:2x4")
+  result = analyze(owned(tiny.get_config()), "v5e:2x4")
   assert result["fits"] and result["steps_per_dispatch"] == 5 and result["conditionals"] == 0
 
 

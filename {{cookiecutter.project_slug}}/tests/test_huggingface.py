@@ -7,7 +7,7 @@ import datasets
 import numpy as np
 import pytest
 from conftest import DIGIT_NAMES as NAMES
-from conftest import reads_as_the_digits, trains_as_written
+from conftest import owned, reads_as_the_digits, trains_as_written
 from PIL import Image
 
 import image_files
@@ -47,7 +47,7 @@ def folders(tmp_path_factory):
 
 
 def config_for(data_dir, **huggingface):
-  config = tiny.get_config()
+  config = owned(tiny.get_config())
   config.dataset, config.data_dir, config.num_workers = "huggingface", data_dir, 0
   config.huggingface.update(huggingface)
   return config

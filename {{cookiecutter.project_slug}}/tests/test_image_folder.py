@@ -12,7 +12,7 @@ import sys
 import grain
 import numpy as np
 import pytest
-from conftest import run_main
+from conftest import owned, run_main
 from flax import serialization
 from PIL import Image
 
@@ -81,7 +81,7 @@ def test_a_png_folder_trains_as_well_as_the_digits_it_holds(tmp_path):
   """The digits written as PNG files, converted, read back bitwise and trained on with the
   default config: held-out accuracy within 1 point of dataset=digits."""
   data_dir = convert_digits_pngs(tmp_path)
-  config = default.get_config()
+  config = owned(default.get_config())
   digits = train.train_and_evaluate(config, str(tmp_path / "digits"))
   config.dataset, config.data_dir = "arrayrecord", data_dir
   folder = train.train_and_evaluate(config, str(tmp_path / "folder"))
@@ -118,7 +118,7 @@ def test_images_kept_encoded_are_decoded_by_grain_as_when_written(tmp_path, num_
   assert all(isinstance(serialization.msgpack_restore(records[i])["image"], bytes)
              for i in range(len(records)))  # the files' bytes, not pixels
 
-  config = default.get_config()
+  config = owned(default.get_config())
   config.dataset, config.batch_size, config.num_epochs, config.steps_per_dispatch = (
       "arrayrecord", 4, 3, 2)
   batches = {}
@@ -146,7 +146,7 @@ def test_evaluation_decodes_encoded_images_in_worker_processes(tmp_path):
   done = convert(f"--out_dir={tmp_path / 'data'}", f"--image_folder={tmp_path / 'photos'}",
                  "--image_size=16,12", "--eval_fraction=0.25", "--keep_encoded")
   assert done.returncode == 0, done.stderr
-  config = default.get_config()
+  config = owned(default.get_config())
   config.dataset, config.data_dir = "arrayrecord", str(tmp_path / "data")
   config.batch_size, config.steps_per_dispatch = 1, 2
   splits, _ = input_pipeline.get_datasets(config)
@@ -196,7 +196,7 @@ def test_photos_kept_whole_are_cropped_from_all_of_them(tmp_path):
            for i in range(len(records))}
   assert sizes <= {(120, 60), (80, 40)} and (120, 60) in sizes
 
-  config = default.get_config()
+  config = owned(default.get_config())
   config.update(dataset="arrayrecord", data_dir=str(tmp_path / "data"), batch_size=3,
                 num_epochs=20, augment_crop=True, augment_crop_scale=(0.08, 1.0),
                 steps_per_dispatch=1)
@@ -308,7 +308,7 @@ def test_the_imagenet_recipe_trains_on_a_photo_folder(tmp_path):
   assert done.returncode == 0, done.stderr
   from configs import imagenet
 
-  config = imagenet.get_config()
+  config = owned(imagenet.get_config())
   config.update(data_dir=str(tmp_path / "data"), batch_size=8, num_epochs=1, log_every_steps=1,
                 eval_every_steps=2, checkpoint_every_steps=2, num_workers=0)
   result = train.train_and_evaluate(config, str(tmp_path / "run"))

@@ -8,6 +8,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from shipped_model import create_model
 
 import input_pipeline
 import metrics
@@ -16,7 +17,6 @@ import parallel
 import pmap
 import steps
 import train
-from model import create_model
 
 
 def model_and_optimizer(config, image_shape=(8, 8, 1), num_classes=10):

@@ -2,10 +2,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
+from shipped_model import create_model
 
 import flops
 import optim
-from model import create_model
 
 
 @pytest.mark.parametrize("image_shape, num_classes", [((8, 8, 1), 10), ((32, 32, 3), 7)])

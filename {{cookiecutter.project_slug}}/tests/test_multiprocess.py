@@ -11,7 +11,7 @@ import time
 
 import portpicker
 import pytest
-from conftest import RECIPE
+from conftest import OWN_MODEL, RECIPE
 from test_train import read_scalars
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,7 +19,7 @@ PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def train(workdir, processes: int, *overrides: str) -> dict[str, dict[int, float]]:
   """Runs train.py on 8 CPU devices in all (1 x 8 or 2 x 4); returns its scalars."""
-  args = ["--config=configs/tiny.py", f"--workdir={workdir}", *overrides]
+  args = ["--config=configs/tiny.py", OWN_MODEL, f"--workdir={workdir}", *overrides]
   if processes == 1:
     command = [sys.executable, "train.py", *args]
     env = dict(os.environ)  # 8 devices (conftest.py)
@@ -133,7 +133,7 @@ def start_pair(workdir, **env):
   env = four_devices(**env)
   address = f"127.0.0.1:{portpicker.pick_unused_port()}"
   processes = [subprocess.Popen(
-      [sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={workdir}",
+      [sys.executable, "train.py", "--config=configs/tiny.py", OWN_MODEL, f"--workdir={workdir}",
        "--config.num_epochs=500", f"--coordinator_address={address}", "--num_processes=2",
        f"--process_id={i}", "--heartbeat_timeout_seconds=10"],
       cwd=PROJECT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -203,8 +203,9 @@ def run_pair(workdirs, env=None, timeout=300):
   flags = lambda i: [] if env else [f"--coordinator_address={address}",  # noqa: E731
                                     "--num_processes=2", f"--process_id={i}"]
   processes = [subprocess.Popen(
-      [sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={workdirs[i]}",
-       *flags(i)], cwd=PROJECT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+      [sys.executable, "train.py", "--config=configs/tiny.py", OWN_MODEL,
+       f"--workdir={workdirs[i]}", *flags(i)], cwd=PROJECT, stdout=subprocess.DEVNULL,
+      stderr=subprocess.PIPE, text=True,
       env=four_devices(**(env(i) if env else {}))) for i in range(2)]
   try:
     stderrs = [p.communicate(timeout=timeout)[1] for p in processes]

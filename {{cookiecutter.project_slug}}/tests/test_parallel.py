@@ -14,13 +14,13 @@ import pytest
 from conftest import two_epochs
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from shipped_model import create_model
 
 import metrics
 import optim
 import parallel
 import pmap
 import steps
-from model import create_model
 
 NUM_DEVICES = 8
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -320,9 +320,11 @@ def test_dropout_gives_the_same_numbers_on_spmd_fsdp_and_one_device_not_pmap(tin
 
 
 class BatchNormCNN(nnx.Module):
-  def __init__(self, axis_name, rngs):
+  """pmap.BatchNorm as model.py uses it: no axis_name (under pmap it finds pmap's axis)."""
+
+  def __init__(self, rngs):
     self.conv = nnx.Conv(1, 4, kernel_size=(3, 3), use_bias=False, rngs=rngs)  # BN has one
-    self.norm = pmap.BatchNorm(4, momentum=0.9, axis_name=axis_name, rngs=rngs)
+    self.norm = pmap.BatchNorm(4, momentum=0.9, rngs=rngs)
     self.dense = nnx.Linear(8 * 8 * 4, 10, rngs=rngs)
 
   def __call__(self, images, example_mask=None):  # the steps pass the batch's mask here
@@ -330,8 +332,8 @@ class BatchNormCNN(nnx.Module):
     return self.dense(x.reshape(x.shape[0], -1))
 
 
-def batchnorm_state(parallelism, optimizer=None):
-  model = BatchNormCNN(pmap.PMAP_AXIS if parallelism == "pmap" else None, nnx.Rngs(0))
+def batchnorm_state(optimizer=None):
+  model = BatchNormCNN(nnx.Rngs(0))
   return nnx.split((model, nnx.Optimizer(model, optimizer or ADAM, wrt=nnx.Param)))
 
 
@@ -345,8 +347,8 @@ def test_batchnorm_leaves_the_padding_out(tiny_config, parallelism):
   data = batches(num_real)
   real_only = [jax.tree.map(lambda x, n=n: x[:n], batch)
                for batch, n in zip(data, num_real, strict=True)]
-  expected, _ = run(tiny_config, "single", real_only, *batchnorm_state("single", SGD))
-  got, metrics = run(tiny_config, parallelism, data, *batchnorm_state(parallelism, SGD))
+  expected, _ = run(tiny_config, "single", real_only, *batchnorm_state(SGD))
+  got, metrics = run(tiny_config, parallelism, data, *batchnorm_state(SGD))
   assert metrics["nonfinite_steps"] == 0 and metrics["examples"] == sum(num_real)
   assert_trees_close(got, expected, atol=1e-6)
   assert float(jnp.abs(got[0]["norm"]["mean"][...]).max()) > 0
@@ -362,7 +364,7 @@ def test_accumulation_with_batchnorm_and_micro_batches_without_a_real_example(ti
   results = {}
   for accum in (2, 4):
     tiny_config.grad_accum_steps = accum
-    results[accum] = run(tiny_config, parallelism, data, *batchnorm_state(parallelism, SGD))
+    results[accum] = run(tiny_config, parallelism, data, *batchnorm_state(SGD))
   (two, _), (four, four_metrics) = results[2], results[4]
   assert four_metrics["nonfinite_steps"] == 0 and four_metrics["examples"] == 4
   assert all(np.isfinite(as_numpy(x)).all() for x in jax.tree.leaves(four)

@@ -32,8 +32,9 @@ flags.FLAGS.mark_as_parsed()
 logging.set_verbosity(logging.INFO)
 import input_pipeline, train
 from configs import tiny
+from conftest import owned
 workdir, overrides, record_path = sys.argv[1:]
-config = tiny.get_config()
+config = owned(tiny.get_config())
 config.update(json.loads(overrides))
 record = open(record_path, "a")
 make_batches = input_pipeline.LoadBatches.__call__

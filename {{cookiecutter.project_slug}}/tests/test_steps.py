@@ -9,7 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import owned
 from flax import nnx
+from shipped_model import create_model
 
 import augment
 import flops
@@ -19,7 +21,6 @@ import optim
 import parallel
 import steps
 from configs import default
-from model import create_model
 
 
 def test_integer_pixels_are_divided_by_255_and_floats_kept():
@@ -47,7 +48,7 @@ def test_random_shift_moves_pixels_by_stream_position():
 
 
 def test_flops_of_the_default_cnn_step_equal_the_analytic_count():
-  config = default.get_config()
+  config = owned(default.get_config())
   config.steps_per_dispatch = 1
   splits, info = input_pipeline.get_datasets(config)
   model = create_model(config, info.image_shape, info.num_classes, nnx.Rngs(0))
@@ -84,7 +85,7 @@ def test_flops_counted_under_pmap_for_a_model_that_reduces_over_its_axis(tiny_co
   counts = {}
   for parallelism in ("spmd", "pmap"):
     tiny_config.parallelism = parallelism
-    graphdef, state = batchnorm_state(parallelism)
+    graphdef, state = batchnorm_state()
     counts[parallelism] = flops.Speed(graphdef, state, (8, 8, 1), tiny_config).flops_per_step
   assert counts["pmap"] == counts["spmd"] > 0
 

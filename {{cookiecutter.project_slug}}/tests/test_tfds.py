@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 from conftest import DIGIT_NAMES as NAMES
-from conftest import reads_as_the_digits, trains_as_written
+from conftest import owned, reads_as_the_digits, trains_as_written
 from PIL import Image
 
 import input_pipeline
@@ -47,7 +47,7 @@ def data_dir(tmp_path_factory):
 
 
 def config_for(data_dir, name="digits_for_test"):
-  config = tiny.get_config()
+  config = owned(tiny.get_config())
   config.dataset, config.data_dir, config.tfds_name, config.num_workers = (
       "tfds", data_dir, name, 0)
   return config

@@ -20,7 +20,7 @@ import orbax.checkpoint as ocp
 import portpicker
 import pytest
 from absl import flags
-from conftest import two_epochs
+from conftest import OWN_MODEL, owned, two_epochs
 from tensorboard.backend.event_processing import event_accumulator
 from test_preemption import final_state
 
@@ -188,7 +188,7 @@ def test_adamw_decays_the_weights_only(tiny_config):
   from test_parallel import BatchNormCNN
 
   tiny_config.optimizer, tiny_config.weight_decay, tiny_config.learning_rate = "adamw", 0.1, 0.5
-  model = BatchNormCNN(None, nnx.Rngs(0))
+  model = BatchNormCNN(nnx.Rngs(0))
   optimizer = nnx.Optimizer(model, optim.create_optimizer(tiny_config, 10), wrt=nnx.Param)
   before = {jax.tree_util.keystr(p): np.asarray(x)
             for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(model))}
@@ -268,7 +268,7 @@ def test_a_default_fsdp_run_ends_like_spmd(tmp_path):
 
   results = {}
   for parallelism in ("spmd", "fsdp"):
-    config = default.get_config()
+    config = owned(default.get_config())
     config.num_epochs, config.parallelism = 3, parallelism
     results[parallelism] = train.train_and_evaluate(config, str(tmp_path / parallelism))
   assert results["fsdp"]["examples"] == results["spmd"]["examples"] == 360
@@ -282,7 +282,7 @@ def shrunk_imagenet(parallelism):
   2 epochs, 45 steps of 64 (8 a device), the first 9 warming up, on `parallelism`."""
   from configs import imagenet
 
-  config = imagenet.get_config()
+  config = owned(imagenet.get_config())
   config.update(dataset="digits", data_dir="", image_size=(), batch_size=64, num_epochs=2,
                 parallelism=parallelism, log_every_steps=5, eval_every_steps=10,
                 checkpoint_every_steps=10, augment_crop_scale=(0.5, 1.0), warmup_epochs=0.4,
@@ -388,7 +388,8 @@ def test_a_resume_keeps_the_runs_config(tiny_config, tmp_path, caplog):
 def run_cli(workdir, *overrides, config="configs/tiny.py", env=None):
   start = time.perf_counter()
   out = subprocess.run(
-      [sys.executable, "train.py", f"--config={config}", f"--workdir={workdir}", *overrides],
+      [sys.executable, "train.py", f"--config={config}", OWN_MODEL, f"--workdir={workdir}",
+       *overrides],
       cwd=PROJECT, capture_output=True, text=True, timeout=300,
       env={**os.environ, **(env or {})})  # 8 CPU devices (conftest.py)
   return out, time.perf_counter() - start
@@ -445,20 +446,25 @@ def test_the_log_is_quiet_one_short_line_per_interval(tmp_path, data):
   out, _ = run_cli(tmp_path / "run", *overrides)
   assert out.returncode == 0, out.stderr[-3000:]
   lines = (out.stdout + out.stderr).splitlines()
-  noisy = [line for line in lines if "WARNING" in line or "leaked" in line or len(line) > 160]
+  cache = os.environ["JAX_COMPILATION_CACHE_DIR"]  # (conftest.py's)
+  assert f"checkpoints and TensorBoard files in {tmp_path / 'run'}; compilation cache {cache}" in (
+      out.stderr)
+  # The paths are the user's, of any length; the rest of every line is short.
+  short = [line.replace(str(tmp_path), "DIR").replace(cache, "DIR") for line in lines]
+  noisy = [line for line in short if "WARNING" in line or "leaked" in line or len(line) > 160]
   assert not noisy, "\n".join(noisy)
   steps_logged = [int(m[1]) for line in lines if (m := re.search(r"\] step (\d+)/23  loss", line))]
   assert steps_logged == [5, 10, 15, 20, 23]
   assert any("23 steps of 64 examples, 1 per call" in line for line in lines)  # k=1 on the CPU
   assert re.search(r"first calls \(.*\): train \d+\.\d\d s, eval \d+\.\d\d s", out.stderr)
-  assert len(lines) <= 6 + 5 + 3 + 1, out.stderr  # start, intervals, evals, final
+  assert len(lines) <= 7 + 5 + 3 + 1, out.stderr  # start, intervals, evals, final
 
 
 @pytest.mark.slow
 def test_a_progress_bar_on_a_terminal(tmp_path):
   parent, child = pty.openpty()
   process = subprocess.Popen(
-      [sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={tmp_path}"],
+      [sys.executable, "train.py", "--config=configs/tiny.py", OWN_MODEL, f"--workdir={tmp_path}"],
       cwd=PROJECT, stdin=subprocess.DEVNULL, stdout=child, stderr=child,
       env=dict(os.environ))  # 8 CPU devices (conftest.py)
   os.close(child)
@@ -534,7 +540,7 @@ BAD_CONFIGS = [
     ("--config.warmup_steps=5 --config.warmup_epochs=0.5",
      "config.warmup_epochs=0.5 must be a number >= 0, and 0 when config.warmup_steps (=5) is "
      "set: give one of the two."),
-    ("--config.model.name=vit", "config.model.name='vit' is none of model.py's ('cnn', "
+    ("--config.model.name=vit", "config.model.name='vit' is none of shipped_model.py's ('cnn', "
                                 "'resnet18', 'resnet50'); choose one."),
     ("--config.grad_clip_norm=-1", "config.grad_clip_norm=-1.0 must be a number >= 0."),
     ("--config.label_smoothing=1", "config.label_smoothing=1.0 must be a number in [0, 1); 0 "
@@ -572,7 +578,8 @@ def test_bad_config_is_one_line_before_anything_is_read_or_written(tmp_path, mon
   runs the same table as real processes)."""
   monkeypatch.chdir(PROJECT)
   workdir = tmp_path / "run"
-  error = run_in_process("--config=configs/tiny.py", f"--workdir={workdir}", *override.split())
+  error = run_in_process("--config=configs/tiny.py", OWN_MODEL, f"--workdir={workdir}",
+                         *override.split())
   assert error.startswith("error: ") and message in error and "\n" not in error, error
   assert not workdir.exists()
 
@@ -632,7 +639,7 @@ def test_a_workdir_that_is_a_file_is_refused_and_kept(tmp_path, monkeypatch, whe
     assert len(lines) == 1 and lines[0].startswith(expected), out.stderr
   else:
     monkeypatch.chdir(PROJECT)
-    error = run_in_process("--config=configs/tiny.py", f"--workdir={workdir}")
+    error = run_in_process("--config=configs/tiny.py", OWN_MODEL, f"--workdir={workdir}")
     assert error.startswith(expected) and "\n" not in error, error
   assert a_file.read_text() == "keep me"
 
@@ -644,7 +651,7 @@ def test_a_checkpoint_of_another_model_is_refused_and_kept(straight_runs, tmp_pa
   shutil.copytree(straight_runs["spmd"][0] / "checkpoints", workdir / "checkpoints")
   before = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()}
   monkeypatch.chdir(PROJECT)
-  error = run_in_process("--config=configs/tiny.py", f"--workdir={workdir}",
+  error = run_in_process("--config=configs/tiny.py", OWN_MODEL, f"--workdir={workdir}",
                          "--config.num_epochs=2", "--config.model.features=(8,32)")
   assert error.startswith(f"error: workdir '{workdir}' holds a checkpoint (step 45) of a "
                           "different model: 0/convs/1/bias/value is (16,) there and (32,) in "
@@ -672,10 +679,10 @@ def test_the_state_is_built_in_shards_with_the_values_of_an_eager_build(tiny_con
   the values that building the model and optimizer eagerly gives."""
   import numpy as np
   from flax import nnx
+  from shipped_model import create_model
 
   import input_pipeline
   import parallel
-  from model import create_model
 
   tiny_config.parallelism, tiny_config.fsdp_min_size = "fsdp", 0
   _, info = input_pipeline.get_datasets(tiny_config)

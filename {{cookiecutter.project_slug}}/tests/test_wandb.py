@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import PROJECT
+from conftest import PROJECT, owned
 from wandb.proto import wandb_internal_pb2
 
 import plan
@@ -67,7 +67,7 @@ def offline(monkeypatch, tmp_path):
 def test_a_run_and_its_resume_log_to_one_wandb_run(offline, tmp_path):
   """The scalars that TensorBoard gets, at the same steps, and the config; the resumed run under
   the same W&B id (offline, W&B writes a directory for each process: they merge at sync)."""
-  config = tiny.get_config()
+  config = owned(tiny.get_config())
   config.wandb_project, config.num_epochs = "nnx-dp-test", 1
   workdir = tmp_path / "run"
   first = train.train_and_evaluate(config, str(workdir))
@@ -94,7 +94,7 @@ def test_a_run_and_its_resume_log_to_one_wandb_run(offline, tmp_path):
 def test_wandb_project_without_wandb_installed_is_one_line(monkeypatch):
   installed = plan._installed
   monkeypatch.setattr(plan, "_installed", lambda module: module != "wandb" and installed(module))
-  config = tiny.get_config()
+  config = owned(tiny.get_config())
   config.wandb_project = "mine"
   with pytest.raises(plan.ConfigError) as e:
     plan.validate_config(config)
@@ -105,7 +105,8 @@ def test_wandb_project_without_wandb_installed_is_one_line(monkeypatch):
 @pytest.mark.slow
 def test_a_run_without_wandb_project_never_imports_wandb(tmp_path):
   code = ("import sys; from absl import flags; flags.FLAGS.mark_as_parsed(); import train; "
-          "from configs import tiny; c = tiny.get_config(); c.num_epochs = 1; "
+          "from configs import tiny; from conftest import owned; "
+          "c = owned(tiny.get_config()); c.num_epochs = 1; "
           f"train.train_and_evaluate(c, {str(tmp_path / 'run')!r}); "
           "print(sorted(m for m in sys.modules if m.split('.')[0] == 'wandb'))")
   done = subprocess.run([sys.executable, "-c", code], cwd=PROJECT, capture_output=True,
