@@ -122,6 +122,10 @@ def test_readme_commands_run_as_written(tmp_path):
       models.append(code)
   print(f"baked README: ran {ran} bash blocks; not run: {skipped}")
   assert ran >= 3 and len(skipped) == 3 and len(models) == 1
+  # aot.py's compilers went into a venv of their own: training's stays quiet on the CPU.
+  compilers = run_block(".venv/bin/python -c \"import importlib.util as u; print([m for m in "
+                        "('libtpu', 'jax_cuda12_plugin') if u.find_spec(m)])\"", project, 60)
+  assert compilers.strip() == "[]", compilers
 
   for parallelism in ("spmd", "pmap"):  # the README's own model.py, on both paths
     (project / "model.py").write_text(models[0], encoding="utf-8")
@@ -130,4 +134,5 @@ def test_readme_commands_run_as_written(tmp_path):
         f"--config=configs/tiny.py --workdir=workdir_readme_model_{parallelism} "
         f"--config.parallelism={parallelism} --config.num_epochs=3", project, timeout=600)
     assert "non-finite" not in output and final_accuracy(output) >= 0.8, output[-2000:]
+    assert not [line for line in output.splitlines() if "WARNING" in line or "E0000" in line]
     print(f"README model.py, {parallelism}: accuracy {final_accuracy(output)}")

@@ -1,5 +1,6 @@
-"""Writes a run's model as one `.npz` file that runs with nothing but `jax` and `numpy` (no
-flax, no project code): a serialised `jax.export` program and the model's arrays beside it.
+"""Writes a run's model as one `.npz` file that runs with nothing but `jax`, `numpy` and
+`flatbuffers` (jax.export's deserialisation needs it; no flax, no project code): a serialised
+`jax.export` program and the model's arrays beside it.
 
   python export.py --workdir=workdir --out=model.npz  # also model.json: the class names
 

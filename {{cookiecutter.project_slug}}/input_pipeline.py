@@ -22,6 +22,7 @@ import glob
 import json
 import math
 import os
+import signal
 
 import grain
 import numpy as np
@@ -280,6 +281,13 @@ def default_workers(config) -> int:
   return 0 if in_memory else max(available_cpus() - 1, 1)
 
 
+def leave_interrupts_to_the_main_process(worker_index: int, num_workers: int) -> None:
+  """In each Grain worker: Ctrl-C sends SIGINT to the whole process group, workers too; the main
+  process alone takes it (it saves, then stops the workers), so no worker prints a traceback."""
+  del worker_index, num_workers
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def as_iterator(batches: grain.MapDataset, config, put=None,
                 num_workers: int | None = None) -> grain.DatasetIterator:
   """An iterator over `batches`, read with `num_workers` worker processes (default: chosen by
@@ -297,7 +305,8 @@ def as_iterator(batches: grain.MapDataset, config, put=None,
     # memory from a background thread, and releases still queued at exit were reported as leaks.
     no_shm = grain.experimental.DatasetOptions(min_shm_size=2**62)
     dataset = grain.experimental.WithOptionsIterDataset(dataset, no_shm)
-    dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+    dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers),
+                                  worker_init_fn=leave_interrupts_to_the_main_process)
   if put is not None:
     dataset = dataset.map(put)
     if config.prefetch_to_device:

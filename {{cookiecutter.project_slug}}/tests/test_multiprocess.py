@@ -326,7 +326,8 @@ if jax.process_index() == 1:
 multihost_utils.sync_global_devices("late")  # one device a process, as Orbax's barriers
 mesh = parallel.make_mesh()
 ones = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), np.ones(4))
-print("sum", float(jax.jit(jnp.sum, out_shardings=parallel.replicated(mesh))(ones)))
+total = float(jax.jit(jnp.sum, out_shardings=parallel.replicated(mesh))(ones))
+print(f"sum {total}")  # one string: the two processes' unbuffered prints interleave word by word
 """
 
 

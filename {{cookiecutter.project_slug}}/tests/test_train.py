@@ -461,6 +461,33 @@ def test_the_log_is_quiet_one_short_line_per_interval(tmp_path, data):
 
 
 @pytest.mark.slow
+def test_ctrl_c_with_workers_saves_and_ends_at_once_without_a_traceback(tmp_path):
+  """Ctrl-C (SIGINT to the whole process group: Grain's 2 workers too) during a run that reads
+  with workers: the main process alone takes it, saves and exits 130 within 3 s of its last
+  log line (Grain waits up to 25 s for a worker that does not stop); no worker's traceback."""
+  overrides = [*write_digits(tmp_path / "data"), "--config.num_workers=2",
+               "--config.num_epochs=30"]
+  process = subprocess.Popen(
+      [sys.executable, "train.py", "--config=configs/tiny.py", OWN_MODEL,
+       f"--workdir={tmp_path / 'run'}", *overrides], cwd=PROJECT, stdin=subprocess.DEVNULL,
+      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+  log = []
+  try:
+    for line in process.stderr:
+      log.append(line)
+      if re.search(r"\] step 10/\d+  loss", line):
+        os.killpg(process.pid, signal.SIGINT)  # as a terminal's Ctrl-C
+      last_line = time.perf_counter()
+    assert process.wait(timeout=60) == 130, "".join(log)[-3000:]
+    ended = time.perf_counter() - last_line
+  finally:
+    process.kill()
+  assert "Stopped by SIGINT after step" in log[-1], "".join(log)[-3000:]
+  assert not any("Traceback" in line or "KeyboardInterrupt" in line for line in log), "".join(log)
+  assert ended < 3, f"the process ended {ended:.1f} s after its last log line"
+
+
+@pytest.mark.slow
 def test_a_progress_bar_on_a_terminal(tmp_path):
   parent, child = pty.openpty()
   process = subprocess.Popen(

@@ -247,6 +247,37 @@ def test_the_exported_model_runs_without_flax_or_the_project(folder_run, tmp_pat
   np.testing.assert_allclose(probs[1:], wanted, atol=1e-5)  # a batch of 13
 
 
+# What the README says the exported model needs, and nothing else (flatbuffers: jax.export's
+# deserialisation imports it; jax does not require it).
+EXPORT_NEEDS = ("jax", "numpy", "flatbuffers")
+
+
+@pytest.mark.slow
+def test_the_exported_model_loads_in_a_fresh_venv_of_what_the_readme_names(folder_run, tmp_path):
+  """A new virtual environment holding only `EXPORT_NEEDS` (the versions here) loads the export
+  and gives the restored model's probabilities."""
+  import importlib.metadata
+
+  root, workdir, _, _ = folder_run
+  run = runs.Restored(workdir)
+  paths = image_files.find_images([str(root / "pngs" / "val")])[:5]
+  wanted = np.stack([p for _, p in predict.predict(run, paths)])
+  export.write(run, str(tmp_path / "model.npz"))
+  np.save(tmp_path / "images.npy",
+          np.stack([image_files.read_image(p, (8, 8, 1)) for p in paths]))
+  venv = tmp_path / "venv"
+  subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+  pins = [f"{name}=={importlib.metadata.version(name)}" for name in EXPORT_NEEDS]
+  done = subprocess.run([venv / "bin" / "pip", "install", "-q", *pins], capture_output=True,
+                        text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+  done = subprocess.run([venv / "bin" / "python", "-I", "-c", LOAD_EXPORTED], cwd=tmp_path,
+                        env=env, capture_output=True, text=True, timeout=120)
+  assert done.returncode == 0, done.stderr[-3000:]
+  np.testing.assert_allclose(np.load(tmp_path / "probs.npy")[1:], wanted, atol=1e-5)
+
+
 def test_an_fsdp_runs_export_holds_its_whole_arrays_and_answers_as_it_does(straight_runs,
                                                                           tmp_path):
   """The arrays split over the devices are written whole, one entry each, beside a program that
