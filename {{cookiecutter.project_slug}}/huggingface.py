@@ -1,17 +1,17 @@
 """Hugging Face datasets read in place (`config.dataset = 'huggingface'`, the `huggingface`
-extra): a `save_to_disk` folder or a folder of Parquet files in `config.data_dir`, or a Hub
-dataset named by `config.huggingface.name` (downloaded to Hugging Face's cache). Nothing is
-converted.
+extra): a `save_to_disk` folder or a folder of data files in `config.data_dir` (its splits named
+by `datasets` from the files' names and folders, as on the Hub), or a Hub dataset named by
+`config.huggingface.name` (downloaded to Hugging Face's cache). Nothing is converted.
 
 The image column is the one whose feature is an `Image` and the label column the `ClassLabel`
 one, unless named in `config.huggingface`; label ids and class names are the `ClassLabel`'s.
 Training reads the split 'train'; evaluation 'validation' or 'test', whichever exists (named by
-`config.huggingface.eval_split` when both or neither do). Images are decoded as predict.py
-decodes files (`image_files.decode_image`), in Grain's workers, to `image_shape`: the first
-training image's height and width (1 channel if it is gray, else 3), or `config.image_size`.
+`config.huggingface.eval_split` when both or neither do). Images are decoded in Grain's workers,
+to `image_shape` (the first training image's height and width, 1 channel if it is gray, else 3,
+or `config.image_size`): cut from the whole photo by `input_pipeline.host_crops` when the run
+crops (`augment_crop`), else as predict.py decodes files (`image_files.decode_image`).
 """
 
-import glob
 import os
 
 import numpy as np
@@ -35,16 +35,12 @@ def load(config) -> dict:
                      "--config.huggingface.name=NAME (the Hub).")
   if os.path.isfile(os.path.join(data_dir, "dataset_dict.json")):
     return dict(datasets.load_from_disk(data_dir))
-  files = {}  # SPLIT/*.parquet or SPLIT-*.parquet (the Hub's layout: data/SPLIT-00000-of-N...)
-  for path in sorted(glob.glob(os.path.join(glob.escape(data_dir), "**", "*.parquet"),
-                               recursive=True)):
-    parts = os.path.relpath(path, data_dir).split(os.sep)
-    split = parts[-2] if len(parts) > 1 and parts[-2] != "data" else parts[-1].split("-")[0]
-    files.setdefault(split, []).append(path)
-  if not files:
+  try:  # data files: their splits as `datasets` names them (the Hub's own patterns)
+    return dict(datasets.load_dataset(data_dir))
+  except FileNotFoundError as e:  # (datasets' DataFilesNotFoundError, EmptyDatasetError)
     raise ValueError(f"config.data_dir={data_dir!r} holds neither a dataset saved by "
-                     "save_to_disk (dataset_dict.json) nor Parquet files (SPLIT-*.parquet).")
-  return dict(datasets.load_dataset("parquet", data_files=files))
+                     "save_to_disk (dataset_dict.json) nor data files that datasets reads "
+                     f"(train.parquet, data/train-*.parquet, train/*.parquet, ...): {e}") from None
 
 
 def columns(dataset, spec) -> tuple[str, str]:
@@ -88,12 +84,12 @@ def splits(config) -> tuple[dict, str, str]:
 class Source:
   """A split of a Hugging Face dataset as a Grain source: `take` decodes a batch of images."""
 
-  def __init__(self, dataset, image_column: str, label_column: str, image_shape):
+  def __init__(self, dataset, image_column: str, label_column: str, image_shape, crops=None):
     import datasets
 
     self.dataset = dataset.cast_column(image_column, datasets.Image(decode=False))
     self.image_column, self.label_column = image_column, label_column
-    self.image_shape = tuple(image_shape)
+    self.image_shape, self.crops = tuple(image_shape), crops
 
   def __len__(self) -> int:
     return len(self.dataset)
@@ -104,15 +100,18 @@ class Source:
         return f.read()
     return image["bytes"]
 
-  def take(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+  def take(self, indices: np.ndarray, positions: np.ndarray | None = None
+           ) -> dict[str, np.ndarray]:
     rows = self.dataset[[int(i) for i in indices]]
-    images = [image_files.decode_image(self.encoded(image), self.image_shape)
-              for image in rows[self.image_column]]
-    return {"image": np.stack(images), "label": np.asarray(rows[self.label_column], np.int32)}
+    images = image_files.decode_batch([self.encoded(image) for image in rows[self.image_column]],
+                                      self.image_shape, self.crops, positions)
+    return {"image": images, "label": np.asarray(rows[self.label_column], np.int32)}
 
 
-def sources(config) -> tuple[dict[str, Source], tuple[int, int, int], tuple[str, ...]]:
-  """The 'train' and 'eval' sources, the image shape, the class names."""
+def sources(config, crops: dict) -> tuple[dict[str, Source], tuple[int, int, int],
+                                          tuple[str, ...]]:
+  """The 'train' and 'eval' sources (each cut by its `crops`, if any), the image shape, the
+  class names."""
   loaded, image, label = splits(config)
   if config.image_size:
     shape = tuple(config.image_size)
@@ -123,5 +122,5 @@ def sources(config) -> tuple[dict[str, Source], tuple[int, int, int], tuple[str,
   names = tuple(getattr(feature, "names", None) or ())
   if not names:  # integer labels without names: 0 .. max
     names = tuple(str(i) for i in range(max(loaded["train"][label]) + 1))
-  return ({split: Source(ds, image, label, shape) for split, ds in loaded.items()}, shape,
-          names)
+  return ({split: Source(ds, image, label, shape, crops.get(split))
+           for split, ds in loaded.items()}, shape, names)

@@ -25,6 +25,18 @@ def decode_image(data: bytes, image_shape: tuple[int, int, int]) -> np.ndarray:
     return np.asarray(image).reshape(height, width, channels)
 
 
+def decode_batch(encoded: list, image_shape, crops=None, positions=None) -> np.ndarray:
+  """Encoded images (bytes; arrays pass as they are) as a batch of `image_shape`: each cut by
+  `crops` (a `Crops`, by the example's stream position in `positions`) when given, else scaled
+  to cover and center-cropped (`decode_image`)."""
+  if crops is not None:
+    positions = np.zeros(len(encoded), np.int64) if positions is None else positions
+    return np.stack([crops(data, image_shape, int(position))
+                     for data, position in zip(encoded, positions, strict=True)])
+  return np.stack([decode_image(data, image_shape) if isinstance(data, bytes) else data
+                   for data in encoded])
+
+
 def encoded_shape(data: bytes) -> tuple[int, int, int]:
   """(height, width, channels) that an encoded image decodes to here: 1 channel if gray, else 3."""
   with Image.open(io.BytesIO(data)) as image:

@@ -5,6 +5,7 @@ own mistakes as one line. train.py and aot.py both start here, so that what aot.
 a topology is what train.py would run there.
 """
 
+import dataclasses
 import difflib
 import glob
 import importlib.util
@@ -272,6 +273,30 @@ def _hub_dataset(config, target):
     return str(e)
 
 
+def _input_memory(config, target):
+  """The input alone would not fit this host (aot.py's topologies are not here: not checked)."""
+  if target.devices[0] not in jax.devices() or (
+      config.dataset in ("huggingface", "tfds") and not config.image_size):
+    return None  # (a Hugging Face or TFDS image's shape is known once it is read)
+  info = input_pipeline.describe(config)
+  if config.dataset in ("huggingface", "tfds"):
+    info = dataclasses.replace(info, image_shape=tuple(config.image_size))
+  resolved = config.copy_and_resolve_references()
+  resolved.steps_per_dispatch, resolved.batch_size = target.k, global_batch_size(
+      config, target.num_devices)
+  memory = input_pipeline.host_memory(resolved, info, target.num_processes)
+  have = input_pipeline.available_memory()
+  if memory.bytes <= have:
+    return None
+  fits = (have // memory.element_bytes - memory.main) // memory.per_worker
+  return (f"the input would hold {memory.bytes / 2**30:.3g} GiB of this host's "
+          f"{have / 2**30:.3g} GiB: {memory.workers} workers x {memory.per_worker} + "
+          f"{memory.main} elements of {memory.element_bytes / 2**20:.4g} MiB (k="
+          f"{target.k} batches of {resolved.batch_size // target.num_processes} examples); use "
+          + (f"--config.num_workers={fits} or fewer, " if fits > 0 else "")
+          + "a lower --config.prefetch_batches, or a smaller batch or steps_per_dispatch.")
+
+
 def _wandb(config, target):
   if config.wandb_project and not _installed("wandb"):
     return (f"config.wandb_project={config.wandb_project!r} needs the `wandb` package: pip "
@@ -316,8 +341,8 @@ def _local_workdir(config, target):
 
 
 RULES = (_model, _data_dir_read, _warmup, _fsdp_devices, _xla_options, _intervals, _nesterov,
-         _batch_divides, _synthetic, _arrayrecord, _hub_dataset, _wandb, _init_from,
-         _remote_workdir, _local_workdir)
+         _batch_divides, _synthetic, _arrayrecord, _hub_dataset, _input_memory, _wandb,
+         _init_from, _remote_workdir, _local_workdir)
 
 
 def validate_config(config: ml_collections.ConfigDict, workdir: str | None = None,

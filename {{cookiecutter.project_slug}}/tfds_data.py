@@ -6,9 +6,10 @@ dataset `config.tfds_name` (e.g. 'imagenet2012') as TFDS prepared it in its data
 
 The image feature is the `Image` one and the label the `ClassLabel` one, whose names are the
 class names. Training reads the split 'train'; evaluation 'validation', else 'test'. Images
-are decoded as predict.py decodes files (`image_files.decode_image`), in Grain's workers,
-to `image_shape`: the first training image's height and width (1 channel if gray, else 3), or
-`config.image_size`.
+are decoded in Grain's workers, to `image_shape` (the first training image's height and width,
+1 channel if gray, else 3, or `config.image_size`): cut from the whole photo by
+`input_pipeline.host_crops` when the run crops (`augment_crop`), else as predict.py decodes
+files (`image_files.decode_image`).
 """
 
 import numpy as np
@@ -57,27 +58,30 @@ def builder(config):
 class Source:
   """A split as a Grain source: `take` decodes a batch of its images."""
 
-  def __init__(self, data_source, image_key: str, label_key: str, image_shape):
+  def __init__(self, data_source, image_key: str, label_key: str, image_shape, crops=None):
     self.data, self.image_key, self.label_key = data_source, image_key, label_key
-    self.image_shape = tuple(image_shape)
+    self.image_shape, self.crops = tuple(image_shape), crops
 
   def __len__(self) -> int:
     return len(self.data)
 
-  def take(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+  def take(self, indices: np.ndarray, positions: np.ndarray | None = None
+           ) -> dict[str, np.ndarray]:
     rows = self.data.__getitems__([int(i) for i in indices])
-    images = [image_files.decode_image(row[self.image_key], self.image_shape) for row in rows]
-    return {"image": np.stack(images),
+    return {"image": image_files.decode_batch([row[self.image_key] for row in rows],
+                                              self.image_shape, self.crops, positions),
             "label": np.array([row[self.label_key] for row in rows], np.int32)}
 
 
-def sources(config) -> tuple[dict[str, Source], tuple[int, int, int], tuple[str, ...]]:
-  """The 'train' and 'eval' sources, the image shape, the class names."""
+def sources(config, crops: dict) -> tuple[dict[str, Source], tuple[int, int, int],
+                                          tuple[str, ...]]:
+  """The 'train' and 'eval' sources (each cut by its `crops`, if any), the image shape, the
+  class names."""
   import tensorflow_datasets as tfds
 
   found, image, label, eval_split = builder(config)
   data = {split: found.as_data_source(split=name, decoders={image: tfds.decode.SkipDecoding()})
           for split, name in (("train", "train"), ("eval", eval_split))}
   shape = tuple(config.image_size) or image_files.encoded_shape(data["train"][0][image])
-  return ({split: Source(d, image, label, shape) for split, d in data.items()}, shape,
-          tuple(found.info.features[label].names))
+  return ({split: Source(d, image, label, shape, crops.get(split)) for split, d in data.items()},
+          shape, tuple(found.info.features[label].names))

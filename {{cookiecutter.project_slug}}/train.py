@@ -142,6 +142,10 @@ def log_run(config, info, num_train_steps: int, workdir: str) -> None:
   logging.info("%s: %d train and %d eval images of %s, %d classes%s", config.dataset,
                info.num_examples["train"], info.num_examples["eval"],
                "x".join(map(str, info.image_shape)), info.num_classes, names and f" ({names})")
+  memory = input_pipeline.host_memory(config, info, jax.process_count())
+  logging.info("input: %d worker%s a process, ~%.3g GiB of host memory (elements of %d batches, "
+               "%.4g MiB each)", memory.workers, "s" * (memory.workers != 1),
+               memory.bytes / 2**30, config.steps_per_dispatch, memory.element_bytes / 2**20)
   logging.info("global batch %d%s; peak learning rate %.4g%s, %d warmup steps, %s decay",
                config.batch_size, f" ({config.per_device_batch_size} x {devices} devices)"
                if config.per_device_batch_size else "", optim.peak_learning_rate(config),

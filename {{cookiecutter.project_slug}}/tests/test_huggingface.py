@@ -35,15 +35,24 @@ def digits_dataset(split_names=("train", "validation")) -> datasets.DatasetDict:
                                                  strict=True)})
 
 
+# Where Dataset.to_parquet writes each split, in the layouts that `datasets` resolves itself
+# (the Hub's among them); "test" is the evaluation split of one of them.
+PARQUET_LAYOUTS = {"parquet": "{split}-00000-of-00001.parquet", "files": "{split}.parquet",
+                   "hub": "data/{split}-00000-of-00001.parquet", "folders": "{split}/part0.parquet"}
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-  """{'saved': a save_to_disk folder, 'parquet': SPLIT-00000-of-00001.parquet files}."""
+  """{'saved': a save_to_disk folder, and one folder per PARQUET_LAYOUTS entry}."""
   root, dataset = tmp_path_factory.mktemp("hf"), digits_dataset()
   dataset.save_to_disk(str(root / "saved"))
-  (root / "parquet").mkdir()
-  for split, part in dataset.items():
-    part.to_parquet(str(root / "parquet" / f"{split}-00000-of-00001.parquet"))
-  return {"saved": str(root / "saved"), "parquet": str(root / "parquet")}
+  for layout, pattern in PARQUET_LAYOUTS.items():
+    for split, part in dataset.items():
+      split = "test" if layout == "files" and split == "validation" else split
+      path = root / layout / pattern.format(split=split)
+      path.parent.mkdir(parents=True, exist_ok=True)
+      part.to_parquet(str(path))
+  return {"saved": str(root / "saved")} | {layout: str(root / layout) for layout in PARQUET_LAYOUTS}
 
 
 def config_for(data_dir, **huggingface):
@@ -53,10 +62,11 @@ def config_for(data_dir, **huggingface):
   return config
 
 
-@pytest.mark.parametrize("kind", ["saved", "parquet"])
+@pytest.mark.parametrize("kind", ["saved", *PARQUET_LAYOUTS])
 def test_a_saved_dataset_and_parquet_files_read_as_the_digits(folders, kind):
   """Found by their features: the image and label columns; the class names and ids are the
-  ClassLabel's, the images those of the digits, decoded."""
+  ClassLabel's, the images those of the digits, decoded; the splits as `datasets` names them
+  from the files (train.parquet and test.parquet: test is the evaluation split)."""
   sources, digits = reads_as_the_digits(config_for(folders[kind]))
   indices = np.array([0, 5, 359])
   for split in ("train", "eval"):
@@ -79,14 +89,34 @@ def test_what_cannot_be_read_is_one_line(folders, tmp_path):
       (config_for(folders["saved"], label_column="digits"), "config.huggingface.label_column="
        "'digits' is no column; the columns are note, digit, picture."),
       (config_for(str(tmp_path / "empty")), f"config.data_dir={str(tmp_path / 'empty')!r} holds "
-       "neither a dataset saved by save_to_disk (dataset_dict.json) nor Parquet files "
-       "(SPLIT-*.parquet).")]:
+       "neither a dataset saved by save_to_disk (dataset_dict.json) nor data files that datasets "
+       "reads (train.parquet, data/train-*.parquet, train/*.parquet, ...): The directory at "
+       f"{tmp_path / 'empty'} doesn't contain any data files")]:
     with pytest.raises(plan.ConfigError) as e:
       plan.validate_config(config)
     assert str(e.value) == message
   config = config_for(str(both), eval_split="test")
   plan.validate_config(config)
   assert input_pipeline.get_datasets(config)[1].num_examples["eval"] == 360
+
+
+def test_photos_are_cropped_from_all_of_each(tmp_path):
+  """Wide photos (JPEG files in an Image column) with the random-resized crop on: training's
+  crops come from the whole photo, on the host, and evaluation keeps the eval_crop_ratio centre
+  (test_image_folder.cropped_from_the_whole_photo)."""
+  from test_image_folder import cropped_from_the_whole_photo, write_wide_photos
+
+  write_wide_photos(tmp_path / "photos")
+  paths = image_files.find_images([str(tmp_path / "photos")])
+  features = datasets.Features({"image": datasets.Image(),
+                                "label": datasets.ClassLabel(names=["left", "right"])})
+  rows = {"image": paths, "label": [int("right" in path) for path in paths]}
+  dataset = datasets.Dataset.from_dict(rows, features=features)
+  datasets.DatasetDict(train=dataset, validation=dataset.select([1, 5])).save_to_disk(
+      str(tmp_path / "saved"))
+  config = config_for(str(tmp_path / "saved"))
+  config.image_size = (32, 32, 3)
+  cropped_from_the_whole_photo(config, eval_examples=2)
 
 
 @pytest.mark.slow

@@ -197,8 +197,19 @@ def test_photos_kept_whole_are_cropped_from_all_of_them(tmp_path):
   assert sizes <= {(120, 60), (80, 40)} and (120, 60) in sizes
 
   config = owned(default.get_config())
-  config.update(dataset="arrayrecord", data_dir=str(tmp_path / "data"), batch_size=3,
-                num_epochs=20, augment_crop=True, augment_crop_scale=(0.08, 1.0),
+  config.update(dataset="arrayrecord", data_dir=str(tmp_path / "data"))
+  splits, batches = cropped_from_the_whole_photo(config, eval_examples=2)
+  again = input_pipeline.train_batches(splits["train"], config, first_step=4)
+  for element in range(4, 8):
+    np.testing.assert_array_equal(again[element - 4]["image"], batches[element]["image"])
+
+
+def cropped_from_the_whole_photo(config, eval_examples: int):
+  """Asserts that `config`'s data (`write_wide_photos`' photos, however stored), read at 32 x 32
+  with the random-resized crop on, are cut on the host: training's crops reach beyond the
+  central square (red 64-191), each its own; evaluation keeps the centre 0.875 of the photo
+  scaled to cover 32 / 0.875 (red about 72-183). Returns the sources and training's batches."""
+  config.update(batch_size=3, num_epochs=20, augment_crop=True, augment_crop_scale=(0.08, 1.0),
                 steps_per_dispatch=1)
   splits, info = input_pipeline.get_datasets(config)
   assert info.image_shape == (32, 32, 3) and info.crops_on_host
@@ -208,14 +219,11 @@ def test_photos_kept_whole_are_cropped_from_all_of_them(tmp_path):
   assert red.shape[1:] == (32, 32)
   assert red.min() < 30 and red.max() > 225  # beyond the central square's 64-191
   assert len({image.tobytes() for image in red}) > 0.9 * len(red)  # every crop its own
-  again = input_pipeline.train_batches(splits["train"], config, first_step=4)
-  for element in range(4, 8):
-    np.testing.assert_array_equal(again[element - 4]["image"], batches[element]["image"])
-
   evaluated = input_pipeline.eval_batches(splits["eval"], config)
   eval_red = np.concatenate([e["image"][e["mask"]][..., 0] for e in evaluated])
-  assert len(eval_red) == 2 and 60 < eval_red.min() and eval_red.max() < 195
+  assert len(eval_red) == eval_examples and 60 < eval_red.min() and eval_red.max() < 195
   assert abs(float(eval_red.mean()) - 127.5) < 3
+  return splits, batches
 
 
 def test_decode_image_scales_to_cover_and_crops_the_center():

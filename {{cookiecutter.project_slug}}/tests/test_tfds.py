@@ -39,6 +39,41 @@ class DigitsForTest(tfds.core.GeneratorBasedBuilder):
       yield i, {"note": "a digit", "picture": out.getvalue(), "digit": int(label)}
 
 
+class WidePhotosForTest(tfds.core.GeneratorBasedBuilder):
+  """test_image_folder.write_wide_photos' JPEGs: all of them 'train', two also 'validation'."""
+
+  VERSION = tfds.core.Version("1.0.0")
+
+  def _info(self):
+    return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
+        "image": tfds.features.Image(shape=(None, None, 3), encoding_format="jpeg"),
+        "label": tfds.features.ClassLabel(names=["left", "right"])}))
+
+  def _split_generators(self, dl_manager):
+    del dl_manager
+    return {"train": self._generate_examples(None), "validation": self._generate_examples(2)}
+
+  def _generate_examples(self, count):
+    import image_files
+
+    for i, path in enumerate(image_files.find_images([self._photos])[:count]):
+      yield i, {"image": path, "label": int("right" in path)}
+
+
+def test_photos_are_cropped_from_all_of_each(tmp_path):
+  """Training's crops come from the whole photo, on the host; evaluation keeps the
+  eval_crop_ratio centre (test_image_folder.cropped_from_the_whole_photo)."""
+  from test_image_folder import cropped_from_the_whole_photo, write_wide_photos
+
+  write_wide_photos(tmp_path / "photos")
+  builder = WidePhotosForTest(data_dir=str(tmp_path / "tfds"), file_format="array_record")
+  builder._photos = str(tmp_path / "photos")
+  builder.download_and_prepare()
+  config = config_for(str(tmp_path / "tfds"), name="wide_photos_for_test")
+  config.image_size = (32, 32, 3)
+  cropped_from_the_whole_photo(config, eval_examples=2)
+
+
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
   root = tmp_path_factory.mktemp("tfds")

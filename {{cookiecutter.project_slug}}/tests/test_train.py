@@ -457,7 +457,7 @@ def test_the_log_is_quiet_one_short_line_per_interval(tmp_path, data):
   assert steps_logged == [5, 10, 15, 20, 23]
   assert any("23 steps of 64 examples, 1 per call" in line for line in lines)  # k=1 on the CPU
   assert re.search(r"first calls \(.*\): train \d+\.\d\d s, eval \d+\.\d\d s", out.stderr)
-  assert len(lines) <= 7 + 5 + 3 + 1, out.stderr  # start, intervals, evals, final
+  assert len(lines) <= 8 + 5 + 3 + 1, out.stderr  # start, intervals, evals, final
 
 
 @pytest.mark.slow
@@ -570,6 +570,9 @@ BAD_CONFIGS = [
     ("--config.model.name=vit", "config.model.name='vit' is none of shipped_model.py's ('cnn', "
                                 "'resnet18', 'resnet50'); choose one."),
     ("--config.grad_clip_norm=-1", "config.grad_clip_norm=-1.0 must be a number >= 0."),
+    ("--config.dataset=synthetic --config.synthetic.image_shape=(2048,2048,3) "
+     "--config.batch_size=8192 --config.num_workers=4", "the input would hold 3.36e+03 GiB of "
+     "this host's"),
     ("--config.label_smoothing=1", "config.label_smoothing=1.0 must be a number in [0, 1); 0 "
                                    "turns it off."),
     ("--config.ema_decay=1.5", "config.ema_decay=1.5 must be a number in [0, 1); 0 turns it off."),
