@@ -43,6 +43,7 @@ EXPECTED_FILES = [
     "image_files.py",
     "tfds_data.py",
     "input_pipeline.py",
+    "layers.py",
     "launch.py",
     "metrics.py",
     "model.py",

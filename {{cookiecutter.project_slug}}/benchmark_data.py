@@ -13,6 +13,7 @@ import json
 import os
 import resource
 import tempfile
+import threading
 import time
 
 import jax
@@ -87,20 +88,46 @@ def measure_decoding(config, is_tiny: bool, seconds: float = 3.0) -> dict:
               workers=input_pipeline.default_workers(config))
 
 
-def cpu_seconds() -> float:
-  """CPU time of this process and of its children, live (from /proc, Linux) or ended."""
-  own, ended = (resource.getrusage(who) for who in (resource.RUSAGE_SELF,
-                                                    resource.RUSAGE_CHILDREN))
-  total = own.ru_utime + own.ru_stime + ended.ru_utime + ended.ru_stime
+def process_tree() -> dict[int, list[str]]:
+  """This process and its live children (its Grain workers): /proc/PID/stat's fields from the
+  third (state) on, by PID (Linux)."""
+  tree = {}
   for stat in glob.glob("/proc/[0-9]*/stat"):
     try:
       with open(stat) as f:
         fields = f.read().rsplit(")", 1)[1].split()
     except OSError:  # ended meanwhile
       continue
-    if int(fields[1]) == os.getpid():  # a live child: its user and system ticks
-      total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-  return total
+    pid = int(stat.split("/")[2])
+    if pid == os.getpid() or int(fields[1]) == os.getpid():
+      tree[pid] = fields
+  return tree
+
+
+def cpu_seconds() -> float:
+  """CPU time of this process and of its children, live (from /proc, Linux) or ended."""
+  ended = resource.getrusage(resource.RUSAGE_CHILDREN)
+  live = sum(int(fields[11]) + int(fields[12]) for fields in process_tree().values())
+  return ended.ru_utime + ended.ru_stime + live / os.sysconf("SC_CLK_TCK")
+
+
+class PeakMemory(threading.Thread):
+  """The highest resident memory of the process tree (`process_tree`: the input's workers
+  are processes of their own) while it runs, sampled every `interval` seconds."""
+
+  def __init__(self, interval: float = 0.2):
+    super().__init__(daemon=True)
+    self.interval, self.peak, self.stopped = interval, 0, threading.Event()
+
+  def run(self):
+    page = os.sysconf("SC_PAGE_SIZE")
+    while not self.stopped.wait(self.interval):
+      self.peak = max(self.peak, page * sum(int(f[21]) for f in process_tree().values()))
+
+  def stop(self) -> int:
+    self.stopped.set()
+    self.join()
+    return self.peak
 
 
 def pil_loop(encoded, image_shape, seconds: float) -> float:
@@ -117,12 +144,15 @@ def pil_loop(encoded, image_shape, seconds: float) -> float:
 
 def measure_data(config, seconds: float, rate: float, image_folder: str | None = None) -> dict:
   """The training batches of `config.data_dir` for `seconds`: images per second and per
-  CPU-second (this process and its Grain workers), the cores that feed `rate` images/s, and the
-  plain PIL loop over `image_folder`'s files (or the stored images, when kept encoded)."""
+  CPU-second (this process and its Grain workers), the cores that feed `rate` images/s, the
+  peak resident memory of the process tree (and `input_pipeline.host_memory`'s expectation),
+  and the plain PIL loop over `image_folder`'s files (or the stored images, when encoded)."""
   config = config.copy_and_resolve_references()
   config.steps_per_dispatch = steps.steps_per_dispatch(config)
   config.num_epochs = 10**6  # never runs out
   splits, info = input_pipeline.get_datasets(config)
+  memory = PeakMemory()
+  memory.start()
   iterator = input_pipeline.as_iterator(input_pipeline.train_batches(splits["train"], config),
                                         config)
   next(iterator)  # workers started, first element read
@@ -130,12 +160,15 @@ def measure_data(config, seconds: float, rate: float, image_folder: str | None =
   while time.perf_counter() - start < seconds:
     images += int(next(iterator)["mask"].sum())
   wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start
+  peak = memory.stop()
   iterator.close()
   result = dict(data_dir=config.data_dir, dataset=config.dataset,
                 image_shape=list(info.image_shape), crops_on_host=info.crops_on_host,
                 workers=input_pipeline.default_workers(config), images=images, seconds=wall,
                 images_per_second=images / wall, images_per_cpu_second=images / cpu,
-                target_images_per_second=rate, cores_per_accelerator=rate * cpu / images)
+                target_images_per_second=rate, cores_per_accelerator=rate * cpu / images,
+                peak_memory_mib=peak / 2**20, expected_memory_mib=input_pipeline.host_memory(
+                    config, info).bytes / 2**20)
   source, encoded = splits["train"], None
   if image_folder:
     paths = image_files.images_under(image_folder)

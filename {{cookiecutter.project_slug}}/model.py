@@ -5,7 +5,7 @@ Contract with train.py: `create_model(config, image_shape, num_classes, rngs)` r
 `nnx.Module` mapping images `[batch, height, width, channels]` to logits `[batch, num_classes]`.
 A model whose `__call__` has an `example_mask` parameter (or `**kwargs`) also gets the mask
 `[batch]` (False on padding), for layers that pool over the batch
-(`pmap.BatchNorm(...)(x, mask=example_mask)`). The loss is computed in float32 whatever
+(`layers.BatchNorm(...)(x, mask=example_mask)`). The loss is computed in float32 whatever
 the logits' dtype.
 """
 
@@ -14,7 +14,7 @@ import functools
 import jax.numpy as jnp
 from flax import nnx
 
-import pmap
+import layers
 
 
 class CNN(nnx.Module):
@@ -81,7 +81,7 @@ class ResNet(nnx.Module):
   """ResNet v1.5 (He et al. 2016; torchvision's and Flax's examples/imagenet's): a 7x7 stride-2
   convolution and a 3x3 stride-2 max pool, four stages of residual blocks (the first block of
   stages 2-4 halves the resolution and doubles the width), global average pool, linear. Its
-  BatchNorm (`pmap.BatchNorm`) takes the statistics of the real examples of the whole
+  BatchNorm (`layers.BatchNorm`) takes the statistics of the real examples of the whole
   global batch on every path (pmap's too), padding left out (`example_mask`)."""
 
   def __init__(self, image_shape, num_classes: int, *, stage_sizes: tuple[int, ...],
@@ -91,7 +91,7 @@ class ResNet(nnx.Module):
                              kernel_init=nnx.initializers.variance_scaling(2.0, "fan_out",
                                                                            "normal"),
                              rngs=rngs)
-    norm = functools.partial(pmap.BatchNorm, momentum=0.9, epsilon=1e-5, dtype=dtype,
+    norm = functools.partial(layers.BatchNorm, momentum=0.9, epsilon=1e-5, dtype=dtype,
                              param_dtype=param_dtype, rngs=rngs)
     self.stem = conv(image_shape[-1], width, (7, 7), strides=2, padding=((3, 3), (3, 3)))
     self.stem_norm = norm(width)

@@ -71,7 +71,7 @@ def mask_warning(model) -> str | None:
   return (f"warning: {type(model).__name__} holds BatchNorm but its __call__ takes no "
           "example_mask, so its batch statistics include the padding of partial batches; give "
           "__call__ an example_mask=None parameter and pass it on: "
-          "pmap.BatchNorm(...)(x, mask=example_mask) (model.py's docstring)")
+          "layers.BatchNorm(...)(x, mask=example_mask) (model.py's docstring)")
 
 
 def loss_and_metrics(model, batch, collection=Metrics, label_smoothing: float = 0.0):

@@ -2,13 +2,13 @@
 import jax.numpy as jnp
 from flax import nnx
 
-import pmap
+import layers
 
 
 class Block(nnx.Module):
   def __init__(self, features, rngs):
     self.conv = nnx.Conv(features, features, (3, 3), use_bias=False, rngs=rngs)
-    self.norm = pmap.BatchNorm(features, rngs=rngs)
+    self.norm = layers.BatchNorm(features, rngs=rngs)
 
   def __call__(self, x, mask):
     return nnx.relu(x + self.norm(self.conv(x), mask=mask))

@@ -129,8 +129,8 @@ def test_the_input_pipeline_alone_on_your_own_data(tmp_path):
   result = json.loads(out.read_text())
   assert result["workers"] == 1 and result["crops_on_host"] and result["image_shape"] == [64, 64, 3]
   assert_positive_finite(result, ("images_per_second", "images_per_cpu_second",
-                                  "pil_loop_images_per_cpu_second", "pipeline_over_pil_loop"),
-                         "data")
+                                  "pil_loop_images_per_cpu_second", "pipeline_over_pil_loop",
+                                  "peak_memory_mib", "expected_memory_mib"), "data")
   assert result["cores_per_accelerator"] == pytest.approx(
       1000 / result["images_per_cpu_second"], rel=1e-9)
   assert result["images"] % 8 == 0 and result["images"] >= 8

@@ -11,10 +11,10 @@ from jax.sharding import PartitionSpec as P
 from shipped_model import create_model
 
 import input_pipeline
+import layers
 import metrics
 import optim
 import parallel
-import pmap
 import steps
 import train
 
@@ -122,7 +122,7 @@ class NormNoMask(nnx.Module):
   """BatchNorm, and a __call__ that cannot take the mask."""
 
   def __init__(self, image_shape, num_classes, rngs):
-    self.norm = pmap.BatchNorm(image_shape[-1], rngs=rngs)
+    self.norm = layers.BatchNorm(image_shape[-1], rngs=rngs)
     self.dense = nnx.Linear(int(np.prod(image_shape)), num_classes, rngs=rngs)
 
   def __call__(self, images):

@@ -16,6 +16,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from shipped_model import create_model
 
+import layers
 import metrics
 import optim
 import parallel
@@ -320,11 +321,11 @@ def test_dropout_gives_the_same_numbers_on_spmd_fsdp_and_one_device_not_pmap(tin
 
 
 class BatchNormCNN(nnx.Module):
-  """pmap.BatchNorm as model.py uses it: no axis_name (under pmap it finds pmap's axis)."""
+  """layers.BatchNorm as model.py uses it: no axis_name (under pmap it finds pmap's axis)."""
 
   def __init__(self, rngs):
     self.conv = nnx.Conv(1, 4, kernel_size=(3, 3), use_bias=False, rngs=rngs)  # BN has one
-    self.norm = pmap.BatchNorm(4, momentum=0.9, rngs=rngs)
+    self.norm = layers.BatchNorm(4, momentum=0.9, rngs=rngs)
     self.dense = nnx.Linear(8 * 8 * 4, 10, rngs=rngs)
 
   def __call__(self, images, example_mask=None):  # the steps pass the batch's mask here

@@ -229,19 +229,29 @@ assert not [m for m in sys.modules if m.split(".")[0] in ("flax", "runs", "model
 """
 
 
-def test_the_exported_model_runs_without_flax_or_the_project(folder_run, tmp_path):
+def exported(folder_run, where, num_images: int) -> np.ndarray:
+  """The folder run's model exported to `where`/model.npz, beside `num_images` of its images
+  (images.npy) as predict.py reads them; returns predict.py's probabilities for them."""
   root, workdir, _, _ = folder_run
   run = runs.Restored(workdir)
-  paths = image_files.find_images([str(root / "pngs" / "val")])[:13]
-  wanted = np.stack([p for _, p in predict.predict(run, paths)])
-  export.write(run, str(tmp_path / "model.npz"))
-  np.save(tmp_path / "images.npy",
-          np.stack([image_files.read_image(p, (8, 8, 1)) for p in paths]))
-  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-  done = subprocess.run([sys.executable, "-I", "-c", LOAD_EXPORTED], cwd=tmp_path, env=env,
+  paths = image_files.find_images([str(root / "pngs" / "val")])[:num_images]
+  export.write(run, str(where / "model.npz"))
+  np.save(where / "images.npy", np.stack([image_files.read_image(p, (8, 8, 1)) for p in paths]))
+  return np.stack([p for _, p in predict.predict(run, paths)])
+
+
+def load_exported(python, where) -> np.ndarray:
+  """LOAD_EXPORTED run by `python` in isolated mode (no PYTHONPATH, no project) in `where`."""
+  env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+  done = subprocess.run([python, "-I", "-c", LOAD_EXPORTED], cwd=where, env=env,
                         capture_output=True, text=True, timeout=120)
   assert done.returncode == 0, done.stderr[-3000:]
-  probs = np.load(tmp_path / "probs.npy")
+  return np.load(where / "probs.npy")
+
+
+def test_the_exported_model_runs_without_flax_or_the_project(folder_run, tmp_path):
+  wanted = exported(folder_run, tmp_path, 13)
+  probs = load_exported(sys.executable, tmp_path)
   assert probs.shape == (14, 4) and probs.dtype == np.float32
   np.testing.assert_allclose(probs[0], wanted[0], atol=1e-5)  # a batch of 1
   np.testing.assert_allclose(probs[1:], wanted, atol=1e-5)  # a batch of 13
@@ -258,24 +268,15 @@ def test_the_exported_model_loads_in_a_fresh_venv_of_what_the_readme_names(folde
   and gives the restored model's probabilities."""
   import importlib.metadata
 
-  root, workdir, _, _ = folder_run
-  run = runs.Restored(workdir)
-  paths = image_files.find_images([str(root / "pngs" / "val")])[:5]
-  wanted = np.stack([p for _, p in predict.predict(run, paths)])
-  export.write(run, str(tmp_path / "model.npz"))
-  np.save(tmp_path / "images.npy",
-          np.stack([image_files.read_image(p, (8, 8, 1)) for p in paths]))
+  wanted = exported(folder_run, tmp_path, 5)
   venv = tmp_path / "venv"
   subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
   pins = [f"{name}=={importlib.metadata.version(name)}" for name in EXPORT_NEEDS]
   done = subprocess.run([venv / "bin" / "pip", "install", "-q", *pins], capture_output=True,
                         text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
-  env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-  done = subprocess.run([venv / "bin" / "python", "-I", "-c", LOAD_EXPORTED], cwd=tmp_path,
-                        env=env, capture_output=True, text=True, timeout=120)
-  assert done.returncode == 0, done.stderr[-3000:]
-  np.testing.assert_allclose(np.load(tmp_path / "probs.npy")[1:], wanted, atol=1e-5)
+  np.testing.assert_allclose(load_exported(venv / "bin" / "python", tmp_path)[1:], wanted,
+                             atol=1e-5)
 
 
 def test_an_fsdp_runs_export_holds_its_whole_arrays_and_answers_as_it_does(straight_runs,
