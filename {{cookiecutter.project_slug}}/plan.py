@@ -5,7 +5,6 @@ own mistakes as one line. train.py and aot.py both start here, so that what aot.
 a topology is what train.py would run there.
 """
 
-import dataclasses
 import difflib
 import glob
 import importlib.util
@@ -278,9 +277,10 @@ def _input_memory(config, target):
   if target.devices[0] not in jax.devices() or (
       config.dataset in ("huggingface", "tfds") and not config.image_size):
     return None  # (a Hugging Face or TFDS image's shape is known once it is read)
-  info = input_pipeline.describe(config)
-  if config.dataset in ("huggingface", "tfds"):
-    info = dataclasses.replace(info, image_shape=tuple(config.image_size))
+  if config.dataset in ("huggingface", "tfds"):  # decoded to image_size: nothing to read
+    info = input_pipeline.DatasetInfo(tuple(config.image_size), 0, {})
+  else:
+    info = input_pipeline.describe(config)
   resolved = config.copy_and_resolve_references()
   resolved.steps_per_dispatch, resolved.batch_size = target.k, global_batch_size(
       config, target.num_devices)
