@@ -168,7 +168,7 @@ def measure_data(config, seconds: float, rate: float, image_folder: str | None =
                 images_per_second=images / wall, images_per_cpu_second=images / cpu,
                 target_images_per_second=rate, cores_per_accelerator=rate * cpu / images,
                 peak_memory_mib=peak / 2**20, expected_memory_mib=input_pipeline.host_memory(
-                    config, info).bytes / 2**20)
+                    config, info, iterators=1).bytes / 2**20)
   source, encoded = splits["train"], None
   if image_folder:
     paths = image_files.images_under(image_folder)

@@ -9,6 +9,8 @@ give each process --coordinator_address, --num_processes and --process_id. Whate
 writes a file does it on process 0 alone (`is_first`).
 """
 
+import glob
+import importlib.util
 import os
 
 import jax
@@ -24,25 +26,78 @@ import parallel
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "host:port of process 0, to run several processes without a "
     "cluster that JAX detects by itself (SLURM, Open MPI, Cloud TPU pods).")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "With --coordinator_address.")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "With --coordinator_address.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "With --coordinator_address, or "
+                                      "JAX_COORDINATOR_ADDRESS (a Kubernetes job).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "With --coordinator_address, or "
+                                   "JAX_COORDINATOR_ADDRESS.")
 _HEARTBEAT = flags.DEFINE_integer(
     "heartbeat_timeout_seconds", 100, "After this long without news of a process, the others "
     "stop with an error instead of waiting for it.")
 
-def cluster_detected() -> bool:
-  """A job of several processes that jax.distributed.initialize() configures by itself: JAX's
-  own detection (SLURM, Open MPI, Cloud TPU VMs, GKE, Kubernetes; mpi4py only when asked), or
-  JAX_COORDINATOR_ADDRESS. A job of one process is left alone (JAX would restrict it to one GPU
-  under SLURM and Open MPI). On a plain machine it reads environment variables only: JAX asks
-  the TPU metadata server only on a Cloud TPU VM."""
-  if "JAX_COORDINATOR_ADDRESS" in os.environ:
-    return True
-  from jax._src import clusters  # JAX's detection: no public API gives it
+def tasks_on_this_node(environ) -> int:
+  """SLURM's tasks on this task's node: its entry in SLURM_STEP_TASKS_PER_NODE ('8(x2),4': 8 on
+  each of the first 2 nodes, 4 on the third), by SLURM_NODEID."""
+  spec = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+  if not spec:
+    return int(environ.get("SLURM_NTASKS_PER_NODE", environ["SLURM_NTASKS"]))
+  counts = []
+  for part in spec.split(","):
+    count, _, times = part.partition("(x")
+    counts += [int(count)] * int(times.rstrip(")") or 1)
+  return counts[int(environ.get("SLURM_NODEID", 0))]
 
-  cluster = next((env for env in clusters.ClusterEnv._cluster_types
-                  if not env.opt_in_only_method and env.is_env_present()), None)
-  return cluster is not None and cluster.get_process_count() > 1
+
+def visible_gpus(environ) -> int:
+  """The NVIDIA GPUs this process sees: those CUDA_VISIBLE_DEVICES lists, else the device files."""
+  if "CUDA_VISIBLE_DEVICES" in environ:
+    return len([d for d in environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()])
+  return len(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def slurm_gpus(environ, gpus: int) -> list[int] | None:
+  """The GPUs a SLURM task drives (indices into the `gpus` it sees), decided from what SLURM sets;
+  None when it sees none (CPUs, TPUs: JAX's choice). JAX alone would drive GPU SLURM_LOCALID,
+  right in one layout only: a task a GPU, each task seeing all the node's GPUs. Here also:
+  a task a GPU bound to it (--gpus-per-task=1 or --gpu-bind=single:1: it sees one, ordinal 0),
+  a task a node (all it sees), and any even split (2 tasks of a node's 8 GPUs: 4 each, by
+  SLURM_LOCALID). Raises ValueError, naming the sbatch fix, for a layout it cannot serve."""
+  if not gpus:
+    return None
+  tasks, local = tasks_on_this_node(environ), int(environ["SLURM_LOCALID"])
+  if environ.get("SLURM_GPUS_PER_TASK", "").isdigit() and gpus == int(
+      environ["SLURM_GPUS_PER_TASK"]) or gpus == 1:  # bound: the GPUs it sees are its own
+    return list(range(gpus))
+  if gpus % tasks == 0:  # every task sees the node's GPUs: an even share each
+    return list(range(local * gpus // tasks, (local + 1) * gpus // tasks))
+  raise ValueError(
+      f"SLURM task {local} sees {gpus} GPUs, shared by the {tasks} tasks on its node, which "
+      "cannot split them evenly: run a task a GPU (--ntasks-per-node=G --gpus-per-task=1) or a "
+      "task a node (--ntasks-per-node=1 --gpus-per-node=G).")
+
+
+def cluster(environ=os.environ) -> dict | None:
+  """How this process joins a job of several processes whose launcher JAX detects: the arguments
+  of jax.distributed.initialize() beyond what JAX reads from the environment itself, or None for
+  no such job (a plain machine, a job of one process). Read from environment variables only,
+  those JAX's own detectors read (SLURM, Open MPI, Cloud TPU on GKE; JAX_COORDINATOR_ADDRESS);
+  on a Cloud TPU VM (libtpu and a TPU device file) JAX asks the VM's metadata server."""
+  if "JAX_COORDINATOR_ADDRESS" in environ:
+    return {}
+  slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
+           "SLURM_LOCALID")
+  if all(name in environ for name in slurm):  # srun's variables, as JAX's detection reads them
+    if int(environ["SLURM_NTASKS"]) == 1:
+      return None  # one task: JAX would restrict it to GPU 0
+    gpus = slurm_gpus(environ, visible_gpus(environ))
+    return {} if gpus is None else {"local_device_ids": gpus}
+  if int(environ.get("OMPI_COMM_WORLD_SIZE", 1)) > 1:  # mpirun's (Open MPI 5: with mpi4py)
+    return {}
+  tpu_vm = importlib.util.find_spec("libtpu") is not None and bool(
+      glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))
+  hosts = environ.get("TPU_PROCESS_ADDRESSES") or environ.get("TPU_WORKER_HOSTNAMES")
+  if tpu_vm and (len(hosts.split(",")) > 1 if hosts else True):
+    return {}
+  return None
 
 
 def initialize() -> None:
@@ -53,12 +108,17 @@ def initialize() -> None:
     bind = _COORDINATOR.value if host in ("127.0.0.1", "localhost") else None  # loopback only
     jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                                coordinator_bind_address=bind, **timeouts)
-  elif cluster_detected():
-    jax.distributed.initialize(**timeouts)  # JAX reads the cluster's environment
   else:
-    return
-  logging.info("Process %d of %d, %d local devices of %d", jax.process_index(),
-               jax.process_count(), jax.local_device_count(), jax.device_count())
+    try:
+      joining = cluster()
+    except ValueError as e:
+      raise SystemExit(f"error: {e}") from None
+    if joining is None:
+      return
+    jax.distributed.initialize(num_processes=_NUM_PROCESSES.value,
+                               process_id=_PROCESS_ID.value, **joining, **timeouts)
+  logging.info("Process %d of %d drives %s (%d devices in all)", jax.process_index(),
+               jax.process_count(), ", ".join(map(str, jax.local_devices())), jax.device_count())
   if jax.default_backend() == "cpu":
     connect_cpu_collectives()
   if jax.process_index() > 0:

@@ -1,7 +1,7 @@
 """Grain input pipeline: sources, a seeded shuffle, and padded-and-masked batches.
 
-Every element is k = `config.steps_per_dispatch` batches stacked, each holding this process's
-share of one global batch, as NumPy arrays (see steps.py for what the device does with them):
+The iterator's every element is k = `config.steps_per_dispatch` batches stacked, each holding
+this process's share of one global batch, as NumPy arrays (steps.py: what the device does):
   image [k, local_batch, H, W, C] as stored (uint8 pixels stay uint8 up to the device),
   label [k, local_batch] int32, mask [k, local_batch] bool (False on padding),
   position [k, local_batch] uint32 (the example's place in the stream; keys its augmentation).
@@ -9,8 +9,9 @@ A split is cut into exactly ceil(examples / global_batch) batches on every proce
 processes run the same number of steps and every real example is seen exactly once per epoch:
 nothing is dropped, nothing is counted twice.
 
-One Grain element is gathered with NumPy fancy indexing: Grain's per-example path costs tens of
-microseconds per example, more than a training step of a small model. Batch b holds the
+A worker reads a batch at a time (gathered with NumPy fancy indexing: Grain's per-example path
+costs tens of microseconds an example, more than a small model's step), and the main process
+stacks k of them: the host holds what is in flight, whatever k x batch. Batch b holds the
 examples at positions [b * global_batch, (b + 1) * global_batch) of the stream (`num_epochs`
 passes, each a fresh seeded permutation); process p takes positions p, p + P, ... of it, so the
 global batch is the same whatever the number of processes P.
@@ -25,6 +26,7 @@ import os
 import signal
 
 import grain
+import jax
 import numpy as np
 from flax import serialization
 
@@ -80,7 +82,8 @@ class RecordSource:
 
   def take(self, indices: np.ndarray, positions: np.ndarray | None = None
            ) -> dict[str, np.ndarray]:
-    examples = [serialization.msgpack_restore(self.records[int(i)]) for i in indices]
+    examples = [serialization.msgpack_restore(record)  # records read in parallel
+                for record in self.records.__getitems__([int(i) for i in indices])]
     return {"image": decode_batch([ex["image"] for ex in examples], self.image_shape,
                                   self.crops, positions),
             "label": np.array([ex["label"] for ex in examples], np.int32)}
@@ -188,15 +191,17 @@ def num_batches(num_examples: int, global_batch_size: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class LoadBatches:
-  """Element number j -> this process's share of batches [j * k, (j + 1) * k) of the stream,
-  padded, masked and stacked: `[k, local_batch, ...]` (the map of the Grain pipeline).
+class LoadUnit:
+  """Unit u of the stream -> `unit_size` consecutive examples of this process's batches, padded
+  and masked (`[unit_size, ...]`): a worker's unit of work. With worker processes, a device's
+  share of a batch: what a worker holds does not grow with the batch or k; without, k batches
+  (one gather from memory). `Elements` stacks the units into elements of k batches.
 
-  Batches past the end of the stream, and before `first_batch` (a resumed run), are all
-  padding: the steps skip them. With `trim` the last element holds only the batches left, so no
-  batch is padding alone (evaluation's: its second shape compiles once). Elements are aligned
-  to multiples of k batches from the start of the stream whatever `first_batch`, so the steps
-  of a run are aligned too.
+  Batches past the end of the stream, and before `first_batch` (a resumed run), are all padding:
+  the steps skip them, and no example is read for them. The stream is cut to whole elements of k
+  batches, aligned from its start whatever `first_batch`, so the steps of a run are aligned too;
+  with `trim` (evaluation), the batches that fill the last element are left out of their units:
+  the last element holds only the batches left.
   """
 
   source: ArraySource | RecordSource
@@ -208,59 +213,116 @@ class LoadBatches:
   process_index: int = 0
   process_count: int = 1
   trim: bool = False
+  unit_size: int = 0  # 0: a batch
 
-  def __len__(self) -> int:
-    return math.ceil(self.num_batches / self.steps_per_element)
+  @property
+  def local_batch_size(self) -> int:
+    return self.global_batch_size // self.process_count
+
+  @property
+  def size(self) -> int:
+    return self.unit_size or self.local_batch_size
+
+  def __len__(self) -> int:  # whole elements of k batches
+    elements = -(-self.num_batches // self.steps_per_element)
+    return elements * self.steps_per_element * self.local_batch_size // self.size
 
   @property
   def num_batches(self) -> int:
     return num_batches(self.num_epochs * len(self.source), self.global_batch_size)
 
-  @functools.lru_cache(maxsize=4)  # noqa: B019  (an element spans few epochs)
+  @functools.lru_cache(maxsize=4)  # noqa: B019  (a unit spans few epochs)
   def permutation(self, epoch: int) -> np.ndarray:
     return np.random.default_rng([self.shuffle_seed, epoch]).permutation(len(self.source))
 
-  def __call__(self, element: int) -> dict[str, np.ndarray]:
-    k, local_batch_size = self.steps_per_element, self.global_batch_size // self.process_count
-    batch_K1 = element * k + np.arange(k)[:, None]
-    if self.trim:
-      k = min(k, self.num_batches - element * k)
-      batch_K1 = batch_K1[:k]
-    positions_KB = (batch_K1 * self.global_batch_size + self.process_index
-                    + self.process_count * np.arange(local_batch_size))
-    mask_KB = (positions_KB < self.num_epochs * len(self.source)) & (batch_K1 >= self.first_batch)
-    epoch, indices = np.divmod(np.where(mask_KB, positions_KB, 0), len(self.source))
+  def __call__(self, u: int) -> dict[str, np.ndarray]:
+    batch_S, slot_S = np.divmod(u * self.size + np.arange(self.size), self.local_batch_size)
+    positions_S = (batch_S * self.global_batch_size + self.process_index
+                   + self.process_count * slot_S)
+    mask_S = (positions_S < self.num_epochs * len(self.source)) & (batch_S >= self.first_batch)
+    read_S = mask_S | (np.arange(len(mask_S)) == 0)  # one example at least: the shapes
+    epoch, indices = np.divmod(positions_S[read_S] * mask_S[read_S], len(self.source))
     if self.shuffle_seed is not None:
-      for e in np.unique(epoch[mask_KB]):  # an element may straddle epochs
+      for e in np.unique(epoch):  # a unit may straddle epochs
         indices[epoch == e] = self.permutation(e)[indices[epoch == e]]
     if getattr(self.source, "crops", None) is not None:
-      taken = self.source.take(indices.reshape(-1), positions_KB.reshape(-1))
+      taken = self.source.take(indices, positions_S[read_S])
     else:
-      taken = self.source.take(indices.reshape(-1))
-    image = taken["image"].reshape(k, local_batch_size, *taken["image"].shape[1:])
-    image[~mask_KB] = 0  # a fresh array: padding zeroed in place
-    label = np.where(mask_KB, taken["label"].reshape(k, local_batch_size), 0).astype(np.int32)
-    return {"image": image, "label": label, "mask": mask_KB,
-            "position": positions_KB.astype(np.uint32)}
+      taken = self.source.take(indices)
+    image, label = taken["image"], taken["label"].astype(np.int32)
+    if not mask_S.all():  # padding: zeros
+      image = np.zeros((len(mask_S), *image.shape[1:]), image.dtype)
+      image[mask_S] = taken["image"][mask_S[read_S]]
+      label = np.zeros(len(mask_S), np.int32)
+      label[mask_S] = taken["label"][mask_S[read_S]]
+    unit = {"image": image, "label": label, "mask": mask_S,
+            "position": positions_S.astype(np.uint32)}
+    if self.trim:  # the batches that fill the last element: left out (maybe all of the unit)
+      unit = {key: value[batch_S < self.num_batches] for key, value in unit.items()}
+    return unit
 
 
-def train_batches(source, config, first_step: int = 0, **process) -> grain.MapDataset:
+@dataclasses.dataclass(frozen=True)
+class Elements:
+  """A stream's elements, k batches stacked each (`train_batches`, `eval_batches`), made of
+  `units` (a Grain MapDataset of `LoadUnit`s): `as_iterator` reads them; `len`, indexing and
+  iteration read them here, in this process, for a look."""
+
+  units: grain.MapDataset
+  per_element: int  # units
+  local_batch_size: int
+
+  def __len__(self) -> int:
+    return len(self.units) // self.per_element
+
+  def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+    start = range(len(self))[i] * self.per_element
+    return self.stack([self.units[u] for u in range(start, start + self.per_element)])
+
+  def __iter__(self):
+    return (self[i] for i in range(len(self)))
+
+  def repeat(self) -> "Elements":
+    return dataclasses.replace(self, units=self.units.repeat())
+
+  def stack(self, units: list[dict]) -> dict[str, np.ndarray]:
+    """An element's units as `[k, local_batch, ...]` (fewer batches where `trim` left some out)."""
+    return {key: (units[0][key] if len(units) == 1 else np.concatenate([u[key] for u in units])
+                  ).reshape(-1, self.local_batch_size, *units[0][key].shape[1:])
+            for key in units[0]}
+
+
+def unit_size(config, local_batch_size: int) -> int:
+  """The examples of a unit: with worker processes, a local device's share of a batch (when they
+  divide it); without, k batches: one gather from memory, or read by this process's threads."""
+  if default_workers(config):
+    return local_batch_size // math.gcd(local_batch_size, jax.local_device_count())
+  return config.steps_per_dispatch * local_batch_size
+
+
+def elements(load: LoadUnit, first_element: int = 0) -> Elements:
+  per_element = load.steps_per_element * load.local_batch_size // load.size
+  units = grain.MapDataset.range(len(load)).map(load)[first_element * per_element:]
+  return Elements(units, per_element, load.local_batch_size)
+
+
+def train_batches(source, config, first_step: int = 0, **process) -> Elements:
   """`num_epochs` passes over `source`, reshuffled every epoch, as one stream of batches, from
   the element holding batch `first_step` on (`first_step`: the steps already done).
 
   Only the very last batch can be partial; it is padded and masked.
   """
-  k = config.steps_per_dispatch
-  load = LoadBatches(source, config.batch_size, config.num_epochs, config.seed, k, first_step,
-                     **process)
-  return grain.MapDataset.range(len(load)).map(load)[first_step // k:]
+  k, local = config.steps_per_dispatch, config.batch_size // process.get("process_count", 1)
+  load = LoadUnit(source, config.batch_size, config.num_epochs, config.seed, k, first_step,
+                  **process, unit_size=unit_size(config, local))
+  return elements(load, first_step // k)
 
 
-def eval_batches(source, config, **process) -> grain.MapDataset:
+def eval_batches(source, config, **process) -> Elements:
   """The split once, in its order, k batches an element, the last one only those left."""
-  load = LoadBatches(source, config.batch_size, steps_per_element=config.steps_per_dispatch,
-                     trim=True, **process)
-  return grain.MapDataset.range(len(load)).map(load)
+  local = config.batch_size // process.get("process_count", 1)
+  return elements(LoadUnit(source, config.batch_size, steps_per_element=config.steps_per_dispatch,
+                           trim=True, **process, unit_size=unit_size(config, local)))
 
 
 def available_cpus() -> int:
@@ -274,8 +336,7 @@ def available_cpus() -> int:
 def default_workers(config) -> int:
   """`config.num_workers`, or when it is -1: none for datasets held in memory (a batch is one
   NumPy gather, which workers would only copy again), else one per core of this process's but
-  one (each holds up to `prefetch_batches` elements of k batches of its own: memory bounds
-  them too)."""
+  one (each holds `prefetch_batches` batches and a few more: `host_memory`)."""
   if config.num_workers >= 0:
     return config.num_workers
   in_memory = config.dataset in ("digits", "synthetic")
@@ -284,31 +345,36 @@ def default_workers(config) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class HostMemory:
-  """What the input pipeline holds in host memory, in elements of k batches of this process's
-  share: each Grain worker its read-ahead (`prefetch_batches`), the elements its `read_threads`
-  are building and the one in its queue to the main process; the main process the elements
-  placed ahead on the devices (`prefetch_to_device`) and the one being placed (and, with no
-  worker, the read-ahead itself)."""
+  """What the input pipeline holds in host memory, in units (a device's share of a batch) of this
+  process, for its two iterators (training's and evaluation's, each with its workers): each
+  Grain worker its read-ahead (`prefetch_batches`), the units its `read_threads` are building and
+  the one in its queue to the main process; the main process (which reads ahead itself when
+  there are no workers) an element of k batches being stacked for each, and for training those
+  placed ahead on the devices (`prefetch_to_device`) and the one being placed."""
 
-  element_bytes: int
-  workers: int
-  per_worker: int  # elements
-  main: int  # elements
+  unit_bytes: int
+  workers: int  # an iterator's
+  per_worker: int  # units
+  main: int  # units
+  iterators: int = 2
 
   @property
   def bytes(self) -> int:
-    return self.element_bytes * (self.workers * self.per_worker + self.main)
+    return self.unit_bytes * (self.iterators * self.workers * self.per_worker + self.main)
 
 
-def host_memory(config, info: DatasetInfo, num_processes: int = 1) -> HostMemory:
+def host_memory(config, info: DatasetInfo, num_processes: int = 1,
+                iterators: int = 2) -> HostMemory:
   """The input's expected host memory on each process, for a resolved `config` (k, batch)."""
   image = math.prod(info.image_shape) * np.dtype(info.pixel_dtype).itemsize
-  example = image + 4 + 1 + 4  # its label, mask and position
-  element = config.steps_per_dispatch * (config.batch_size // num_processes) * example
-  workers = default_workers(config)
+  local_batch_size = config.batch_size // num_processes
+  unit = unit_size(config, local_batch_size) * (image + 4 + 1 + 4)  # label, mask, position
+  workers, k = default_workers(config), config.steps_per_dispatch
   ahead = config.prefetch_batches + config.read_threads + 1
-  return HostMemory(element, workers, ahead + 1,
-                    (0 if workers else ahead) + config.prefetch_to_device + 1)
+  element = k * local_batch_size * (image + 4 + 1 + 4)
+  main = unit * (0 if workers else ahead) * iterators + element * (
+      config.prefetch_to_device + iterators + 1)
+  return HostMemory(unit, workers, ahead, main // unit, iterators)
 
 
 def available_memory() -> int:
@@ -329,30 +395,29 @@ def leave_interrupts_to_the_main_process(worker_index: int, num_workers: int) ->
   signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def as_iterator(batches: grain.MapDataset, config, put=None,
+def as_iterator(batches: Elements, config, put=None,
                 num_workers: int | None = None) -> grain.DatasetIterator:
-  """An iterator over `batches`, read with `num_workers` worker processes (default: chosen by
-  `default_workers(config)`). Close it when done: that stops the workers.
+  """An iterator over `batches`' elements, their units read with `num_workers` worker processes
+  (default: chosen by `default_workers(config)`). Close it when done: that stops the workers.
 
   With `put` (a function placing stacked batches on the devices), they are placed by a
   background thread, `config.prefetch_to_device` elements ahead of the step.
   """
   read_options = grain.ReadOptions(num_threads=config.read_threads,
                                    prefetch_buffer_size=config.prefetch_batches)
-  dataset = batches.to_iter_dataset(read_options)
+  dataset = batches.units.to_iter_dataset(read_options)
   workers = default_workers(config) if num_workers is None else num_workers
   if workers:
-    # Elements come back from the workers pickled, not in shared memory: Grain releases shared
+    # Batches come back from the workers pickled, not in shared memory: Grain releases shared
     # memory from a background thread, and releases still queued at exit were reported as leaks.
     no_shm = grain.experimental.DatasetOptions(min_shm_size=2**62)
     dataset = grain.experimental.WithOptionsIterDataset(dataset, no_shm)
     dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers),
                                   worker_init_fn=leave_interrupts_to_the_main_process)
+  dataset = dataset.batch(batches.per_element, batch_fn=batches.stack)
   if put is not None:
     dataset = dataset.map(put)
     if config.prefetch_to_device:
       dataset = grain.experimental.ThreadPrefetchIterDataset(
           dataset, prefetch_buffer_size=config.prefetch_to_device)
   return iter(dataset)
-
-

@@ -288,11 +288,11 @@ def _input_memory(config, target):
   have = input_pipeline.available_memory()
   if memory.bytes <= have:
     return None
-  fits = (have // memory.element_bytes - memory.main) // memory.per_worker
+  fits = (have // memory.unit_bytes - memory.main) // (memory.per_worker * memory.iterators)
   return (f"the input would hold {memory.bytes / 2**30:.3g} GiB of this host's "
-          f"{have / 2**30:.3g} GiB: {memory.workers} workers x {memory.per_worker} + "
-          f"{memory.main} elements of {memory.element_bytes / 2**20:.4g} MiB (k="
-          f"{target.k} batches of {resolved.batch_size // target.num_processes} examples); use "
+          f"{have / 2**30:.3g} GiB: {memory.iterators} x {memory.workers} workers x "
+          f"{memory.per_worker} + {memory.main} units of {memory.unit_bytes / 2**20:.4g} MiB "
+          f"(a device's share of a batch; k={target.k}); use "
           + (f"--config.num_workers={fits} or fewer, " if fits > 0 else "")
           + "a lower --config.prefetch_batches, or a smaller batch or steps_per_dispatch.")
 

@@ -53,11 +53,18 @@ def preemption_service() -> bool:
 @contextlib.contextmanager
 def stop_signals():
   """Collects SIGTERM and SIGINT instead of dying, so the loop can stop after a step and save.
-  Not when JAX's preemption service takes SIGTERM (`preemption_service()`)."""
-  received = []
-  mine = not preemption_service() and threading.current_thread() is threading.main_thread()
-  previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum))
-              for sig in (signal.SIGTERM, signal.SIGINT)} if mine else {}
+  When JAX's preemption service takes SIGTERM (`preemption_service()`), SIGINT (Ctrl-C) is
+  passed on to it as SIGTERM: every process then stops at the step it names, and saves."""
+  received, service = [], preemption_service()
+
+  def collect(signum, frame):
+    received.append(signum)
+    if service:
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  mine = threading.current_thread() is threading.main_thread()
+  previous = {sig: signal.signal(sig, collect) for sig in (
+      (signal.SIGINT,) if service else (signal.SIGTERM, signal.SIGINT))} if mine else {}
   try:
     yield received
   finally:
@@ -71,7 +78,9 @@ def stop_now(received: list, checkpoints, dispatch: int, can_agree: bool):
   (which the platform connects without that service), at a step where they can agree
   (`can_agree`: one where the loop waits for results anyway), through a collective."""
   if preemption_service():
-    return "a preemption notice" if checkpoints.reached_preemption(dispatch) else None
+    if not checkpoints.reached_preemption(dispatch):
+      return None
+    return received[0] if received else "a preemption notice"
   if jax.process_count() == 1:
     return received[0] if received else None
   if not can_agree:
@@ -143,9 +152,9 @@ def log_run(config, info, num_train_steps: int, workdir: str) -> None:
                info.num_examples["train"], info.num_examples["eval"],
                "x".join(map(str, info.image_shape)), info.num_classes, names and f" ({names})")
   memory = input_pipeline.host_memory(config, info, jax.process_count())
-  logging.info("input: %d worker%s a process, ~%.3g GiB of host memory (elements of %d batches, "
-               "%.4g MiB each)", memory.workers, "s" * (memory.workers != 1),
-               memory.bytes / 2**30, config.steps_per_dispatch, memory.element_bytes / 2**20)
+  logging.info("input: %d worker%s a process for training and as many for evaluation, ~%.3g GiB "
+               "of host memory (read in units of %.4g MiB)", memory.workers,
+               "s" * (memory.workers != 1), memory.bytes / 2**30, memory.unit_bytes / 2**20)
   logging.info("global batch %d%s; peak learning rate %.4g%s, %d warmup steps, %s decay",
                config.batch_size, f" ({config.per_device_batch_size} x {devices} devices)"
                if config.per_device_batch_size else "", optim.peak_learning_rate(config),

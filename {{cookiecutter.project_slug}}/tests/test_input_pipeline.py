@@ -17,7 +17,8 @@ def numbered(n: int) -> input_pipeline.ArraySource:
 
 
 def eval_batches(source, batch_size, k=1, **process):
-  config = ml_collections.ConfigDict(dict(batch_size=batch_size, steps_per_dispatch=k))
+  config = ml_collections.ConfigDict(dict(batch_size=batch_size, steps_per_dispatch=k,
+                                          num_workers=0))
   return input_pipeline.eval_batches(source, config, **process)
 
 
@@ -107,6 +108,33 @@ def test_training_batches_do_not_depend_on_the_process_count(tiny_config):
     for key in element:
       joined = np.stack([parts[0][step][key], parts[1][step][key]], axis=2)  # interleave
       np.testing.assert_array_equal(joined.reshape(element[key].shape), element[key])
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_worker_reads_one_devices_share_of_a_batch_whatever_k(tiny_config, processes):
+  """What a Grain worker builds and holds is a unit: one device's share of this process's batch
+  (64 / 8 devices / processes examples), for k = 1 and 5 alike; the elements stacked from the
+  units are those read a whole batch at a time, in training and in evaluation. Without workers
+  a unit is the whole batch (one gather)."""
+  tiny_config.batch_size, tiny_config.num_epochs, tiny_config.num_workers = 64, 2, 0
+  assert input_pipeline.train_batches(numbered(150), tiny_config).units[0]["mask"].shape == (
+      tiny_config.steps_per_dispatch * 64,)
+  tiny_config.num_workers = 1
+  source = numbered(150)
+  for k in (1, 5):
+    tiny_config.steps_per_dispatch = k
+    for name, trim in (("train_batches", False), ("eval_batches", True)):
+      elements = getattr(input_pipeline, name)(source, tiny_config, process_index=processes - 1,
+                                               process_count=processes)
+      assert elements.units[0]["image"].shape == (64 // 8 // processes, 1, 1, 1)
+      whole = input_pipeline.LoadUnit(  # a batch a unit
+          source, 64, 1 if trim else 2, None if trim else tiny_config.seed, k, trim=trim,
+          process_index=processes - 1, process_count=processes)
+      expected = input_pipeline.elements(whole)
+      assert len(elements) == len(expected) == -(-(150 if trim else 300) // 64 // k)
+      for got, want in zip(elements, expected, strict=True):
+        for key in want:
+          np.testing.assert_array_equal(got[key], want[key])
 
 
 def test_digits_split(tiny_config):

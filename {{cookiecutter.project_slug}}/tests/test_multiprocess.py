@@ -175,6 +175,26 @@ def test_sigterm_to_one_process_stops_all_at_the_same_step(tmp_path, service):
 
 
 @pytest.mark.slow
+def test_ctrl_c_on_two_processes_saves_as_sigterm_does(tmp_path):
+  """Ctrl-C (SIGINT to every process, as a terminal or srun sends it) on processes that JAX's
+  preemption service connects: it is passed on as SIGTERM, so both stop at the step the service
+  names, save it, and exit 130; the same command then resumes from it."""
+  processes = start_pair(tmp_path)
+  try:
+    for p in processes:
+      p.send_signal(signal.SIGINT)
+    stderrs = [p.communicate(timeout=120)[1] for p in processes]
+  finally:
+    stop_all(processes)
+  assert [p.returncode for p in processes] == [130, 130], stderrs[0][-3000:]
+  assert all("Traceback" not in err for err in stderrs)
+  stops = [line for err in stderrs for line in err.splitlines() if "Stopped by SIGINT" in line]
+  step = int(stops[0].split("after step ")[1].split()[0])
+  assert len(stops) == 2 and all(f"after step {step} of" in line for line in stops)
+  assert (tmp_path / "checkpoints" / str(step)).is_dir()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [0, 1])
 def test_when_a_process_dies_the_other_stops_with_an_error(tmp_path, victim):
   processes = start_pair(tmp_path)

@@ -37,15 +37,14 @@ workdir, overrides, record_path = sys.argv[1:]
 config = owned(tiny.get_config())
 config.update(json.loads(overrides))
 record = open(record_path, "a")
-make_batches = input_pipeline.LoadBatches.__call__
-def recorded(self, element):
-  batches = make_batches(self, element)
-  for i in range(self.steps_per_element if self.shuffle_seed is not None else 0):  # training
-    if batches["mask"][i].any():
-      digest = hashlib.sha1(b"".join(batches[k][i].tobytes() for k in sorted(batches)))
-      print(element * self.steps_per_element + i, digest.hexdigest(), file=record, flush=True)
-  return batches
-input_pipeline.LoadBatches.__call__ = recorded
+make_batch = input_pipeline.LoadBatch.__call__
+def recorded(self, b):
+  batch = make_batch(self, b)
+  if self.shuffle_seed is not None and batch["mask"].any():  # training's
+    digest = hashlib.sha1(b"".join(batch[k].tobytes() for k in sorted(batch)))
+    print(b, digest.hexdigest(), file=record, flush=True)
+  return batch
+input_pipeline.LoadBatch.__call__ = recorded
 result = train.train_and_evaluate(config, workdir)
 print("RESULT", json.dumps(result))
 sys.exit(0 if result is not None else 143)
@@ -190,7 +189,7 @@ def digits_with_a_nan(directory, tiny_config):
   tiny_config.dataset, tiny_config.data_dir = "arrayrecord", str(directory)
   elements = input_pipeline.train_batches(input_pipeline.get_datasets(tiny_config)[0]["train"],
                                           tiny_config)
-  images = np.concatenate([element["image"] for element in elements])  # [batches, ...]
+  images = np.stack([batch["image"] for batch in elements])  # [batches, ...]
   return next(b + 1 for b in range(len(images)) if np.isnan(images[b]).any())
 
 

@@ -1,0 +1,141 @@
+"""Which processes join a job, and which GPUs each drives: decided from the variables that the
+launchers set (SLURM's, Open MPI's, Kubernetes', Cloud TPU's), never from JAX's private modules."""
+
+import glob
+import os
+import socket
+
+import pytest
+
+import distributed
+
+PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLUSTER_VARIABLES = ("SLURM_", "OMPI_", "TPU_", "MEGASCALE_", "KUBERNETES_", "JAX_COORDINATOR",
+                     "CUDA_VISIBLE_DEVICES")
+
+
+@pytest.fixture
+def plain_machine(monkeypatch):
+  """No cluster's environment variables, and any connection attempt fails the test."""
+  for name in list(os.environ):
+    if name.startswith(CLUSTER_VARIABLES):
+      monkeypatch.delenv(name)
+
+  def no_network(*args, **kwargs):
+    raise AssertionError(f"a connection was attempted: {args}")
+
+  monkeypatch.setattr(socket.socket, "connect", no_network)
+  monkeypatch.setattr(socket, "create_connection", no_network)
+  monkeypatch.setattr(socket, "getaddrinfo", no_network)
+
+
+def task(local: int, tasks_per_node: str, gpus: str | None, **more) -> dict[str, str]:
+  """One srun task's variables: task `local` of its node (node 0), `tasks_per_node` as SLURM
+  writes it ('8(x2)'), CUDA_VISIBLE_DEVICES `gpus` (None: unset)."""
+  counts = [int(p.split("(x")[0]) * int(p.split("(x")[1].rstrip(")") if "(x" in p else 1)
+            for p in tasks_per_node.split(",")]
+  env = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "gpu[01-02]", "SLURM_NODEID": "0",
+         "SLURM_NTASKS": str(sum(counts)), "SLURM_PROCID": str(local),
+         "SLURM_LOCALID": str(local), "SLURM_STEP_TASKS_PER_NODE": tasks_per_node, **more}
+  if gpus is not None:
+    env["CUDA_VISIBLE_DEVICES"] = gpus
+  return env
+
+
+ALL_EIGHT = "0,1,2,3,4,5,6,7"
+
+
+@pytest.mark.parametrize("env, drives", [
+    # a task a GPU, each seeing the node's 8 (--ntasks-per-node=8 --gres=gpu:8): JAX's own layout
+    (task(3, "8(x2)", ALL_EIGHT), [3]),
+    # a task a GPU bound to it (--gpus-per-task=1): it sees one, ordinal 0, whatever its number
+    (task(3, "8(x2)", "3", SLURM_GPUS_PER_TASK="1"), [0]),
+    (task(3, "8(x2)", "0", SLURM_GPUS_PER_TASK="1"), [0]),  # (cgroups renumber it 0)
+    (task(5, "8(x2)", "5"), [0]),  # --gpu-bind=single:1 without --gpus-per-task
+    # --gpus-per-task=2: the two it sees are its own
+    (task(1, "4(x2)", "2,3", SLURM_GPUS_PER_TASK="2"), [0, 1]),
+    # a task a node driving all its GPUs (--ntasks-per-node=1 --gpus-per-node=8)
+    (task(0, "1(x2)", ALL_EIGHT), list(range(8))),
+    # a partial node: GPUs 2 and 3, two tasks seeing both; one task driving both
+    (task(1, "2(x2)", "2,3"), [1]),
+    (task(0, "1(x2)", "2,3"), [0, 1]),
+    # two tasks sharing a node's 8: 4 each
+    (task(1, "2(x2)", ALL_EIGHT), [4, 5, 6, 7]),
+])
+def test_each_slurm_layout_drives_its_own_gpus(plain_machine, env, drives):
+  assert distributed.cluster(env) == {"local_device_ids": drives}
+
+
+def test_the_tasks_of_this_node_are_read_from_slurms_list():
+  """'4(x2),3' is 4, 4 and 3 tasks on nodes 0, 1 and 2; without it, SLURM_NTASKS_PER_NODE."""
+  env = {"SLURM_STEP_TASKS_PER_NODE": "4(x2),3", "SLURM_NTASKS": "11"}
+  assert [distributed.tasks_on_this_node({**env, "SLURM_NODEID": str(n)})
+          for n in range(3)] == [4, 4, 3]
+  assert distributed.tasks_on_this_node({"SLURM_NTASKS_PER_NODE": "8", "SLURM_NTASKS": "16"}) == 8
+  node_two = task(0, "2,3", "0,1,2", SLURM_NODEID="1")  # a node of 3 tasks and 3 GPUs
+  assert distributed.cluster(node_two) == {"local_device_ids": [0]}
+
+
+def test_a_layout_that_cannot_be_served_is_refused_naming_the_sbatch_fix(plain_machine):
+  with pytest.raises(ValueError, match=r"^SLURM task 2 sees 8 GPUs, shared by the 3 tasks on its "
+                     r"node, which cannot split them evenly: run a task a GPU \(--ntasks-per-node"
+                     r"=G --gpus-per-task=1\) or a task a node"):
+    distributed.cluster(task(2, "3(x2)", ALL_EIGHT))
+
+
+def test_jax_alone_asks_a_bound_task_for_an_ordinal_it_does_not_have(plain_machine, monkeypatch):
+  """Why the decision is ours (this test alone reads JAX's private detection, to pin the bug):
+  under --gpus-per-task=1, task 3 sees one GPU and JAX asks for ordinal 3 of it."""
+  from jax._src import clusters
+
+  for name, value in task(3, "8(x2)", "3", SLURM_GPUS_PER_TASK="1").items():
+    monkeypatch.setenv(name, value)
+  *_, jax_ids = clusters.ClusterEnv.auto_detect_unset_distributed_params(
+      None, None, None, None, None, 300)
+  assert jax_ids == [3] and distributed.cluster()["local_device_ids"] == [0]
+
+
+def test_gpus_are_counted_from_cuda_visible_devices_or_the_device_files(monkeypatch):
+  assert distributed.visible_gpus({"CUDA_VISIBLE_DEVICES": "2,3"}) == 2
+  assert distributed.visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == 0  # none, deliberately
+  assert distributed.visible_gpus({}) == len(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def test_a_plain_machine_and_a_job_of_one_process_are_no_cluster(plain_machine, monkeypatch):
+  assert distributed.cluster(dict(os.environ)) is None
+  one = task(0, "1", ALL_EIGHT)
+  assert distributed.cluster(one) is None  # one task: JAX would restrict it to GPU 0
+  assert distributed.cluster({**one, "SLURM_NTASKS": "2",
+                              "SLURM_STEP_TASKS_PER_NODE": "1(x2)"}) is not None
+  assert distributed.cluster({"OMPI_COMM_WORLD_SIZE": "1"}) is None
+  assert distributed.cluster({"OMPI_COMM_WORLD_SIZE": "4"}) == {}  # mpirun: JAX's detection
+  # a Kubernetes job (launch/gke-gpu-jobset.yaml): JAX reads the coordinator's address itself
+  assert distributed.cluster({"JAX_COORDINATOR_ADDRESS": "job-0.job:1234"}) == {}
+
+
+def test_cpu_and_tpu_slurm_tasks_leave_the_devices_to_jax(plain_machine, monkeypatch):
+  """No GPU seen (CUDA_VISIBLE_DEVICES empty, no /dev/nvidia*): JAX's choice."""
+  assert distributed.cluster(task(1, "2", "")) == {}
+
+
+def test_tpu_hosts_join_only_on_a_tpu_vm(plain_machine, monkeypatch, tmp_path):
+  """A GKE TPU job names its hosts in TPU_PROCESS_ADDRESSES or TPU_WORKER_HOSTNAMES: on a TPU VM
+  (libtpu installed and a TPU device file) the run joins the others; elsewhere nothing is asked
+  of any server."""
+  env = {"TPU_PROCESS_ADDRESSES": "10.0.0.1:8471,10.0.0.2:8471", "TPU_WORKER_ID": "1"}
+  monkeypatch.setattr(distributed.importlib.util, "find_spec", lambda name: None)
+  assert distributed.cluster(env) is None  # no libtpu
+  monkeypatch.setattr(distributed.importlib.util, "find_spec", lambda name: name == "libtpu")
+  real_glob = glob.glob
+  monkeypatch.setattr(distributed.glob, "glob",
+                      lambda pattern: ["/dev/accel0"] if "accel" in pattern else real_glob(pattern))
+  assert distributed.cluster(env) == {}
+  assert distributed.cluster({"TPU_WORKER_HOSTNAMES": "t1v-0"}) is None  # one host
+  assert distributed.cluster({}) == {}  # a Cloud TPU VM: JAX asks its metadata server
+
+
+def test_the_project_uses_no_private_jax_module():
+  """jax._src moves between releases: no module of the project (tests aside) imports it."""
+  offenders = [path for path in glob.glob(f"{PROJECT}/**/*.py", recursive=True)
+               if "/tests/" not in path and "jax._src" in open(path).read()]
+  assert not offenders
