@@ -4,9 +4,10 @@ export.py) joins JAX's distributed runtime first, with the same flags, then does
   python launch.py --num_processes=2 --devices_per_process=4 --script=evaluate.py -- \
       --workdir=/tmp/run   # this machine; adds the three flags below to each process
 
-On SLURM, Open MPI, Cloud TPU pods, GKE and Kubernetes JAX finds the job by itself; elsewhere
-give each process --coordinator_address, --num_processes and --process_id. Whatever prints or
-writes a file does it on process 0 alone (`is_first`).
+Under SLURM, Open MPI and on Cloud TPU pods (GKE's too) JAX finds the job by itself (`cluster`
+decides which GPUs a SLURM task drives); elsewhere give each process --coordinator_address (or
+JAX_COORDINATOR_ADDRESS: clusters/gke-gpu-jobset.yaml), --num_processes and --process_id.
+Whatever prints or writes a file does it on process 0 alone (`is_first`).
 """
 
 import glob
@@ -145,5 +146,5 @@ def is_first() -> bool:
 
 
 def share() -> dict[str, int]:
-  """This process's share of a stream of batches (`input_pipeline.LoadBatches`' arguments)."""
+  """This process's share of a stream of batches (`input_pipeline.LoadUnit`'s arguments)."""
   return dict(process_index=jax.process_index(), process_count=jax.process_count())

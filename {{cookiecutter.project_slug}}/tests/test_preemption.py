@@ -37,14 +37,16 @@ workdir, overrides, record_path = sys.argv[1:]
 config = owned(tiny.get_config())
 config.update(json.loads(overrides))
 record = open(record_path, "a")
-make_batch = input_pipeline.LoadBatch.__call__
-def recorded(self, b):
-  batch = make_batch(self, b)
-  if self.shuffle_seed is not None and batch["mask"].any():  # training's
-    digest = hashlib.sha1(b"".join(batch[k].tobytes() for k in sorted(batch)))
-    print(b, digest.hexdigest(), file=record, flush=True)
-  return batch
-input_pipeline.LoadBatch.__call__ = recorded
+make_unit = input_pipeline.LoadUnit.__call__
+def recorded(self, u):
+  unit, local = make_unit(self, u), self.local_batch_size
+  for i in range(self.size // local if self.shuffle_seed is not None else 0):  # training's
+    batch = {key: value[i * local:(i + 1) * local] for key, value in unit.items()}
+    if batch["mask"].any():
+      digest = hashlib.sha1(b"".join(batch[k].tobytes() for k in sorted(batch)))
+      print(u * self.size // local + i, digest.hexdigest(), file=record, flush=True)
+  return unit
+input_pipeline.LoadUnit.__call__ = recorded
 result = train.train_and_evaluate(config, workdir)
 print("RESULT", json.dumps(result))
 sys.exit(0 if result is not None else 143)
