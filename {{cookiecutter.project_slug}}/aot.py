@@ -160,7 +160,7 @@ def _analyze(config, devices) -> dict:
                               pmap_devices=devices if pmap else None)
   batches = abstract_batches(config, info, num_devices, mesh, pmap)
   where = None if pmap else parallel.replicated(mesh)
-  train_args = (abstract(state, leading=num_devices) if pmap else state,
+  train_args = (abstract(state, leading=num_devices) if pmap else compiled_steps.put_state(state),
                 abstract(metrics.TrainMetrics.empty(), where), batches)
   eval_args = (train_args[0], abstract(metrics.Metrics.empty(), where), batches)
 

@@ -20,8 +20,12 @@ Prints its tables and writes them to --out (JSON) and --markdown (BENCHMARKS.md)
   the bare compiled single step's, run back to back as many steps as the loop, waiting as often;
   each pair in fresh processes, one right after the other, their order alternating; the
   efficiency is the median of the pairs' ratios (above 1 where k steps a call beat one). The
-  loop runs an accelerator's k (`steps.ACCELERATOR_STEPS_PER_DISPATCH`) even on the CPU.
+  loop runs an accelerator's k (`steps.ACCELERATOR_STEPS_PER_DISPATCH`) even on the CPU. Also
+  ResNet-50 training (configs/imagenet.py, synthetic images: `resnet_config`): images/s a
+  device and MFU (where the chip's peak is known), the loop against the bare step.
 - Input (benchmark_data.py): the Grain iterator alone, and JPEG files decoded by its workers.
+- Dispatch: the host time of handing the ResNet-50 state to a compiled call, as an nnx.State and
+  as the loop's flat list of arrays (`measure_dispatch`).
 - Default run: `python train.py --config=configs/default.py` as a whole process, cold (no
   compilation cache), at the backend's k: its wall time, time to first step, first calls.
 
@@ -60,7 +64,7 @@ import parallel
 import plan
 import steps
 from benchmark_data import PIPELINE
-from configs import default, tiny
+from configs import default, imagenet, tiny
 
 NUM_DEVICES = 8
 MODELS = ("digits", "large")  # the config's CNN on the digits; a wider CNN on bigger images
@@ -88,7 +92,10 @@ _MEASURE = flags.DEFINE_string("measure", None, "Internal: 'steps:MODEL', 'memor
 
 def get_config(model: str, is_tiny: bool) -> ml_collections.ConfigDict:
   """The default (or tiny) config; for 'large', a wider CNN on synthetic 64x64x3 images (see
-  the module's docstring). Steps are timed in `rounds` turns of `turn_steps` steps per path."""
+  the module's docstring); for 'resnet', configs/imagenet.py on synthetic images (`resnet_config`).
+  Steps are timed in `rounds` turns of `turn_steps` steps per path."""
+  if model == "resnet":
+    return resnet_config(is_tiny)
   config = (tiny if is_tiny else default).get_config()
   config.rounds, config.turn_steps = (1, 3) if is_tiny else (10, 20)
   # The loop as a GPU or TPU runs it (on the CPU, runs choose k = 1: see measure_default_run).
@@ -105,6 +112,26 @@ def get_config(model: str, is_tiny: bool) -> ml_collections.ConfigDict:
     config.synthetic.num_eval = 2 * config.batch_size
     config.num_epochs = 1
     config.rounds, config.turn_steps = (1, 3) if is_tiny else (10, 10) if accelerator else (4, 2)
+  return config
+
+
+def resnet_config(is_tiny: bool) -> ml_collections.ConfigDict:
+  """configs/imagenet.py (ResNet-50, bfloat16) on synthetic ImageNet-shaped images, at the
+  recipe's size (224 x 224, 128 a device) where an accelerator is present; on the CPU the
+  ResNet-50 at 64 x 64, 8 a device, in float32; with --tiny the ResNet-18 at 32 x 32."""
+  config = imagenet.get_config()
+  accelerator = jax.default_backend() != "cpu"
+  size, per_device = (224, 128) if accelerator else (32, 2) if is_tiny else (64, 8)
+  config.dataset, config.model.name = "synthetic", "resnet18" if is_tiny else "resnet50"
+  config.model.dtype = "bfloat16" if accelerator else "float32"
+  config.batch_size = per_device * jax.device_count()
+  config.steps_per_dispatch = 1 if is_tiny else steps.ACCELERATOR_STEPS_PER_DISPATCH
+  loop_steps = 4 if is_tiny else 100 if accelerator else 20
+  config.synthetic.update(image_shape=(size, size, 3), num_classes=1000,
+                          num_train=loop_steps * config.batch_size, num_eval=config.batch_size)
+  config.num_epochs, config.warmup_epochs, config.compilation_cache_dir = 1, 0.0, ""
+  config.log_every_steps = config.eval_every_steps = config.checkpoint_every_steps = loop_steps
+  config.rounds, config.turn_steps = 1, 2
   return config
 
 
@@ -217,19 +244,23 @@ def measure_loop(config, path: str, loop_first: bool) -> dict:
   def loop():
     with tempfile.TemporaryDirectory() as workdir:
       train.train_and_evaluate(config, workdir)
+      try:
+        mfu = read_scalar(workdir, "train_mfu")
+      except LookupError:  # a chip whose peak is unknown (the CPU)
+        mfu = None
       return (read_scalar(workdir, "loop_examples_per_sec"),
-              read_scalar(workdir, "loop_host_us_per_step"))
+              read_scalar(workdir, "loop_host_us_per_step"), mfu)
 
   def bare():
     runner = Runner(config, path)
     return num_steps * config.batch_size / runner.stream(num_steps, steps.sync_every(config))
 
   if loop_first:
-    (loop_rate, host_us), step_rate = loop(), bare()
+    (loop_rate, host_us, mfu), step_rate = loop(), bare()
   else:
-    step_rate, (loop_rate, host_us) = bare(), loop()
+    step_rate, (loop_rate, host_us, mfu) = bare(), loop()
   return dict(loop_examples_per_sec=loop_rate, step_examples_per_sec=step_rate,
-              efficiency=loop_rate / step_rate, host_us_per_step=host_us,
+              efficiency=loop_rate / step_rate, host_us_per_step=host_us, mfu=mfu,
               steps_per_dispatch=config.steps_per_dispatch)
 
 
@@ -262,6 +293,35 @@ def measure_default_run(is_tiny: bool) -> dict:
               accuracy=float(re.findall(r"Final eval: accuracy ([\d.]+)", log)[-1]))
 
 
+def measure_dispatch(is_tiny: bool, calls: int = 200) -> dict:
+  """The host time of a call that hands the ResNet-50 training state (configs/imagenet.py; with
+  --tiny the ResNet-18) to a compiled function and gets it back (as a step does; the function
+  does nothing): as an nnx.State, and as the flat list of arrays that the loop holds
+  (`steps.make`'s put_state); without and with the moving average. The median of `calls` calls;
+  {} when model.py (yours) has no such ResNet."""
+  config = imagenet.get_config()
+  config.model.name = "resnet18" if is_tiny else "resnet50"
+  if config.model.name not in getattr(optim.model_module(config), "MODELS", ()):
+    return {}
+  fn = jax.jit(lambda tree: tree, donate_argnums=0)  # every array handed over and back, in place
+  result = dict(model=config.model.name)
+  for ema, suffix in ((0.0, ""), (EMA_DECAY, "_ema")):
+    config.ema_decay = ema
+    tree = nnx.split(optim.build_state(config, (224, 224, 3), 1000, 1000))[1]
+    result[f"arrays{suffix}"] = len(jax.tree.leaves(tree))
+    for name in ("state", "flat"):
+      if name == "flat":
+        tree = steps.Flat(jax.tree.leaves(tree))
+      tree = jax.block_until_ready(fn(tree))  # compiled (the arrays donated: use what comes back)
+      times = []
+      for _ in range(calls // 10 if is_tiny else calls):
+        start = time.perf_counter()
+        tree = fn(tree)
+        times.append(time.perf_counter() - start)
+      result[f"{name}{suffix}_ms"] = 1e3 * statistics.median(times)
+  return result
+
+
 def describe(config) -> dict:
   return dict(image_shape=list(input_pipeline.get_datasets(config)[1].image_shape),
               features=list(config.model.features), dtype=config.model.dtype,
@@ -282,6 +342,8 @@ def measure(what: str, is_tiny: bool) -> dict:
     result = benchmark_data.measure_pipeline(get_config("large", is_tiny), is_tiny)
   elif kind == "decoding":
     result = benchmark_data.measure_decoding(get_config("digits", is_tiny), is_tiny)
+  elif kind == "dispatch":
+    result = measure_dispatch(is_tiny)
   else:  # loop:MODEL:PATH:RUN
     config = get_config(rest[0], is_tiny)
     result = dict(measure_loop(config, rest[1], loop_first=int(rest[2]) % 2 == 1),
@@ -331,7 +393,8 @@ def summarize_loop(runs: list[dict]) -> dict:
   loop = {key: statistics.median(run[key] for run in runs) for key in (
       "loop_examples_per_sec", "step_examples_per_sec", "efficiency", "host_us_per_step")}
   return dict(loop, efficiencies=[run["efficiency"] for run in runs],
-              peak_host_mb=max(run["peak_host_mb"] for run in runs),
+              peak_host_mb=max(run["peak_host_mb"] for run in runs), mfu=runs[0]["mfu"],
+              device_count=runs[0]["device_count"], device_kind=runs[0]["device_kind"],
               **{key: runs[0][key] for key in ("steps_per_dispatch", "image_shape", "features",
                                                 "dtype", "batch_size")})
 
@@ -341,9 +404,9 @@ def benchmark(is_tiny: bool) -> dict:
   loop_paths = sorted(LOOP_PATHS, key=lambda path: path != config_parallelism)  # the config's first
   repeats = 1 if is_tiny else REPEATS
   loops = [(model, path, i) for i in range(repeats) for model, path in
-           [("digits", path) for path in loop_paths] + [("large", config_parallelism)]
-           if model == "digits" or i < max(repeats - 1, 1)]
-  results = run_all(["pipeline", "decoding"] + [f"steps:{model}" for model in MODELS] +
+           [("digits", path) for path in loop_paths] + [("large", config_parallelism)] +
+           [("resnet", "spmd")] if model == "digits" or i < max(repeats - 1, 1)]
+  results = run_all(["pipeline", "decoding", "dispatch"] + [f"steps:{model}" for model in MODELS] +
                     [f"memory:{model}:{path}" for model in MODELS for path in PATHS] +
                     [f"loop:{model}:{path}:{i}" for model, path, i in loops], is_tiny)
   default_run = measure_default_run(is_tiny)  # alone: nothing else runs beside it
@@ -367,7 +430,8 @@ def benchmark(is_tiny: bool) -> dict:
               device_count=first["device_count"], device_kind=first["device_kind"], tiny=is_tiny,
               compile_time="ahead of time: step.lower(...).compile(), every path",
               config_parallelism=config_parallelism, models=models, loop=loop,
-              pipeline=results["pipeline"], decoding=results["decoding"], default_run=default_run)
+              pipeline=results["pipeline"], decoding=results["decoding"],
+              dispatch=results["dispatch"], default_run=default_run)
 
 
 def main(argv):

@@ -48,10 +48,21 @@ def notes(results: dict) -> list[str]:
                f"{pipeline['batch_size']}): {pipeline['images_per_sec']:.0f} images/s")
   lines.append(f"image decoding (JPEG {shape(decoding['image_shape'][:2])}, "
                f"{decoding['workers']} workers): {decoding['images_per_sec']:.0f} images/s")
+  if dispatch := results.get("dispatch"):
+    lines.append(f"dispatch host cost, {dispatch['model']} state ({dispatch['arrays']} arrays): "
+                 f"{dispatch['state_ms']:.2f} ms a call as an nnx.State, {dispatch['flat_ms']:.2f} "
+                 f"ms as the loop's flat list; with the moving average ({dispatch['arrays_ema']} "
+                 f"arrays): {dispatch['state_ema_ms']:.2f} ms, {dispatch['flat_ema_ms']:.2f} ms")
   lines.append(f"default run ({run['config']}, k={run['steps_per_dispatch']}, no compilation "
                f"cache): {run['wall_s']:.1f} s as a whole process, {run['startup_s']:.1f} s to "
                f"its first step (first calls: train {run['first_train_call_s']:.2f} s, eval "
                f"{run['first_eval_call_s']:.2f} s); accuracy {run['accuracy']:.4f}")
+  if resnet := results["loop"].get("resnet:spmd"):
+    mfu = f"MFU {resnet['mfu']:.3f}" if resnet["mfu"] else "MFU unknown (no peak for this chip)"
+    lines.append(f"ResNet ({shape(resnet['image_shape'])}, batch {resnet['batch_size']}, "
+                 f"{resnet['dtype']}, {resnet['device_count']} x {resnet['device_kind']}): "
+                 f"{resnet['loop_examples_per_sec'] / resnet['device_count']:.0f} images/s a "
+                 f"device in the loop, {mfu}; loop/bare step {resnet['efficiency']:.2f}")
   for key, loop in results["loop"].items():
     model, path = key.split(":")
     label = "" if model == "digits" else f" ({model})"

@@ -284,13 +284,19 @@ def xla_options(config) -> dict[str, bool | int | float | str]:
   return options
 
 
+class Flat(NamedTuple):
+  """The training state as the loop holds it between calls: its arrays, in one flat list."""
+
+  arrays: list
+
+
 class Steps(NamedTuple):
   """The compiled steps of one parallelism, and how to move state and batches to them."""
 
   train: callable  # (state, running TrainMetrics, k batches) -> the two updated; donates both
   eval: callable  # (state, running Metrics, k batches) -> the metrics updated; donates them
   put_state: callable  # checkpoint layout (`parallel.place_state`'s global arrays) -> the steps'
-  get_state: callable  # the steps' layout -> checkpoint layout
+  get_state: callable  # the steps' layout (jit: a flat list; pmap: replicated) -> checkpoint's
   put_batch: callable  # this process's stacked NumPy batches -> the steps' layout
   empty: callable  # a metrics class -> its empty value, placed for the steps
 
@@ -329,18 +335,34 @@ def make(graphdef, config, mesh, unroll: bool | None = None, pmap_devices=None,
         empty=lambda cls: jax.device_put(cls.empty(), local),
     )
   train = scanned(functools.partial(train_step, graphdef, **options), unroll)
+  evaluate = scanned_eval(functools.partial(eval_step, graphdef), unroll)
+  # The loop holds the state as a flat list of arrays (`Flat`), merged into modules only inside
+  # the steps: a dispatch flattens a list in microseconds, an nnx.State's nodes in milliseconds.
+  # The steps take the state itself too (evaluate.py, aot.py), and give back what they got.
+  structure = {}
 
-  def train_in_place(state, running, batches):  # the new state where the old one was (fsdp)
-    state, running = train(state, running, batches)
+  def put_state(state) -> Flat:
+    arrays, structure["tree"] = jax.tree.flatten(state)
+    return Flat(arrays)
+
+  def get_state(state):
+    return jax.tree.unflatten(structure["tree"], state.arrays) if isinstance(state, Flat) else state
+
+  def as_given(new_state, given):
+    return Flat(jax.tree.leaves(new_state)) if isinstance(given, Flat) else new_state
+
+  def train_in_place(given, running, batches):  # the new state where the old one was (fsdp)
+    state, running = train(get_state(given), running, batches)
     where = parallel.state_shardings(state, mesh, config.fsdp_min_size)
-    return jax.lax.with_sharding_constraint(state, where), running
+    return as_given(jax.lax.with_sharding_constraint(state, where), given), running
 
   jit = functools.partial(jax.jit, compiler_options=xla_options(config) or None)
   return Steps(
       train=jit(train_in_place, donate_argnums=(0, 1)),
-      eval=jit(scanned_eval(functools.partial(eval_step, graphdef), unroll), donate_argnums=1),
-      put_state=lambda state: state,
-      get_state=lambda state: state,
+      eval=jit(lambda given, running, batches: evaluate(get_state(given), running, batches),
+               donate_argnums=1),
+      put_state=put_state,
+      get_state=get_state,
       put_batch=lambda batch: parallel.global_batch(batch, mesh),
       empty=lambda cls: parallel.to_global(cls.empty(), mesh),
   )

@@ -152,9 +152,8 @@ def log_run(config, info, num_train_steps: int, workdir: str) -> None:
                info.num_examples["train"], info.num_examples["eval"],
                "x".join(map(str, info.image_shape)), info.num_classes, names and f" ({names})")
   memory = input_pipeline.host_memory(config, info, jax.process_count())
-  logging.info("input: %d worker%s a process for training and as many for evaluation, ~%.3g GiB "
-               "of host memory (read in units of %.4g MiB)", memory.workers,
-               "s" * (memory.workers != 1), memory.bytes / 2**30, memory.unit_bytes / 2**20)
+  logging.info("input: %d worker%s a process (and as many for evaluation), ~%.3g GiB of host "
+               "memory", memory.workers, "s" * (memory.workers != 1), memory.bytes / 2**30)
   logging.info("global batch %d%s; peak learning rate %.4g%s, %d warmup steps, %s decay",
                config.batch_size, f" ({config.per_device_batch_size} x {devices} devices)"
                if config.per_device_batch_size else "", optim.peak_learning_rate(config),
@@ -223,15 +222,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   first_step, state = runs.restore_or_init(checkpoints, abstract, init, workdir)
   runs.write_description(workdir, config, info)  # what predict.py, export.py, ... read
   speed = flops.Speed(graphdef, state, info.image_shape, config)
-  state = compiled.put_state(state)
   log_state(config, graphdef, state, speed, num_train_steps)
+  state = compiled.put_state(state)
   train_iter = input_pipeline.as_iterator(
       input_pipeline.train_batches(splits["train"], config, first_step, **process), config,
       put=compiled.put_batch)
   eval_batches = input_pipeline.eval_batches(splits["eval"], config, **process)
   eval_iter = steps.eval_iterator(eval_batches, config)  # its workers start once
   if config.print_shardings:
-    logging.info("%s", parallel.describe_run(state, compiled.put_batch(eval_batches[0])))
+    logging.info("%s", parallel.describe_run(compiled.get_state(state),
+                                             compiled.put_batch(eval_batches[0])))
   writer = writers.create_writer(workdir, write=is_main, config=config, new_run=first_step == 0)
   clock = writers.Clock()
   progress = writers.Progress(num_train_steps, writer, clock, show=is_main)

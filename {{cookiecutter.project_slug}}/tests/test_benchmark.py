@@ -48,7 +48,10 @@ def test_tiny_benchmark_measures_every_model_and_path(tmp_path):
     assert model["ema_state_mb_per_device"] > model["paths"]["spmd"]["state_mb_per_device"]
   ours = results["config_parallelism"]  # configs/default.py's
   other = ({"spmd", "pmap"} - {ours}).pop()
-  assert set(results["loop"]) == {"digits:spmd", "digits:pmap", f"large:{ours}"}
+  assert set(results["loop"]) == {"digits:spmd", "digits:pmap", f"large:{ours}", "resnet:spmd"}
+  resnet = results["loop"]["resnet:spmd"]  # --tiny on the CPU: the ResNet-18, 32x32, 2 a device
+  assert (resnet["image_shape"], resnet["batch_size"]) == ([32, 32, 3], 2 * benchmark.NUM_DEVICES)
+  assert resnet["mfu"] is None  # the CPU's peak is unknown
   for key, loop in results["loop"].items():
     assert_positive_finite(loop, ("loop_examples_per_sec", "step_examples_per_sec", "efficiency",
                                   "host_us_per_step"), f"loop:{key}")
@@ -63,6 +66,16 @@ def test_tiny_benchmark_measures_every_model_and_path(tmp_path):
                                "accuracy"), "default_run")
   assert run["steps_per_dispatch"] == 1 and run["startup_s"] < run["wall_s"]
   assert_positive_finite(results["decoding"], ("images_per_sec", "workers"), "decoding")
+  assert re.search(r"^ResNet \(32x32x3, batch 16, float32, 8 x cpu\): \d+ images/s a device in "
+                   r"the loop, MFU unknown \(no peak for this chip\); loop/bare step \d+\.\d\d",
+                   done.stdout, re.MULTILINE), done.stdout
+  if results["dispatch"]:  # ({} for a model.py without the ResNet-18)
+    assert_positive_finite(results["dispatch"], ("state_ms", "flat_ms", "state_ema_ms",
+                                                 "flat_ema_ms", "arrays", "arrays_ema"), "dispatch")
+    assert results["dispatch"]["arrays_ema"] > results["dispatch"]["arrays"]
+    assert re.search(r"^dispatch host cost, resnet18 state \(\d+ arrays\): \d+\.\d\d ms a call "
+                     r"as an nnx.State, \d+\.\d\d ms as the loop's flat list; with the moving "
+                     r"average \(\d+ arrays\)", done.stdout, re.MULTILINE), done.stdout
 
   for line in (r"loop efficiency: \d+\.\d\d", r"loop efficiency \(large\): \d+\.\d\d",
                rf"loop efficiency \({other}\): \d+\.\d\d", r"pmap/spmd step time: \d+\.\d\d",
