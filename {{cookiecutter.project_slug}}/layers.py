@@ -1,14 +1,31 @@
 """Layers that a model.py uses for the project's paths to hold: `BatchNorm`, whose batch
-statistics are those of the real examples of the global batch on every path (spmd, fsdp and
-pmap). Give it the `[batch]` example mask that the steps pass to a model whose `__call__` takes
-`example_mask` (model.py's docstring).
+statistics are those of the real examples of the global batch, or of groups of devices
+(`config.batch_norm_devices`), alike on every path (spmd, fsdp and pmap). Give it the
+`[batch]` example mask that the steps pass to a model whose `__call__` takes `example_mask`
+(model.py's docstring).
 """
+
+import contextlib
+import contextvars
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 PMAP_AXIS = "devices"  # pmap's axis (pmap.py maps the steps over it; BatchNorm reduces over it)
+# Into how many groups of devices training splits the global batch for BatchNorm's statistics
+# (set by the train step while it traces the model: `statistics_groups`); 1: the global batch.
+_GROUPS = contextvars.ContextVar("batch_norm_groups", default=1)
+
+
+@contextlib.contextmanager
+def statistics_groups(groups: int):
+  """BatchNorm's batch statistics, within the block, over `groups` equal groups of devices."""
+  token = _GROUPS.set(groups)
+  try:
+    yield
+  finally:
+    _GROUPS.reset(token)
 
 
 def bound(axis_name: str) -> bool:
@@ -21,15 +38,18 @@ def bound(axis_name: str) -> bool:
 
 
 class BatchNorm(nnx.BatchNorm):
-  """nnx.BatchNorm whose batch statistics are those of the real examples of the global batch on
-  every path: give `mask` (`[batch]`, False on padding: the `example_mask` that the steps pass
-  to the model). Under pmap it reduces over pmap's axis (`PMAP_AXIS`) by itself, unless given
-  another `axis_name`. Features on the last axis.
+  """nnx.BatchNorm whose batch statistics are those of the real examples of the global batch,
+  or of each group of devices under `statistics_groups` (the train step's, from
+  `config.batch_norm_devices`), on every path: give `mask` (`[batch]`, False on padding: the
+  `example_mask` that the steps pass to the model). Under pmap it reduces over pmap's axis
+  (`PMAP_AXIS`) by itself, unless given another `axis_name`. Features on the last axis.
 
-  Under jit the batch is one global array and nnx.BatchNorm's masked mean is already exact. Under
-  pmap nnx.BatchNorm averages each device's masked mean: wrong when devices hold different
-  numbers of real examples, NaN on a device that holds none. Here sums and counts are summed
-  over the devices instead (E[x] and E[x^2], as nnx.BatchNorm's fast variance).
+  The sums and counts of the real examples (E[x] and E[x^2], as nnx.BatchNorm's fast variance) are
+  taken over each group: under jit, the batch split into `groups` (a device's examples are a
+  contiguous slice of it); under pmap, this device's alone, or summed over its group (or all) of
+  devices. The running statistics are the global batch's whatever the groups (summed apart from
+  the normalisation, which does not wait for them), so the state stays one value on every device.
+  A padded example comes out as the bias: a group of padding alone (no statistics) stays finite.
   """
 
   def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
@@ -38,18 +58,39 @@ class BatchNorm(nnx.BatchNorm):
     if mask is not None:  # [batch] -> [batch, 1, ...]: one flag per example
       mask = mask.reshape(-1, *[1] * (x.ndim - 1))
     axis_name = self.axis_name or (PMAP_AXIS if bound(PMAP_AXIS) else None)
-    if axis_name is None or mask is None or use_running_average:
+    groups = _GROUPS.get()
+    if use_running_average or (mask is None and axis_name is None and groups == 1):
       return super().__call__(x, use_running_average, mask=mask)
-    axes = tuple(range(x.ndim - 1))  # statistics per feature (the last axis)
-    weight = jnp.broadcast_to(mask, x.shape).astype(jnp.float32)
-    x32 = x.astype(jnp.float32)
-    count, total, squares = jax.lax.psum(
-        (weight.sum(axes), (weight * x32).sum(axes), (weight * x32 * x32).sum(axes)),
-        axis_name)
-    mean = total / jnp.maximum(count, 1)
-    var = jnp.maximum(squares / jnp.maximum(count, 1) - mean * mean, 0.0)
+    if mask is None:
+      mask = jnp.ones((x.shape[0],) + (1,) * (x.ndim - 1), bool)
+    devices = jax.lax.axis_size(axis_name) if axis_name else 1
+    split = f"pmap's {devices} devices" if axis_name else f"a batch of {x.shape[0]}"
+    if (devices if axis_name else x.shape[0]) % groups:
+      raise ValueError(f"BatchNorm cannot split {split} into {groups} equal groups: give "
+                       "statistics_groups a divisor of the devices.")
+    local = groups if axis_name is None else 1  # groups in the array this device sees
+    shape = (local, x.shape[0] // local, *x.shape[1:])
+    x32 = x.astype(jnp.float32).reshape(shape)
+    weight = jnp.broadcast_to(mask, x.shape).astype(jnp.float32).reshape(shape)
+    axes = tuple(range(1, x.ndim))  # per group and feature (the last axis)
+    sums = (weight.sum(axes), (weight * x32).sum(axes), (weight * x32 * x32).sum(axes))
+    everywhere = jax.tree.map(lambda s: s.sum(0), sums)  # for the running statistics
+    if axis_name is not None:
+      everywhere = jax.lax.psum(everywhere, axis_name)
+      per_group = devices // groups
+      sums = (everywhere if groups == 1 else sums if per_group == 1 else jax.lax.psum(
+          sums, axis_name, axis_index_groups=[list(range(first, first + per_group))
+                                              for first in range(0, devices, per_group)]))
+
+    def statistics(count, total, squares):
+      mean = total / jnp.maximum(count, 1)
+      return mean, jnp.maximum(squares / jnp.maximum(count, 1) - mean * mean, 0.0)
+
+    mean, var = statistics(*everywhere)
     self.mean[...] = self.momentum * self.mean[...] + (1 - self.momentum) * mean
     self.var[...] = self.momentum * self.var[...] + (1 - self.momentum) * var
+    mean, var = (s.reshape(-1, *[1] * (x.ndim - 1), s.shape[-1]) for s in statistics(*sums))
     scale = jax.lax.rsqrt(var + self.epsilon) * (self.scale[...] if self.use_scale else 1)
-    y = (x32 - mean) * scale + (self.bias[...] if self.use_bias else 0)
-    return y.astype(self.dtype or x.dtype)
+    centered = jnp.where(weight > 0, x32 - mean, 0.0)  # a padded example: the bias
+    y = centered * scale + (self.bias[...] if self.use_bias else 0)
+    return y.reshape(x.shape).astype(self.dtype or x.dtype)

@@ -81,8 +81,9 @@ class ResNet(nnx.Module):
   """ResNet v1.5 (He et al. 2016; torchvision's and Flax's examples/imagenet's): a 7x7 stride-2
   convolution and a 3x3 stride-2 max pool, four stages of residual blocks (the first block of
   stages 2-4 halves the resolution and doubles the width), global average pool, linear. Its
-  BatchNorm (`layers.BatchNorm`) takes the statistics of the real examples of the whole
-  global batch on every path (pmap's too), padding left out (`example_mask`)."""
+  BatchNorm (`layers.BatchNorm`) takes the statistics of the real examples of the global batch
+  or of each group of `config.batch_norm_devices` devices, alike on every path, padding left
+  out (`example_mask`)."""
 
   def __init__(self, image_shape, num_classes: int, *, stage_sizes: tuple[int, ...],
                bottleneck: bool, width: int = 64, dtype=jnp.float32, param_dtype=jnp.float32,

@@ -89,7 +89,8 @@ VALUE_RULES = (
       "eval_every_steps", "checkpoint_every_steps", "max_checkpoints_to_keep",
       "cpu_sync_every_steps", "profile_num_steps"), _int(1), "must be a positive integer."),
     (("augment_max_shift", "read_threads", "prefetch_batches", "prefetch_to_device",
-      "profile_first_step", "seed", "per_device_batch_size", "warmup_steps", "fsdp_min_size"),
+      "profile_first_step", "seed", "per_device_batch_size", "warmup_steps", "fsdp_min_size",
+      "batch_norm_devices"),
      _int(0), "must be an integer >= 0."),
     (("steps_per_dispatch",), _int(0), "must be an integer >= 0 (0: chosen per backend)."),
     (("num_workers",), _int(-1), "must be -1 (chosen from the cores), 0 or more."),
@@ -160,6 +161,14 @@ def _fsdp_devices(config, target):
     return (f"config.fsdp_devices={config.fsdp_devices!r} does not divide the {per_slice} "
             f"devices{' of a slice' if slices > 1 else ''}; use one of "
             f"{[d for d in range(1, per_slice + 1) if per_slice % d == 0]} (0: all of them).")
+
+
+def _batch_norm_devices(config, target):
+  if target.num_devices % max(config.batch_norm_devices, 1):
+    return (f"config.batch_norm_devices={config.batch_norm_devices} does not divide the "
+            f"{target.num_devices} devices into groups for BatchNorm's statistics; use one of "
+            f"{[d for d in range(1, target.num_devices + 1) if target.num_devices % d == 0]} "
+            "(0: the global batch).")
 
 
 def _xla_options(config, target):
@@ -340,9 +349,9 @@ def _local_workdir(config, target):
             f"{'not writable' if os.path.isdir(existing) else 'a file'}); give another directory.")
 
 
-RULES = (_model, _data_dir_read, _warmup, _fsdp_devices, _xla_options, _intervals, _nesterov,
-         _batch_divides, _synthetic, _arrayrecord, _hub_dataset, _input_memory, _wandb,
-         _init_from, _remote_workdir, _local_workdir)
+RULES = (_model, _data_dir_read, _warmup, _fsdp_devices, _batch_norm_devices, _xla_options,
+         _intervals, _nesterov, _batch_divides, _synthetic, _arrayrecord, _hub_dataset,
+         _input_memory, _wandb, _init_from, _remote_workdir, _local_workdir)
 
 
 def validate_config(config: ml_collections.ConfigDict, workdir: str | None = None,

@@ -22,6 +22,7 @@ import optax
 from flax import nnx
 
 import input_pipeline
+import layers
 import parallel
 import pmap
 from augment import prepare_images
@@ -72,6 +73,13 @@ def mask_warning(model) -> str | None:
           "example_mask, so its batch statistics include the padding of partial batches; give "
           "__call__ an example_mask=None parameter and pass it on: "
           "layers.BatchNorm(...)(x, mask=example_mask) (model.py's docstring)")
+
+
+def plain_batch_norms(model) -> list[str]:
+  """Where the model holds an nnx.BatchNorm that is not a `layers.BatchNorm` (which alone
+  takes the statistics of groups of devices: `config.batch_norm_devices`)."""
+  return ["/".join(map(str, path)) for path, node in nnx.iter_graph(model)
+          if isinstance(node, nnx.BatchNorm) and not isinstance(node, layers.BatchNorm)]
 
 
 def loss_and_metrics(model, batch, collection=Metrics, label_smoothing: float = 0.0):
@@ -160,14 +168,16 @@ AVERAGED = (nnx.Param, nnx.BatchStat)
 
 def train_step(graphdef, state, running, batch, *, grad_accum_steps=1, max_shift=0, seed=0,
                flip=False, crop=None, label_smoothing=0.0, ema_decay=0.0, ema_warmup=False,
-               axis_name=None, skip_by="select", norms_of="kept"):
+               batch_norm_groups=1, axis_name=None, skip_by="select", norms_of="kept"):
   """One optimizer step on one batch (no leading k axis); `running` (TrainMetrics) comes back
   with this step's metrics merged in. Under pmap (`axis_name` set) sums are reduced across
-  devices. A state of (model, optimizer, average) also updates the average: a copy of the model
-  (in float32) whose `AVERAGED` variables move to the model's by a fraction 1 - d each step, d =
-  `ema_decay`, or with `ema_warmup` min(`ema_decay`, (1 + n) / (10 + n)) at update n = 0, 1, ...
-  (TensorFlow's ExponentialMovingAverage with num_updates): so that a short run's average is not
-  its initialisation.
+  devices; BatchNorm's statistics are those of `batch_norm_groups` groups of devices
+  (`layers.statistics_groups`; 1: the global batch). A state of (model, optimizer, average)
+  also updates the average: a copy of the model (in float32) whose `AVERAGED` variables move to
+  the model's by a fraction 1 - d each step, d = `ema_decay`, or with `ema_warmup`
+  min(`ema_decay`, (1 + n) / (10 + n)) at update n = 0, 1, ... (TensorFlow's
+  ExponentialMovingAverage with num_updates): so that a short run's average is not its
+  initialisation.
 
   The gradient is sum(gradients of the real examples' losses) / (number of real examples),
   both summed globally: exact for any padding, on any number of devices (and micro-batches:
@@ -190,8 +200,9 @@ def train_step(graphdef, state, running, batch, *, grad_accum_steps=1, max_shift
   batch = dict(batch, image=prepare_images(batch, max_shift, seed, flip, crop))
   if axis_name is not None:
     restore_keys = pmap.fold_in_device_index(model, axis_name)
-  grads, step_metrics = summed_gradients(model, batch, grad_accum_steps, label_smoothing,
-                                         axis_name)
+  with layers.statistics_groups(batch_norm_groups):
+    grads, step_metrics = summed_gradients(model, batch, grad_accum_steps, label_smoothing,
+                                           axis_name)
   if axis_name is not None:
     restore_keys()
     grads, step_metrics = jax.lax.psum((grads, step_metrics), axis_name)
@@ -315,6 +326,9 @@ def make(graphdef, config, mesh, unroll: bool | None = None, pmap_devices=None,
                  norms_of="updated" if platform == "gpu" else "kept")
   if not crop_on_device:
     options["crop"] = None
+  devices = (len(pmap_devices or jax.devices()) if config.parallelism == "pmap"
+             else mesh.devices.size)
+  options["batch_norm_groups"] = devices // (config.batch_norm_devices or devices)
   if unroll is None:
     unroll = platform == "cpu"
   if config.parallelism == "pmap":

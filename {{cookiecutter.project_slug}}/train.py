@@ -175,6 +175,11 @@ def log_state(config, graphdef, state, speed: flops.Speed, num_train_steps: int)
                sum(x.nbytes for x in jax.tree.leaves(state)) / 1e6)
   if warning := steps.mask_warning(model):
     logging.warning("%s", warning)
+  if config.batch_norm_devices and (plain := steps.plain_batch_norms(model)):
+    raise ConfigError(f"config.batch_norm_devices={config.batch_norm_devices} is for "
+                      f"layers.BatchNorm; {type(model).__name__} holds nnx.BatchNorm at "
+                      f"{', '.join(plain)}, which takes the global batch's statistics: use "
+                      "layers.BatchNorm in model.py (or batch_norm_devices=0).")
 
 
 def compile_eval(compiled: steps.Steps, state, eval_batches) -> float:

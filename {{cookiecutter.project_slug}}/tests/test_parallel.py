@@ -1,6 +1,7 @@
 """pmap = sharded jit = one device: same parameters from the same weights and batches."""
 
 import functools
+import itertools
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from shipped_model import create_model
 
+import aot
 import layers
 import metrics
 import optim
@@ -84,7 +86,8 @@ def steps_for(config, parallelism, graphdef, k=1, unroll=None):
                                      "augment_max_shift", "seed", "fsdp_devices",
                                      "fsdp_min_size", "augment_flip", "augment_crop",
                                      "augment_crop_scale", "augment_crop_ratio",
-                                     "label_smoothing", "ema_decay", "ema_warmup")), unroll)
+                                     "label_smoothing", "ema_decay", "ema_warmup",
+                                     "batch_norm_devices")), unroll)
 
 
 def run(config, parallelism, batch_list, graphdef=None, state=None, k=1, unroll=None):
@@ -353,6 +356,121 @@ def test_batchnorm_leaves_the_padding_out(tiny_config, parallelism):
   assert metrics["nonfinite_steps"] == 0 and metrics["examples"] == sum(num_real)
   assert_trees_close(got, expected, atol=1e-6)
   assert float(jnp.abs(got[0]["norm"]["mean"][...]).max()) > 0
+
+
+def grouped_batch_norm(x, mask, weights, groups, parallelism):
+  """A layers.BatchNorm with `weights` (scale, bias) on `x` under `statistics_groups(groups)`:
+  one array (jit), or pmap's 8 devices a share each. Its output and running statistics."""
+  norm = layers.BatchNorm(x.shape[-1], momentum=0.5, rngs=nnx.Rngs(0))
+  norm.scale[...], norm.bias[...] = weights
+  graphdef, state = nnx.split(norm)
+
+  def call(state, x, mask):
+    norm = nnx.merge(graphdef, state)
+    with layers.statistics_groups(groups):
+      y = norm(x, mask=mask)
+    return y, norm.mean[...], norm.var[...]
+
+  if parallelism == "jit":
+    return jax.jit(call)(state, x, mask)
+  shares = lambda a: a.reshape(NUM_DEVICES, -1, *a.shape[1:])  # noqa: E731
+  y, mean, var = jax.pmap(call, axis_name=pmap.PMAP_AXIS, in_axes=(None, 0, 0))(
+      state, shares(x), shares(mask))
+  return y.reshape(x.shape), mean[0], var[0]
+
+
+@pytest.mark.parametrize("parallelism", ["jit", "pmap"])
+@pytest.mark.parametrize("groups", [8, 4, 1])
+def test_batchnorm_normalises_each_group_by_its_real_examples(parallelism, groups):
+  """Under `statistics_groups(g)` each of g equal slices of the batch (a device's share, a
+  group of devices' under pmap) is normalised as nnx.BatchNorm normalises that slice alone,
+  padding left out; a padded example comes out as the bias (a slice of padding alone too: no
+  NaN); the running statistics are the global batch's real examples', whatever the groups."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(2.0, 3.0, (32, 3, 3, 4)), jnp.float32)
+  mask = np.arange(32) % 3 != 0
+  mask[-4:] = False  # the last device's share: padding alone
+  weights = (jnp.asarray(rng.normal(size=4), jnp.float32),
+             jnp.asarray(rng.normal(size=4), jnp.float32))
+  y, mean, var = grouped_batch_norm(x, jnp.asarray(mask), weights, groups, parallelism)
+
+  def flax_batch_norm(x, real):  # nnx.BatchNorm itself on `x`'s `real` examples
+    norm = nnx.BatchNorm(x.shape[-1], momentum=0.5, rngs=nnx.Rngs(0))
+    norm.scale[...], norm.bias[...] = weights
+    return norm(x, mask=real.reshape(-1, 1, 1, 1)), norm.mean[...], norm.var[...]
+
+  size = 32 // groups
+  for first in range(0, 32, size):
+    part, real = slice(first, first + size), mask[first:first + size]
+    if real.any():
+      expected, *_ = flax_batch_norm(x[part], real)
+      np.testing.assert_allclose(y[part][real], expected[real], atol=2e-5, rtol=0)
+  np.testing.assert_array_equal(y[~mask], np.broadcast_to(weights[1], y[~mask].shape))
+  _, global_mean, global_var = flax_batch_norm(x, mask)
+  np.testing.assert_allclose(mean, global_mean, atol=1e-5, rtol=0)
+  np.testing.assert_allclose(var, global_var, atol=1e-4, rtol=0)
+  assert float(jnp.abs(global_mean).min()) > 0.4  # (moved from 0 by half the batch's mean)
+
+
+@pytest.mark.parametrize("batch_norm_devices", [1, 2])
+def test_batchnorm_over_groups_of_devices_is_the_same_on_every_path(tiny_config,
+                                                                     batch_norm_devices):
+  """config.batch_norm_devices = 1 (each device its own statistics) or 2: 3 padded SGD steps
+  (20 real examples of 64: devices 3-7 hold none) give the same state on spmd, fsdp and pmap
+  (psum over groups of devices) as on one device whose step splits each batch into as many
+  groups; not the state of the global batch's statistics."""
+  tiny_config.fsdp_min_size, tiny_config.batch_norm_devices = 0, batch_norm_devices
+  data = batches([64, 20, 64])
+  graphdef, state = batchnorm_state(SGD)
+  step = jitted_single_step(graphdef, tuple(dict(
+      steps.step_options(tiny_config), batch_norm_groups=NUM_DEVICES // batch_norm_devices
+  ).items()))
+  expected, running = jax.device_put((state, metrics.TrainMetrics.empty()), jax.devices()[0])
+  for batch in data:
+    expected, running = step(expected, running, batch)
+  for parallelism in ("spmd", "fsdp", "pmap"):
+    got, got_metrics = run(tiny_config, parallelism, data, *batchnorm_state(SGD))
+    assert got_metrics["nonfinite_steps"] == 0 and got_metrics["examples"] == 148
+    assert_trees_close(got, expected, atol=1e-6)
+  tiny_config.batch_norm_devices = 0
+  global_statistics, _ = run(tiny_config, "spmd", data, *batchnorm_state(SGD))
+  kernel = lambda state: np.asarray(state[0]["conv"]["kernel"][...])  # noqa: E731
+  assert np.abs(kernel(global_statistics) - kernel(expected)).max() > 1e-4
+
+
+class NormStack(nnx.Module):
+  """`depth` convolutions, each followed by layers.BatchNorm."""
+
+  def __init__(self, depth, rngs):
+    self.convs = nnx.List([nnx.Conv(1 if i == 0 else 4, 4, kernel_size=(3, 3), use_bias=False,
+                                    rngs=rngs) for i in range(depth)])
+    self.norms = nnx.List([layers.BatchNorm(4, rngs=rngs) for _ in range(depth)])
+    self.dense = nnx.Linear(8 * 8 * 4, 10, rngs=rngs)
+
+  def __call__(self, images, example_mask=None):
+    x = images
+    for conv, norm in zip(self.convs, self.norms, strict=True):
+      x = nnx.relu(norm(conv(x), mask=example_mask))
+    return self.dense(x.reshape(x.shape[0], -1))
+
+
+def test_a_devices_own_statistics_add_no_all_reduce_a_layer(tiny_config):
+  """The spmd step's all-reduces (compiled for 8 devices): with the global batch's statistics
+  each BatchNorm layer adds its own (its statistics, forward and backward); with each device's
+  own (batch_norm_devices=1) the count does not grow with the layers: what is left to reduce
+  (the running statistics, the gradient) XLA combines into the same few."""
+  counts = {}
+  for devices, depth in itertools.product((0, 1), (1, 3)):
+    tiny_config.batch_norm_devices = devices
+    model = NormStack(depth, nnx.Rngs(0))
+    graphdef, state = nnx.split((model, nnx.Optimizer(model, SGD, wrt=nnx.Param)))
+    compiled, mesh = steps_for(tiny_config, "spmd", graphdef)
+    program = compiled.train.lower(
+        compiled.put_state(parallel.place_state(state, mesh, tiny_config.fsdp_min_size)),
+        compiled.empty(metrics.TrainMetrics), compiled.put_batch(stacked(batches([64]), 1)[0]))
+    counts[devices, depth] = aot.count_collectives(program.compile().as_text())["all-reduce"]
+  assert counts[0, 3] >= counts[0, 1] + 4, counts  # 2 more layers: 2 all-reduces each at least
+  assert counts[1, 3] == counts[1, 1] < counts[0, 1], counts
 
 
 @pytest.mark.parametrize("parallelism", ["spmd", pytest.param("pmap", marks=pytest.mark.slow)])

@@ -291,9 +291,9 @@ def shrunk_imagenet(parallelism):
 
 @pytest.mark.slow
 def test_a_shrunk_resnet_ends_alike_on_every_path(tmp_path):
-  """Its BatchNorm reduced over the global batch on every path (over pmap's axis too), the
-  padding of the last batch left out: the eval metrics of spmd, as the CNN's
-  (test_every_path_ends_with_the_same_eval_metrics_as_spmd)."""
+  """Its BatchNorm's statistics each device's own (configs/imagenet.py's batch_norm_devices),
+  the padding of the last batch left out, on every path: the eval metrics of spmd, as the
+  CNN's (test_every_path_ends_with_the_same_eval_metrics_as_spmd)."""
   results = {p: train.train_and_evaluate(shrunk_imagenet(p), str(tmp_path / p))
              for p in ("spmd", "pmap", "fsdp")}
   for parallelism in ("pmap", "fsdp"):
@@ -551,6 +551,9 @@ BAD_CONFIGS = [
     ("--config.parallelism=fsdp --config.fsdp_devices=3", "config.fsdp_devices=3 does not "
                                                           "divide the 8 devices; use one of "
                                                           "[1, 2, 4, 8] (0: all of them)."),
+    ("--config.batch_norm_devices=3", "config.batch_norm_devices=3 does not divide the 8 "
+                                      "devices into groups for BatchNorm's statistics; use one "
+                                      "of [1, 2, 4, 8] (0: the global batch)."),
     ("--config.init_from=configs", "config.init_from='configs' holds no checkpoints/; give the "
                                    "--workdir of the training run to start from."),
     ("--config.per_device_batch_size=-8", "config.per_device_batch_size=-8 must be an integer "
