@@ -5,6 +5,7 @@ import functools
 import jax
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -17,6 +18,7 @@ import optim
 import parallel
 import steps
 import train
+from plan import ConfigError
 
 
 def model_and_optimizer(config, image_shape=(8, 8, 1), num_classes=10):
@@ -172,3 +174,31 @@ def test_a_batchnorm_model_without_the_mask_trains_with_one_warning(tiny_config,
   assert result["examples"] == 360 and np.isfinite(result["loss"])
   warnings = [r.getMessage() for r in caplog.records if "holds BatchNorm" in r.getMessage()]
   assert len(warnings) == 1 and "example_mask=None" in warnings[0], warnings
+
+
+class FlaxNorm(NormNoMask):
+  """nnx.BatchNorm itself, given the mask."""
+
+  def __init__(self, image_shape, num_classes, rngs):
+    super().__init__(image_shape, num_classes, rngs)
+    self.norm = nnx.BatchNorm(image_shape[-1], rngs=rngs)
+
+  def __call__(self, images, example_mask=None):
+    mask = None if example_mask is None else example_mask[:, None, None, None]
+    return self.dense(self.norm(images, mask=mask).reshape(images.shape[0], -1))
+
+
+def test_statistics_of_groups_of_devices_refuse_a_plain_nnx_batchnorm(tiny_config, tmp_path,
+                                                                      monkeypatch):
+  """config.batch_norm_devices is layers.BatchNorm's: a model holding nnx.BatchNorm, whose
+  statistics would stay the global batch's, stops before training, naming the layer and the
+  fix; with batch_norm_devices=0 it trains, in the same workdir."""
+  monkeypatch.setattr(optim, "create_model", lambda config, image_shape, num_classes, rngs:
+                      FlaxNorm(image_shape, num_classes, rngs))
+  tiny_config.eval_every_steps = tiny_config.checkpoint_every_steps = 1000
+  tiny_config.batch_norm_devices = 1
+  with pytest.raises(ConfigError, match=r"FlaxNorm holds nnx.BatchNorm at norm, .*use "
+                                        r"layers.BatchNorm"):
+    train.train_and_evaluate(tiny_config, str(tmp_path))
+  tiny_config.batch_norm_devices = 0  # the fix, in the same workdir
+  assert train.train_and_evaluate(tiny_config, str(tmp_path))["examples"] == 360
