@@ -40,6 +40,7 @@ EXPECTED_FILES = [
     "configs/imagenet.py",
     "configs/tiny.py",
     "distributed.py",
+    "errors.py",
     "evaluate.py",
     "export.py",
     "flops.py",

@@ -13,6 +13,8 @@ import os
 import numpy as np
 from PIL import Image, ImageOps
 
+from errors import ConfigError
+
 
 def decode_image(data: bytes, image_shape: tuple[int, int, int]) -> np.ndarray:
   """An encoded image (JPEG, PNG, ...) as uint8 [H, W, C] of `image_shape`: gray (C = 1) or
@@ -124,8 +126,6 @@ class Crops:
 def find_images(paths: list[str]) -> list[str]:
   """The files of `paths`, a folder meaning the .jpg, .jpeg, .png and .npy files under it
   (sorted). Raises ConfigError for a path that does not exist."""
-  from plan import ConfigError  # (only here: NumPy and PIL alone otherwise)
-
   found = []
   for path in paths:
     if os.path.isdir(path):

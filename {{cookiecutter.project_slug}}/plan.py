@@ -21,6 +21,7 @@ import input_pipeline
 import optim
 import parallel
 import steps
+from errors import ConfigError
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 LR_SCALINGS = ("none", "linear", "sqrt")
@@ -37,10 +38,6 @@ def global_batch_size(config, num_devices: int | None = None) -> int:
   if config.per_device_batch_size:
     return config.per_device_batch_size * (num_devices or jax.device_count())
   return config.batch_size
-
-
-class ConfigError(ValueError):
-  """A config that cannot work; the message names the key, the value and the fix."""
 
 
 def _installed(module: str) -> bool:

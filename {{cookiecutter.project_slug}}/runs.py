@@ -27,7 +27,7 @@ from jax.experimental import multihost_utils
 import input_pipeline
 import optim
 import parallel
-from plan import ConfigError
+from errors import ConfigError
 
 CONFIG_FILE, DATA_FILE = "config.json", "data.json"
 

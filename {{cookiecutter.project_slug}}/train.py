@@ -32,7 +32,7 @@ import plan
 import runs
 import steps
 import writers
-from plan import ConfigError
+from errors import ConfigError
 
 
 def evaluate(compiled: steps.Steps, state, eval_batches, config, iterator=None) -> dict[str, float]:
