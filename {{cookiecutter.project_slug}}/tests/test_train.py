@@ -290,13 +290,22 @@ def shrunk_imagenet(parallelism):
 
 
 @pytest.mark.slow
-def test_a_shrunk_resnet_ends_alike_on_every_path(tmp_path):
-  """Its BatchNorm's statistics each device's own (configs/imagenet.py's batch_norm_devices),
-  the padding of the last batch left out, on every path: the eval metrics of spmd, as the
-  CNN's (test_every_path_ends_with_the_same_eval_metrics_as_spmd)."""
-  results = {p: train.train_and_evaluate(shrunk_imagenet(p), str(tmp_path / p))
-             for p in ("spmd", "pmap", "fsdp")}
-  for parallelism in ("pmap", "fsdp"):
+@pytest.mark.parametrize("batch_norm_devices, paths", [(0, ("spmd", "pmap", "fsdp")),
+                                                       (1, ("spmd", "pmap"))])
+def test_a_shrunk_resnet_ends_alike_on_every_path(tmp_path, batch_norm_devices, paths):
+  """Its BatchNorm's statistics those of the global batch, or each device's own (1:
+  configs/imagenet.py's), the padding of the last batch left out: the eval metrics of spmd on
+  every path, as the CNN's (test_every_path_ends_with_the_same_eval_metrics_as_spmd). A
+  device's own statistics here are those of 8 examples of 1x1 maps (the last stages, on 8x8
+  digits), which amplify rounding: fsdp, whose sharded reductions round otherwise (by 6e-8
+  after a step), ends 2% apart after 45 steps; it is compared step by step instead
+  (test_parallel.py: test_batchnorm_over_groups_of_devices_is_the_same_on_every_path)."""
+  results = {}
+  for parallelism in paths:
+    config = shrunk_imagenet(parallelism)
+    config.batch_norm_devices = batch_norm_devices
+    results[parallelism] = train.train_and_evaluate(config, str(tmp_path / parallelism))
+  for parallelism in paths[1:]:
     assert results[parallelism]["examples"] == results["spmd"]["examples"] == 360
     assert results[parallelism]["loss"] == pytest.approx(results["spmd"]["loss"], abs=1e-5)
     assert results[parallelism]["accuracy"] == pytest.approx(results["spmd"]["accuracy"],
