@@ -324,7 +324,8 @@ def measure_dispatch(is_tiny: bool, calls: int = 200) -> dict:
 
 def describe(config) -> dict:
   return dict(image_shape=list(input_pipeline.get_datasets(config)[1].image_shape),
-              features=list(config.model.features), dtype=config.model.dtype,
+              model=(f"cnn {tuple(config.model.features)}" if config.model.name == "cnn"
+                     else config.model.name), dtype=config.model.dtype,
               batch_size=config.batch_size, timed_steps=config.rounds * config.turn_steps)
 
 
@@ -395,7 +396,7 @@ def summarize_loop(runs: list[dict]) -> dict:
   return dict(loop, efficiencies=[run["efficiency"] for run in runs],
               peak_host_mb=max(run["peak_host_mb"] for run in runs), mfu=runs[0]["mfu"],
               device_count=runs[0]["device_count"], device_kind=runs[0]["device_kind"],
-              **{key: runs[0][key] for key in ("steps_per_dispatch", "image_shape", "features",
+              **{key: runs[0][key] for key in ("steps_per_dispatch", "image_shape", "model",
                                                 "dtype", "batch_size")})
 
 
@@ -417,7 +418,7 @@ def benchmark(is_tiny: bool) -> dict:
                         peak_host_mb=results[f"memory:{model}:{path}"]["peak_host_mb"])
              for path in PATHS}
     models[model] = dict(
-        {key: measured[key] for key in ("image_shape", "features", "dtype", "batch_size",
+        {key: measured[key] for key in ("image_shape", "model", "dtype", "batch_size",
                                         "timed_steps")}, paths=paths,
         pmap_over_spmd_step_time=paths["pmap"]["step_ms"] / paths["spmd"]["step_ms"],
         ema_over_spmd_step_time=measured["ema"]["step_ms"] / paths["spmd"]["step_ms"],

@@ -25,10 +25,10 @@ def tables(results: dict) -> dict[str, tuple[list[str], list[list[str]]]]:
                       f"{r['compile_s']:.2f}", f"{r['first_step_s']:.2f}", f"{r['step_ms']:.2f}",
                       f"{r['examples_per_sec']:.0f}", f"{r['peak_host_mb']:.0f}",
                       f"{r['state_mb_per_device']:.3f}", f"{r['step_peak_mb_per_device']:.3f}"])
-  loop = (["loop", "shape", "batch", "features", "dtype", "k", "loop examples/s",
+  loop = (["loop", "shape", "batch", "model", "dtype", "k", "loop examples/s",
            "bare step examples/s", "host us/step", "paired ratios", "efficiency"], [])
   for key, r in results["loop"].items():
-    loop[1].append([key, shape(r["image_shape"]), str(r["batch_size"]), str(tuple(r["features"])),
+    loop[1].append([key, shape(r["image_shape"]), str(r["batch_size"]), r["model"],
                     r["dtype"], str(r["steps_per_dispatch"]), f"{r['loop_examples_per_sec']:.0f}",
                     f"{r['step_examples_per_sec']:.0f}", f"{r['host_us_per_step']:.0f}",
                     " ".join(f"{e:.2f}" for e in r["efficiencies"]), f"{r['efficiency']:.2f}"])
