@@ -21,14 +21,13 @@ CHOICES = {
 }
 
 SLUG_RE = re.compile(r"[a-z][a-z0-9_]*[a-z0-9]")
-# Modules the generated project imports or contains: a slug with one of these names would
-# make the project import itself.
+# Modules the generated project imports or holds at its top level (the machinery is the package
+# named by the slug): a slug with one of these names would shadow one of them.
 TAKEN = {
     "jax", "flax", "optax", "grain", "clu", "orbax", "ml_collections", "numpy", "absl",
     "sklearn", "tensorboardX", "tensorboard", "array_record",
-    "train", "model", "input_pipeline", "parallel", "steps", "writers", "write_arrayrecord",
-    "configs", "launch", "benchmark", "portpicker",
-    "tests",
+    "model", "train", "evaluate", "predict", "export", "aot", "benchmark", "launch",
+    "write_arrayrecord", "configs", "portpicker", "tests", "conftest", "shipped_model",
 }
 TAKEN_LOWER = {name.lower(): name for name in TAKEN}  # case-insensitive file systems
 

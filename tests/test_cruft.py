@@ -44,7 +44,8 @@ def test_cruft_update_brings_a_later_template_commit_into_a_baked_project(tmp_pa
 
   baked = clone / "{{cookiecutter.project_slug}}"
   add_line(baked / "model.py", TEMPLATE_LINE, after=1)
-  add_line(baked / "writers.py", TEMPLATE_LINE, after=1)
+  machinery = Path("{{cookiecutter.project_slug}}", "training", "writers.py")  # any module of it
+  add_line(baked / machinery, TEMPLATE_LINE, after=1)
   commit(clone, "a later template commit")
   assert run(project, *cruft, "check").returncode == 1  # out of date
   add_line(project / "model.py", USER_LINE, after=1)
@@ -52,7 +53,8 @@ def test_cruft_update_brings_a_later_template_commit_into_a_baked_project(tmp_pa
 
   done = run(project, *cruft, "update", "-y")
   assert done.returncode == 0, done.stdout + done.stderr
-  assert (project / "writers.py").read_text(encoding="utf-8").splitlines()[1] == TEMPLATE_LINE
+  writers = project / "nnx_data_parallel" / "training" / "writers.py"
+  assert writers.read_text(encoding="utf-8").splitlines()[1] == TEMPLATE_LINE
   model = (project / "model.py").read_text(encoding="utf-8").splitlines()
   assert model[1:6] == ["<<<<<<< ours", USER_LINE, "=======", TEMPLATE_LINE, ">>>>>>> theirs"]
   assert run(project, "git", "status", "--short", "model.py").stdout.startswith("UU")

@@ -8,7 +8,7 @@ what a device holds, what the step moves and how fast it can be at best.
 TPUs need the `tpu` extra (libtpu), NVIDIA GPUs the `cuda12` extra; neither needs the device.
 Nothing is read or built: the state and the batches are abstract (shapes, dtypes, shardings),
 from the data's description (`input_pipeline.describe`). The mesh, shardings, k (rolled, as on
-an accelerator) and steps are train.py's own (plan.py, parallel.py, steps.py, runs.py). The
+an accelerator) and steps are train.py's own (plan.py, sharding.py, steps.py, runs.py). The
 figures are the compiler's; they leave out the input pipeline and the host's memory.
 """
 
@@ -34,14 +34,10 @@ from absl import app, flags  # noqa: E402
 from absl.flags import FLAGS  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-import chips  # noqa: E402
-import flops  # noqa: E402
-import input_pipeline  # noqa: E402
-import metrics  # noqa: E402
-import optim  # noqa: E402
-import parallel  # noqa: E402
-import plan  # noqa: E402
-import steps  # noqa: E402
+from {{cookiecutter.project_slug}} import plan  # noqa: E402
+from {{cookiecutter.project_slug}}.data import input_pipeline  # noqa: E402
+from {{cookiecutter.project_slug}}.parallel import chips, sharding  # noqa: E402
+from {{cookiecutter.project_slug}}.training import flops, metrics, optim, steps  # noqa: E402
 
 COLLECTIVES = ("all-reduce-scatter", "reduce-scatter", "all-gather", "all-reduce", "all-to-all",
                "collective-permute", "collective-broadcast")
@@ -63,7 +59,7 @@ def abstract_batches(config, info, num_devices: int, mesh, pmap: bool):
   if pmap:
     return {name: jax.ShapeDtypeStruct((num_devices, k, batch // num_devices, *shape), dtype)
             for name, (shape, dtype) in shapes.items()}
-  where = parallel.data_sharded(mesh)
+  where = sharding.data_sharded(mesh)
   return {name: jax.ShapeDtypeStruct((k, batch, *shape), dtype, sharding=where)
           for name, (shape, dtype) in shapes.items()}
 
@@ -152,22 +148,22 @@ def _analyze(config, devices) -> dict:
   memory_bytes = device.memory_bytes if device else 0
   num_train_steps = input_pipeline.num_batches(
       config.num_epochs * info.num_examples["train"], config.batch_size)
-  mesh = parallel.make_mesh(config, devices)
+  mesh = sharding.make_mesh(config, devices)
   graphdef, state, init = optim.initial_state(config, info, mesh, num_train_steps)
   pmap = config.parallelism == "pmap"
   compiled_steps = steps.make(graphdef, config, mesh, unroll=False,
                               crop_on_device=not info.crops_on_host,
                               pmap_devices=devices if pmap else None)
   batches = abstract_batches(config, info, num_devices, mesh, pmap)
-  where = None if pmap else parallel.replicated(mesh)
+  where = None if pmap else sharding.replicated(mesh)
   train_args = (abstract(state, leading=num_devices) if pmap else compiled_steps.put_state(state),
                 abstract(metrics.TrainMetrics.empty(), where), batches)
   eval_args = (train_args[0], abstract(metrics.Metrics.empty(), where), batches)
 
   state_bytes = bytes_per_device(state) if not pmap else bytes_per_device(
-      abstract(state, parallel.replicated(mesh)))
+      abstract(state, sharding.replicated(mesh)))
   figures = dict(
-      num_devices=num_devices, device_kind=kind, num_slices=parallel.num_slices(devices),
+      num_devices=num_devices, device_kind=kind, num_slices=sharding.num_slices(devices),
       num_hosts=len({d.process_index for d in devices}), parallelism=config.parallelism,
       mesh=dict(mesh.shape), steps_per_dispatch=config.steps_per_dispatch,
       batch_size=config.batch_size, memory_bytes=memory_bytes, state_bytes=state_bytes,

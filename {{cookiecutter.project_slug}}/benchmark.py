@@ -55,16 +55,14 @@ from flax import nnx
 from ml_collections import config_flags
 from tensorboard.backend.event_processing import event_accumulator
 
-import benchmark_data
-import benchmark_report
-import input_pipeline
-import metrics
-import optim
-import parallel
-import plan
-import steps
-from benchmark_data import PIPELINE
 from configs import default, imagenet, tiny
+
+from {{cookiecutter.project_slug}} import plan
+from {{cookiecutter.project_slug}}.data import input_pipeline
+from {{cookiecutter.project_slug}}.parallel import sharding
+from {{cookiecutter.project_slug}}.tools import benchmark_data, benchmark_report
+from {{cookiecutter.project_slug}}.tools.benchmark_data import PIPELINE
+from {{cookiecutter.project_slug}}.training import metrics, optim, steps
 
 NUM_DEVICES = 8
 MODELS = ("digits", "large")  # the config's CNN on the digits; a wider CNN on bigger images
@@ -151,9 +149,9 @@ def step_state_batch(config, path: str):
     one_batch = jax.tree.map(lambda x: x[0], batch)
     return step, *jax.device_put((state, metrics.TrainMetrics.empty(), one_batch), device)
   config.parallelism = path
-  mesh = parallel.make_mesh(config)
+  mesh = sharding.make_mesh(config)
   compiled = steps.make(graphdef, config, mesh)
-  state = compiled.put_state(parallel.place_state(state, mesh, config.fsdp_min_size))
+  state = compiled.put_state(sharding.place_state(state, mesh, config.fsdp_min_size))
   return compiled.train, state, compiled.empty(metrics.TrainMetrics), compiled.put_batch(batch)
 
 
@@ -171,7 +169,7 @@ class Runner:
     start = time.perf_counter()
     self.step = step.lower(self.state, self.running, self.batch).compile()
     self.compile_s = time.perf_counter() - start
-    self.state_mb = parallel.bytes_per_device(self.state) / 1e6  # model and optimizer state
+    self.state_mb = sharding.bytes_per_device(self.state) / 1e6  # model and optimizer state
     memory = self.step.memory_analysis()  # one device's: the state donated, updated in place
     self.step_peak_mb = (memory.argument_size_in_bytes + memory.output_size_in_bytes +
                          memory.temp_size_in_bytes - memory.alias_size_in_bytes) / 1e6

@@ -17,14 +17,10 @@ import numpy as np
 from absl import app, flags, logging
 from flax import nnx
 
-import distributed
-import image_files
-import input_pipeline
-import metrics
-import plan
-import runs
-import steps
-import writers
+from {{cookiecutter.project_slug}} import plan
+from {{cookiecutter.project_slug}}.data import image_files, input_pipeline
+from {{cookiecutter.project_slug}}.parallel import distributed
+from {{cookiecutter.project_slug}}.training import metrics, runs, steps, writers
 
 FLAGS = flags.FLAGS
 

@@ -29,11 +29,10 @@ import numpy as np
 from absl import app, flags, logging
 from jax.experimental import multihost_utils
 
-import distributed
-import input_pipeline
-import plan
-import runs
-import steps
+from {{cookiecutter.project_slug}} import plan
+from {{cookiecutter.project_slug}}.data import input_pipeline
+from {{cookiecutter.project_slug}}.parallel import distributed
+from {{cookiecutter.project_slug}}.training import runs, steps
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 

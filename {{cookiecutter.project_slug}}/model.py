@@ -14,7 +14,7 @@ import functools
 import jax.numpy as jnp
 from flax import nnx
 
-import layers
+from {{cookiecutter.project_slug}} import layers
 
 
 class CNN(nnx.Module):

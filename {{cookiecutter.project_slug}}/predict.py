@@ -24,12 +24,10 @@ from absl import app, flags, logging
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import distributed
-import image_files
-import input_pipeline
-import plan
-import runs
-import steps
+from {{cookiecutter.project_slug}} import plan
+from {{cookiecutter.project_slug}}.data import image_files, input_pipeline
+from {{cookiecutter.project_slug}}.parallel import distributed
+from {{cookiecutter.project_slug}}.training import runs, steps
 
 FLAGS = flags.FLAGS
 

@@ -22,17 +22,11 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
-import distributed
-import flops
-import input_pipeline
-import metrics
-import optim
-import parallel
-import plan
-import runs
-import steps
-import writers
-from errors import ConfigError
+from {{cookiecutter.project_slug}} import plan
+from {{cookiecutter.project_slug}}.data import input_pipeline
+from {{cookiecutter.project_slug}}.errors import ConfigError
+from {{cookiecutter.project_slug}}.parallel import distributed, sharding
+from {{cookiecutter.project_slug}}.training import flops, metrics, optim, runs, steps, writers
 
 
 def evaluate(compiled: steps.Steps, state, eval_batches, config, iterator=None) -> dict[str, float]:
@@ -171,7 +165,7 @@ def log_state(config, graphdef, state, speed: flops.Speed, num_train_steps: int)
   logging.info("%s: %s parameters; model and optimizer state: %.3g MB a device (%s; a whole "
                "copy: %.3g MB)", type(model).__name__,
                f"{sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))):,}",
-               parallel.bytes_per_device(state) / 1e6, config.parallelism,
+               sharding.bytes_per_device(state) / 1e6, config.parallelism,
                sum(x.nbytes for x in jax.tree.leaves(state)) / 1e6)
   if warning := steps.mask_warning(model):
     logging.warning("%s", warning)
@@ -218,7 +212,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   # timed interval (a GPU: ~1 s of a ResNet-50 run's second interval).
   schedule = jax.jit(optim.create_schedule(config, num_train_steps))
   schedule(0)
-  mesh = parallel.make_mesh(config)
+  mesh = sharding.make_mesh(config)
   graphdef, abstract, init = optim.initial_state(config, info, mesh, num_train_steps)
   compiled = steps.make(graphdef, config, mesh, crop_on_device=not info.crops_on_host)
   if config.init_from:  # read before the workdir is touched: a mismatch stops here
@@ -235,7 +229,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   eval_batches = input_pipeline.eval_batches(splits["eval"], config, **process)
   eval_iter = steps.eval_iterator(eval_batches, config)  # its workers start once
   if config.print_shardings:
-    logging.info("%s", parallel.describe_run(compiled.get_state(state),
+    logging.info("%s", sharding.describe_run(compiled.get_state(state),
                                              compiled.put_batch(eval_batches[0])))
   writer = writers.create_writer(workdir, write=is_main, config=config, new_run=first_step == 0)
   clock = writers.Clock()

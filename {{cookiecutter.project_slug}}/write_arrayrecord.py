@@ -41,9 +41,8 @@ from array_record.python.array_record_module import ArrayRecordWriter
 from flax import serialization
 from PIL import Image
 
-import image_files
-import input_pipeline
-import writers
+from {{cookiecutter.project_slug}}.data import image_files, input_pipeline
+from {{cookiecutter.project_slug}}.training import writers
 
 KEYS = ("train_images", "train_labels", "eval_images", "eval_labels")
 

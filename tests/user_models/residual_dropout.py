@@ -2,7 +2,7 @@
 import jax.numpy as jnp
 from flax import nnx
 
-import layers
+from nnx_data_parallel import layers
 
 
 class Block(nnx.Module):

@@ -120,9 +120,10 @@ def reads_as_the_digits(config) -> tuple[dict, dict]:
   """`config` (a Hugging Face or TFDS copy of the digits) is valid and its data is described as
   the digits: 8x8x1 uint8, DIGIT_NAMES, 1437 + 360 examples. Returns its sources and the digits'
   own, to compare."""
-  import input_pipeline
-  import plan
   from configs import default
+
+  from {{cookiecutter.project_slug}} import plan
+  from {{cookiecutter.project_slug}}.data import input_pipeline
 
   plan.validate_config(config)
   sources, info = input_pipeline.get_datasets(config)
@@ -139,10 +140,11 @@ def trains_as_written(config, workdir, splits: dict, class_names) -> dict:
   import pytest
 
   import evaluate
-  import input_pipeline
-  import runs
   import train
   import write_arrayrecord
+
+  from {{cookiecutter.project_slug}}.data import input_pipeline
+  from {{cookiecutter.project_slug}}.training import runs
 
   metrics = train.train_and_evaluate(config, str(workdir / "run"))
   write_arrayrecord.write_dataset(str(workdir / "records"), splits)
@@ -182,8 +184,9 @@ def run_main(module, *args: str) -> subprocess.CompletedProcess:
 def tiny_config():
   """configs/tiny.py on the tests' own models (`owned`), its steps per dispatch chosen as
   train_and_evaluate chooses them (1 here)."""
-  import steps
   from configs import tiny
+
+  from {{cookiecutter.project_slug}}.training import steps
 
   config = owned(tiny.get_config())
   config.steps_per_dispatch = steps.steps_per_dispatch(config)

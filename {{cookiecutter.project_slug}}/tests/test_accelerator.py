@@ -62,7 +62,7 @@ def accelerator() -> dict:
 
 
 def test_train_pmap_equals_spmd_resume_and_mfu_on_the_accelerator(accelerator):
-  import chips
+  from {{cookiecutter.project_slug}}.parallel import chips
 
   path = [os.path.join(PROJECT, "tests"), accelerator["env"].get("PYTHONPATH")]  # (the host's)
   env = accelerator["env"] | {"PYTHONPATH": os.pathsep.join(filter(None, path))}

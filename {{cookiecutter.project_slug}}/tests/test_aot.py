@@ -23,13 +23,12 @@ from conftest import OWN_MODEL, owned
 from flax import nnx
 
 import aot
-import chips
-import input_pipeline
-import metrics
-import optim
-import parallel
-import plan
 from configs import default
+
+from {{cookiecutter.project_slug}} import plan
+from {{cookiecutter.project_slug}}.data import input_pipeline
+from {{cookiecutter.project_slug}}.parallel import chips, sharding
+from {{cookiecutter.project_slug}}.training import metrics, optim
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.aot
@@ -103,17 +102,17 @@ def test_describe_is_what_get_datasets_reads(tmp_path):
 def test_xla_options_reach_the_compiler(tiny_config):
   """`config.xla_options` are parsed and given to XLA with the jit-compiled steps: an option
   that XLA does not know fails the compile."""
-  import steps
+  from {{cookiecutter.project_slug}}.training import steps
 
   tiny_config.xla_options = "xla_cpu_enable_fast_math=false, xla_no_such_option=1"
   assert steps.xla_options(tiny_config) == {"xla_cpu_enable_fast_math": False,
                                             "xla_no_such_option": 1}
   info = input_pipeline.describe(tiny_config)
-  mesh = parallel.make_mesh(tiny_config)
+  mesh = sharding.make_mesh(tiny_config)
   graphdef, state, _ = optim.initial_state(tiny_config, info, mesh, 10)
   batches = aot.abstract_batches(tiny_config, info, 8, mesh, pmap=False)
   compiled = steps.make(graphdef, tiny_config, mesh)
-  running = aot.abstract(metrics.Metrics.empty(), parallel.replicated(mesh))
+  running = aot.abstract(metrics.Metrics.empty(), sharding.replicated(mesh))
   with pytest.raises(Exception, match="xla_no_such_option"):
     compiled.eval.lower(state, running, batches).compile()
   tiny_config.xla_options = "xla_cpu_enable_fast_math=false"
@@ -224,7 +223,7 @@ def test_two_slices_fsdp_within_a_slice():
   """Multi-slice: the mesh's 'data' axis crosses the slices, 'fsdp' stays within one."""
   config = config_for("fsdp", fsdp_min_size=0)
   devices = chips.compile_only_devices("v5e:2x4", num_slices=2)
-  mesh = parallel.make_mesh(config, devices)
+  mesh = sharding.make_mesh(config, devices)
   assert dict(mesh.shape) == {"data": 2, "fsdp": 8}
   for i, row in enumerate(mesh.devices):
     assert {d.slice_index for d in row} == {i}
@@ -325,7 +324,9 @@ def test_gpu_refuses_what_does_not_fit(tmp_path):
 # The 1.16 GB MLP's fsdp step for 8 H100s, with and without XLA options; prints its figures.
 GPU_MLP = """
 import json, sys
-import aot, chips, optim
+import aot
+from {{cookiecutter.project_slug}}.parallel import chips
+from {{cookiecutter.project_slug}}.training import optim
 from test_aot import MLP
 from configs import default
 optim.create_model = lambda config, image_shape, num_classes, rngs: MLP(image_shape, num_classes,

@@ -17,7 +17,7 @@ from test_distributed import plain_machine, task  # noqa: F401  (a fixture)
 from test_multiprocess import assert_same_run, four_devices, stop_all, train
 from test_train import read_scalars
 
-import distributed
+from {{cookiecutter.project_slug}}.parallel import distributed
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTERS = os.path.join(PROJECT, "clusters")

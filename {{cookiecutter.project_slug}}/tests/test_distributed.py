@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-import distributed
+from {{cookiecutter.project_slug}}.parallel import distributed
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER_VARIABLES = ("SLURM_", "OMPI_", "TPU_", "MEGASCALE_", "KUBERNETES_", "JAX_COORDINATOR",

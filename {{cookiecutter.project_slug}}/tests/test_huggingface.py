@@ -10,11 +10,11 @@ from conftest import DIGIT_NAMES as NAMES
 from conftest import owned, reads_as_the_digits, trains_as_written
 from PIL import Image
 
-import image_files
-import input_pipeline
-import plan
-import runs
 from configs import default, tiny
+
+from {{cookiecutter.project_slug}} import plan
+from {{cookiecutter.project_slug}}.data import image_files, input_pipeline
+from {{cookiecutter.project_slug}}.training import runs
 
 
 def digits_dataset(split_names=("train", "validation")) -> datasets.DatasetDict:

@@ -16,13 +16,12 @@ from conftest import owned, run_main
 from flax import serialization
 from PIL import Image
 
-import image_files
-import input_pipeline
-import runs
-import steps
 import train
 import write_arrayrecord
 from configs import default
+
+from {{cookiecutter.project_slug}}.data import image_files, input_pipeline
+from {{cookiecutter.project_slug}}.training import runs, steps
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

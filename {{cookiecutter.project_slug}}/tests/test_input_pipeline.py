@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 from conftest import run_main
 
-import input_pipeline
 import write_arrayrecord
 from write_arrayrecord import write_dataset
+
+from {{cookiecutter.project_slug}}.data import input_pipeline
 
 
 def numbered(n: int) -> input_pipeline.ArraySource:

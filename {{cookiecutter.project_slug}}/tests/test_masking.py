@@ -11,14 +11,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from shipped_model import create_model
 
-import input_pipeline
-import layers
-import metrics
-import optim
-import parallel
-import steps
 import train
-from plan import ConfigError
+
+from {{cookiecutter.project_slug}} import layers
+from {{cookiecutter.project_slug}}.data import input_pipeline
+from {{cookiecutter.project_slug}}.parallel import sharding
+from {{cookiecutter.project_slug}}.plan import ConfigError
+from {{cookiecutter.project_slug}}.training import metrics, optim, steps
 
 
 def model_and_optimizer(config, image_shape=(8, 8, 1), num_classes=10):
@@ -53,7 +52,7 @@ def test_padded_gradient_equals_unpadded_gradient(tiny_config):
 
   expected = nnx.jit(nnx.grad(mean_loss))(model, real["image"], real["label"])  # one program
 
-  mesh = parallel.make_mesh()
+  mesh = sharding.make_mesh()
   graphdef, state = nnx.split(model)
 
   @jax.jit
@@ -62,8 +61,8 @@ def test_padded_gradient_equals_unpadded_gradient(tiny_config):
         nnx.merge(graphdef, state), batch)
     return jax.tree.map(lambda g: g / metrics.loss.count, grads), metrics
 
-  grads, metrics = masked_grad(jax.device_put(state, parallel.replicated(mesh)),
-                               jax.device_put(padded, NamedSharding(mesh, P(parallel.DATA_AXIS))))
+  grads, metrics = masked_grad(jax.device_put(state, sharding.replicated(mesh)),
+                               jax.device_put(padded, NamedSharding(mesh, P(sharding.DATA_AXIS))))
   assert int(metrics.loss.count) == 77
   assert max_abs_diff(grads, expected) < 1e-6
   unmasked, _ = masked_grad(state, {**padded, "mask": np.ones(128, bool)})
@@ -79,7 +78,7 @@ def test_train_step_on_padded_batch_equals_step_on_real_examples(tiny_config):
   expected, expected_metrics = one_device(state, metrics.TrainMetrics.empty(), real)
 
   tiny_config.augment_max_shift, tiny_config.seed = 1, 0  # shifts keyed by position: the same
-  compiled = steps.make(graphdef, tiny_config, parallel.make_mesh())
+  compiled = steps.make(graphdef, tiny_config, sharding.make_mesh())
   placed = compiled.put_state(state)
   new_state, running = compiled.train(placed, compiled.empty(metrics.TrainMetrics),
                                       compiled.put_batch(jax.tree.map(lambda x: x[None], padded)))
@@ -96,7 +95,7 @@ def test_eval_counts_every_example_once(tiny_config):
   splits, info = input_pipeline.get_datasets(tiny_config)
   model, optimizer = model_and_optimizer(tiny_config)
   graphdef, state = nnx.split((model, optimizer))
-  compiled = steps.make(graphdef, tiny_config, parallel.make_mesh())
+  compiled = steps.make(graphdef, tiny_config, sharding.make_mesh())
   batches = input_pipeline.eval_batches(splits["eval"], tiny_config)
   result = train.evaluate(compiled, compiled.put_state(state), batches, tiny_config)
   assert result["examples"] == 1001

@@ -4,8 +4,7 @@ import pytest
 from flax import nnx
 from shipped_model import create_model
 
-import flops
-import optim
+from {{cookiecutter.project_slug}}.training import flops, optim
 
 
 @pytest.mark.parametrize("image_shape, num_classes", [((8, 8, 1), 10), ((32, 32, 3), 7)])
@@ -37,7 +36,7 @@ def test_bfloat16_compute_with_float32_params(tiny_config):
 def test_resnets_have_the_papers_sizes_and_flops(tiny_config, name, num_params, train_flops):
   """The FLOPs the project reports for a training step (flops.Speed, the jaxpr's matrix
   products and convolutions) are 3 forward passes' (the backward pass twice the forward)."""
-  import plan
+  from {{cookiecutter.project_slug}} import plan
 
   tiny_config.model.name, tiny_config.batch_size = name, 2
   objects = nnx.eval_shape(lambda: optim.build_state(tiny_config, (224, 224, 3), 1000, 10))

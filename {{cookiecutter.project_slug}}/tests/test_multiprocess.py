@@ -57,8 +57,9 @@ def test_two_processes_train_like_the_straight_spmd_run(straight_runs, tmp_path)
   # Its workdir describes itself: evaluate.py's set-up, from the workdir alone, in this process
   # (8 devices), reproduces the final evaluation of the two processes.
   import evaluate
-  import input_pipeline
-  import runs
+
+  from {{cookiecutter.project_slug}}.data import input_pipeline
+  from {{cookiecutter.project_slug}}.training import runs
 
   run = runs.Restored(str(tmp_path))
   assert run.step == 45
@@ -286,8 +287,9 @@ def test_evaluate_predict_and_export_on_two_processes(straight_runs, tmp_path):
   import numpy as np
   from PIL import Image
 
-  import input_pipeline
   from configs import tiny
+
+  from {{cookiecutter.project_slug}}.data import input_pipeline
 
   workdir = tmp_path / "run"
   shutil.copytree(straight_runs["fsdp"][0], workdir)  # evaluate.py writes into it
@@ -338,15 +340,15 @@ import jax, jax.numpy as jnp, numpy as np
 from absl import flags
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
-import distributed, parallel
+from {{cookiecutter.project_slug}}.parallel import distributed, sharding
 flags.FLAGS(sys.argv)
 distributed.initialize()
 if jax.process_index() == 1:
   time.sleep(35)  # longer than gloo waits to connect a group of devices (30 s)
 multihost_utils.sync_global_devices("late")  # one device a process, as Orbax's barriers
-mesh = parallel.make_mesh()
+mesh = sharding.make_mesh()
 ones = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), np.ones(4))
-total = float(jax.jit(jnp.sum, out_shardings=parallel.replicated(mesh))(ones))
+total = float(jax.jit(jnp.sum, out_shardings=sharding.replicated(mesh))(ones))
 print(f"sum {total}")  # one string: the two processes' unbuffered prints interleave word by word
 """
 

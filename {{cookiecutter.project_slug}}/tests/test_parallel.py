@@ -18,12 +18,10 @@ from jax.sharding import PartitionSpec as P
 from shipped_model import create_model
 
 import aot
-import layers
-import metrics
-import optim
-import parallel
-import pmap
-import steps
+
+from {{cookiecutter.project_slug}} import layers
+from {{cookiecutter.project_slug}}.parallel import pmap, sharding
+from {{cookiecutter.project_slug}}.training import metrics, optim, steps
 
 NUM_DEVICES = 8
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,7 +73,7 @@ def compiled_steps(graphdef, config_items: tuple, unroll=None) -> tuple[steps.St
                                                                          jax.sharding.Mesh]:
   """`steps.make` for a graphdef and the config's items, made once per test session."""
   config = ml_collections.ConfigDict(dict(config_items))
-  mesh = parallel.make_mesh(config)
+  mesh = sharding.make_mesh(config)
   return steps.make(graphdef, config, mesh, unroll), mesh
 
 
@@ -103,7 +101,7 @@ def run(config, parallelism, batch_list, graphdef=None, state=None, k=1, unroll=
       state, running = step(state, running, batch)
     return state, steps.summarize(running)
   compiled, mesh = steps_for(config, parallelism, graphdef, k, unroll)
-  state = compiled.put_state(parallel.place_state(state, mesh, config.fsdp_min_size))
+  state = compiled.put_state(sharding.place_state(state, mesh, config.fsdp_min_size))
   running = compiled.empty(metrics.TrainMetrics)
   for group in stacked(batch_list, k):
     state, running = compiled.train(state, running, compiled.put_batch(group))
@@ -207,9 +205,9 @@ def test_fsdp_keeps_one_share_of_a_large_state_per_device(tiny_config):
   assert whole >= 100e6
   for fsdp_devices in (8, 4):
     tiny_config.fsdp_devices = fsdp_devices
-    placed = parallel.place_state(state, parallel.make_mesh(tiny_config),
+    placed = sharding.place_state(state, sharding.make_mesh(tiny_config),
                                   tiny_config.fsdp_min_size)
-    per_device = parallel.bytes_per_device(placed)
+    per_device = sharding.bytes_per_device(placed)
     print(f"fsdp over {fsdp_devices}: {per_device / 1e6:.2f} MB a device of {whole / 1e6:.2f} MB")
     assert per_device <= whole * (1 / fsdp_devices + 0.05)
     assert per_device >= whole / fsdp_devices  # nothing lost: the shards hold it all
@@ -246,14 +244,14 @@ def test_replicate_and_unreplicate(tiny_config, model):
 REPLICATE = """
 import re
 import jax, numpy as np
-import parallel
-import pmap
+from {{cookiecutter.project_slug}}.parallel import sharding
+from {{cookiecutter.project_slug}}.parallel import pmap
 x = jax.device_put(np.arange(8 * 2**20, dtype=np.float32), jax.devices()[0])
 kib = lambda field: int(re.search(field + r":\\s+(\\d+)", open("/proc/self/status").read())[1])
 open("/proc/self/clear_refs", "w").write("5")  # the peak is now the current memory
 before = kib("VmRSS")
 replicated = jax.block_until_ready(pmap.replicate(x))
-print((kib("VmHWM") - before) * 1024 / x.nbytes, parallel.bytes_per_device(replicated) / x.nbytes)
+print((kib("VmHWM") - before) * 1024 / x.nbytes, sharding.bytes_per_device(replicated) / x.nbytes)
 """
 
 
@@ -466,7 +464,7 @@ def test_a_devices_own_statistics_add_no_all_reduce_a_layer(tiny_config):
     graphdef, state = nnx.split((model, nnx.Optimizer(model, SGD, wrt=nnx.Param)))
     compiled, mesh = steps_for(tiny_config, "spmd", graphdef)
     program = compiled.train.lower(
-        compiled.put_state(parallel.place_state(state, mesh, tiny_config.fsdp_min_size)),
+        compiled.put_state(sharding.place_state(state, mesh, tiny_config.fsdp_min_size)),
         compiled.empty(metrics.TrainMetrics), compiled.put_batch(stacked(batches([64]), 1)[0]))
     counts[devices, depth] = aot.count_collectives(program.compile().as_text())["all-reduce"]
   assert counts[0, 3] >= counts[0, 1] + 4, counts  # 2 more layers: 2 all-reduces each at least
@@ -544,9 +542,9 @@ def test_rolled_loop_equals_single_calls(tiny_config, parallelism):
                                    *initial_state(tiny_config, MLP(32, 2, nnx.Rngs(0))))
   graphdef, state = initial_state(tiny_config, MLP(32, 2, nnx.Rngs(0)))
   tiny_config.parallelism, tiny_config.steps_per_dispatch = parallelism, 3
-  mesh = parallel.make_mesh(tiny_config)
+  mesh = sharding.make_mesh(tiny_config)
   compiled = steps.make(graphdef, tiny_config, mesh, unroll=False)
-  placed = compiled.put_state(parallel.place_state(state, mesh))
+  placed = compiled.put_state(sharding.place_state(state, mesh))
   lowered = compiled.train.lower(placed, compiled.empty(metrics.TrainMetrics),
                                  compiled.put_batch(stacked(data, 3)[0]))
   assert "stablehlo.while" in lowered.as_text()  # a loop, not k copies of the step
@@ -575,8 +573,8 @@ def test_devices_on_two_slices_split_the_data_axis_across_slices(shape):
   """Multi-slice TPU (jax.make_mesh refuses it): the 'data' axis spans the slices, any 'fsdp'
   group stays within one (only the gradient all-reduce crosses the slower network)."""
   devices = [FakeTpu(i, slice_index=i // 4) for i in range(8)]
-  assert parallel.num_slices(devices) == 2
-  grid = parallel.device_grid(shape, devices)
+  assert sharding.num_slices(devices) == 2
+  grid = sharding.device_grid(shape, devices)
   assert grid.shape == shape
   slice_of = np.vectorize(lambda d: d.slice_index)(grid)
   assert (slice_of[: shape[0] // 2] == 0).all() and (slice_of[shape[0] // 2:] == 1).all()
@@ -586,7 +584,7 @@ def test_devices_on_two_slices_split_the_data_axis_across_slices(shape):
 @pytest.mark.parametrize("parallelism, fsdp_devices", [("spmd", 0), ("fsdp", 0), ("fsdp", 2)])
 def test_one_slice_mesh_is_jax_make_mesh(tiny_config, parallelism, fsdp_devices):
   tiny_config.parallelism, tiny_config.fsdp_devices = parallelism, fsdp_devices
-  mesh = parallel.make_mesh(tiny_config)
+  mesh = sharding.make_mesh(tiny_config)
   f = fsdp_devices or 8
   expected = (jax.make_mesh((8,), ("data",)) if parallelism == "spmd" else
               jax.make_mesh((8 // f, f), ("data", "fsdp")))

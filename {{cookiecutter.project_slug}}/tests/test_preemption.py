@@ -13,11 +13,11 @@ import orbax.checkpoint as ocp
 import pytest
 from conftest import two_epochs
 
-import input_pipeline
-import metrics
 import train
-import writers
 from write_arrayrecord import write_dataset
+
+from {{cookiecutter.project_slug}}.data import input_pipeline
+from {{cookiecutter.project_slug}}.training import metrics, writers
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ)  # 8 CPU devices (conftest.py)
@@ -30,7 +30,8 @@ import hashlib, json, sys
 from absl import flags, logging
 flags.FLAGS.mark_as_parsed()
 logging.set_verbosity(logging.INFO)
-import input_pipeline, train
+import train
+from {{cookiecutter.project_slug}}.data import input_pipeline
 from configs import tiny
 from conftest import owned
 workdir, overrides, record_path = sys.argv[1:]

@@ -13,14 +13,11 @@ from conftest import owned
 from flax import nnx
 from shipped_model import create_model
 
-import augment
-import flops
-import input_pipeline
-import metrics
-import optim
-import parallel
-import steps
 from configs import default
+
+from {{cookiecutter.project_slug}}.data import augment, input_pipeline
+from {{cookiecutter.project_slug}}.parallel import sharding
+from {{cookiecutter.project_slug}}.training import flops, metrics, optim, steps
 
 
 def test_integer_pixels_are_divided_by_255_and_floats_kept():
@@ -172,8 +169,8 @@ def test_skipping_a_step_keeps_no_second_copy_of_the_state(tiny_config, parallel
   tiny_config.parallelism, tiny_config.steps_per_dispatch = parallelism, 1
   graphdef, state = initial_state(tiny_config, MLP(512, 3, nnx.Rngs(0)))
   assert sum(x.nbytes for x in jax.tree.leaves(state)) > 6e6
-  mesh = parallel.make_mesh(tiny_config)
-  placed = parallel.place_state(state, mesh, tiny_config.fsdp_min_size)
+  mesh = sharding.make_mesh(tiny_config)
+  placed = sharding.place_state(state, mesh, tiny_config.fsdp_min_size)
   compiled = steps.make(graphdef, tiny_config, mesh)
   batch = compiled.put_batch(stacked(batches([64]), 1)[0])
   step = compiled.train.lower(placed, compiled.empty(metrics.TrainMetrics), batch).compile()
@@ -186,9 +183,9 @@ def test_skipping_a_step_keeps_no_second_copy_of_the_state(tiny_config, parallel
     norms = [optax.tree.norm(tree) for tree in (grads, nnx.state(model, nnx.Param), updates)]
     return nnx.state((model, optimizer)), norms
 
-  bare = jax.jit(bare_update, donate_argnums=0, out_shardings=(parallel.state_shardings(
+  bare = jax.jit(bare_update, donate_argnums=0, out_shardings=(sharding.state_shardings(
       state, mesh, tiny_config.fsdp_min_size), None)).lower(placed, batch).compile()
-  held = parallel.bytes_per_device(placed)
+  held = sharding.bytes_per_device(placed)
   step_temp, bare_temp = (c.memory_analysis().temp_size_in_bytes for c in (step, bare))
   print(f"{parallelism}: temp {step_temp / 1e6:.2f} MB, the bare update's {bare_temp / 1e6:.2f} "
         f"MB; the state {held / 1e6:.2f} MB a device")

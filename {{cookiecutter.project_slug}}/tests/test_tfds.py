@@ -11,9 +11,10 @@ from conftest import DIGIT_NAMES as NAMES
 from conftest import owned, reads_as_the_digits, trains_as_written
 from PIL import Image
 
-import input_pipeline
-import plan
 from configs import default, tiny
+
+from {{cookiecutter.project_slug}} import plan
+from {{cookiecutter.project_slug}}.data import input_pipeline
 
 
 class DigitsForTest(tfds.core.GeneratorBasedBuilder):
@@ -54,7 +55,7 @@ class WidePhotosForTest(tfds.core.GeneratorBasedBuilder):
     return {"train": self._generate_examples(None), "validation": self._generate_examples(2)}
 
   def _generate_examples(self, count):
-    import image_files
+    from {{cookiecutter.project_slug}}.data import image_files
 
     for i, path in enumerate(image_files.find_images([self._photos])[:count]):
       yield i, {"image": path, "label": int("right" in path)}

@@ -23,11 +23,10 @@ from conftest import OWN_MODEL, owned, two_epochs
 from tensorboard.backend.event_processing import event_accumulator
 from test_preemption import final_state
 
-import optim
-import plan
-import runs
 import train
-import writers
+
+from {{cookiecutter.project_slug}} import plan
+from {{cookiecutter.project_slug}}.training import optim, runs, writers
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -721,12 +720,12 @@ def test_the_state_is_built_in_shards_with_the_values_of_an_eager_build(tiny_con
   from flax import nnx
   from shipped_model import create_model
 
-  import input_pipeline
-  import parallel
+  from {{cookiecutter.project_slug}}.data import input_pipeline
+  from {{cookiecutter.project_slug}}.parallel import sharding
 
   tiny_config.parallelism, tiny_config.fsdp_min_size = "fsdp", 0
   _, info = input_pipeline.get_datasets(tiny_config)
-  graphdef, abstract, init = optim.initial_state(tiny_config, info, parallel.make_mesh(tiny_config),
+  graphdef, abstract, init = optim.initial_state(tiny_config, info, sharding.make_mesh(tiny_config),
                                                  100)
   state = init()
   model = create_model(tiny_config, info.image_shape, info.num_classes, nnx.Rngs(tiny_config.seed))

@@ -22,17 +22,15 @@ from tensorboard.backend.event_processing import event_accumulator
 
 import evaluate
 import export
-import image_files
-import input_pipeline
-import optim
-import parallel
-import plan
 import predict
-import runs
-import steps
 import train
 import write_arrayrecord
 from configs import default
+
+from {{cookiecutter.project_slug}} import plan
+from {{cookiecutter.project_slug}}.data import image_files, input_pipeline
+from {{cookiecutter.project_slug}}.parallel import sharding
+from {{cookiecutter.project_slug}}.training import optim, runs, steps
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLASSES = ("zero", "one", "two", "three")  # the digits 0-3; labels follow the sorted names
@@ -86,7 +84,7 @@ def test_fine_tuning_copies_the_convolutions_and_starts_a_new_classifier(folder_
   assert metrics["examples"] == 144 and metrics["accuracy"] > 0.9, metrics  # chance: 0.25
 
   config, info = runs.read_description(workdir)  # the state it started from, built again
-  mesh = parallel.make_mesh(config)
+  mesh = sharding.make_mesh(config)
   _, abstract, init = optim.initial_state(config, info, mesh, 10)
   start = jax.device_get(runs.init_from(source, abstract, init)())
   fresh = jax.device_get(init())
@@ -106,11 +104,11 @@ def test_fine_tuning_copies_the_convolutions_and_starts_a_new_classifier(folder_
   # Under fsdp each leaf is read into its shards: an eighth of the kernel on each device.
   sharded = config.copy_and_resolve_references()
   sharded.parallelism, sharded.fsdp_min_size = "fsdp", 0
-  _, abstract, init = optim.initial_state(sharded, info, parallel.make_mesh(sharded), 10)
+  _, abstract, init = optim.initial_state(sharded, info, sharding.make_mesh(sharded), 10)
   kernel = runs.init_from(source, abstract, init)()[0]["convs"][1]["kernel"][...]
   wanted = jax.tree.leaves(abstract[0]["convs"][1]["kernel"])[0].sharding
   assert kernel.sharding.is_equivalent_to(wanted, kernel.ndim)
-  assert parallel.bytes_per_device(kernel) == kernel.nbytes // 8
+  assert sharding.bytes_per_device(kernel) == kernel.nbytes // 8
   np.testing.assert_array_equal(kernel, trained["2"]["convs"]["1"]["kernel"]["value"])
 
   config.init_from = source  # resuming its own checkpoints: nothing left to train
@@ -165,7 +163,7 @@ def test_every_path_evaluates_its_checkpoint_as_training_did(straight_runs, para
   assert run.step == 45 and run.info.class_names == tuple(str(i) for i in range(10))
   assert set(run.state.keys()) == {"convs", "dense"}  # a model's, not (model, optimizer, ...)
   assert {x.dtype for x in jax.tree.leaves(run.state)} == {np.dtype(np.float32)}
-  held = parallel.bytes_per_device(run.state)
+  held = sharding.bytes_per_device(run.state)
   assert held < run.bytes / 2 if parallelism == "fsdp" else held == run.bytes
   result = evaluate.evaluate(run, input_pipeline.get_datasets(run.config)[0]["eval"])
   assert result["examples"] == 360 and result["accuracy"] == metrics["accuracy"]
@@ -179,7 +177,7 @@ def test_a_model_larger_than_the_devices_is_refused_saying_what_it_needs(straigh
   one line, before anything is read. (The CPU reports no memory: here it says 256 bytes.)"""
   workdir = straight_runs[parallelism][0]
   state = runs.Restored(str(workdir)).state
-  whole, need = sum(x.nbytes for x in jax.tree.leaves(state)), parallel.bytes_per_device(state)
+  whole, need = sum(x.nbytes for x in jax.tree.leaves(state)), sharding.bytes_per_device(state)
   assert need == whole if parallelism == "spmd" else need < whole / 4
   monkeypatch.setattr(runs, "device_memory_bytes", lambda device: 256)
   with pytest.raises(plan.ConfigError) as e:

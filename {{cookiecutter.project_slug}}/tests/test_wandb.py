@@ -12,9 +12,10 @@ import pytest
 from conftest import PROJECT, owned
 from wandb.proto import wandb_internal_pb2
 
-import plan
 import train
 from configs import tiny
+
+from {{cookiecutter.project_slug}} import plan
 
 BLOCK, HEADER = 32768, 7  # W&B's .wandb log: LevelDB's record format after a 7-byte file header
 

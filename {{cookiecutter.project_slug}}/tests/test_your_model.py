@@ -26,13 +26,12 @@ from test_preemption import final_state
 
 import evaluate
 import export
-import input_pipeline
-import optim
 import predict
-import runs
-import steps
 import train
 from configs import tiny
+
+from {{cookiecutter.project_slug}}.data import input_pipeline
+from {{cookiecutter.project_slug}}.training import optim, runs, steps
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

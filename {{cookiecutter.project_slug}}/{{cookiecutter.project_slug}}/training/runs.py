@@ -24,10 +24,10 @@ from etils import epath
 from flax import nnx
 from jax.experimental import multihost_utils
 
-import input_pipeline
-import optim
-import parallel
-from errors import ConfigError
+from ..data import input_pipeline
+from ..errors import ConfigError
+from ..parallel import sharding
+from . import optim
 
 CONFIG_FILE, DATA_FILE = "config.json", "data.json"
 
@@ -190,7 +190,7 @@ class Restored:
     self.config, self.info = read_description(workdir)
     if self.config.parallelism == "pmap":  # the same parameters: placed as spmd places them
       self.config.parallelism = "spmd"
-    self.mesh = mesh or parallel.make_mesh(self.config)
+    self.mesh = mesh or sharding.make_mesh(self.config)
     graphdef, abstract, _ = optim.initial_state(self.config, self.info, self.mesh, 1)
     model = abstract[2 if len(abstract) > 2 else 0]
     self.bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model))
@@ -206,7 +206,7 @@ class Restored:
                         f"{', '.join(map(str, available))}.")
     self.state = restore_model(checkpoints, self.step, abstract, workdir)
     checkpoints.close()
-    self.summary = (f"model of step {self.step}: {parallel.bytes_per_device(self.state) / 1e6:.3g} "
+    self.summary = (f"model of step {self.step}: {sharding.bytes_per_device(self.state) / 1e6:.3g} "
                     f"MB a device ({self.config.parallelism}; a whole copy: {self.bytes / 1e6:.3g} "
                     "MB)")  # as train.py logs the state's
     self.graphdef = nnx.graphdef(nnx.merge(graphdef, abstract)[-1 if len(abstract) > 2 else 0])

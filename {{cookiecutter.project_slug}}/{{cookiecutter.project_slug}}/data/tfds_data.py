@@ -14,7 +14,7 @@ files (`image_files.decode_image`).
 
 import numpy as np
 
-import image_files
+from . import image_files
 
 EVAL_SPLITS = ("validation", "test")
 

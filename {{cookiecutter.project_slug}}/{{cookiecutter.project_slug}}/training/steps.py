@@ -21,12 +21,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-import input_pipeline
-import layers
-import parallel
-import pmap
-from augment import prepare_images
-from metrics import Metrics, NonFinite, StepAverage, TrainLoss, TrainMetrics
+from .. import layers
+from ..data import input_pipeline
+from ..data.augment import prepare_images
+from ..parallel import pmap, sharding
+from .metrics import Metrics, NonFinite, StepAverage, TrainLoss, TrainMetrics
 
 PARALLELISMS = ("spmd", "pmap", "fsdp")
 # k when `config.steps_per_dispatch` is 0, on a GPU or TPU (or the largest number below it that
@@ -306,7 +305,7 @@ class Steps(NamedTuple):
 
   train: callable  # (state, running TrainMetrics, k batches) -> the two updated; donates both
   eval: callable  # (state, running Metrics, k batches) -> the metrics updated; donates them
-  put_state: callable  # checkpoint layout (`parallel.place_state`'s global arrays) -> the steps'
+  put_state: callable  # checkpoint layout (`sharding.place_state`'s global arrays) -> the steps'
   get_state: callable  # the steps' layout (jit: a flat list; pmap: replicated) -> checkpoint's
   put_batch: callable  # this process's stacked NumPy batches -> the steps' layout
   empty: callable  # a metrics class -> its empty value, placed for the steps
@@ -336,7 +335,7 @@ def make(graphdef, config, mesh, unroll: bool | None = None, pmap_devices=None,
     # State and batch: one slice per device (axis 0). Metrics: one value, the same everywhere.
     on_devices = functools.partial(jax.pmap, axis_name=axis, in_axes=(0, None, 0),
                                    devices=pmap_devices)
-    local = parallel.replicated(pmap.local_devices_mesh())
+    local = sharding.replicated(pmap.local_devices_mesh())
     return Steps(
         train=on_devices(scanned(functools.partial(
             train_step, graphdef, axis_name=axis, **options), unroll), out_axes=(0, None),
@@ -344,7 +343,7 @@ def make(graphdef, config, mesh, unroll: bool | None = None, pmap_devices=None,
         eval=on_devices(scanned_eval(functools.partial(eval_step, graphdef, axis_name=axis),
                                      unroll), out_axes=None, donate_argnums=1),
         put_state=pmap.replicate,
-        get_state=lambda state: parallel.to_global(pmap.unreplicate(state), mesh),
+        get_state=lambda state: sharding.to_global(pmap.unreplicate(state), mesh),
         put_batch=pmap.pmap_batch,
         empty=lambda cls: jax.device_put(cls.empty(), local),
     )
@@ -367,7 +366,7 @@ def make(graphdef, config, mesh, unroll: bool | None = None, pmap_devices=None,
 
   def train_in_place(given, running, batches):  # the new state where the old one was (fsdp)
     state, running = train(get_state(given), running, batches)
-    where = parallel.state_shardings(state, mesh, config.fsdp_min_size)
+    where = sharding.state_shardings(state, mesh, config.fsdp_min_size)
     return as_given(jax.lax.with_sharding_constraint(state, where), given), running
 
   jit = functools.partial(jax.jit, compiler_options=xla_options(config) or None)
@@ -377,8 +376,8 @@ def make(graphdef, config, mesh, unroll: bool | None = None, pmap_devices=None,
                donate_argnums=1),
       put_state=put_state,
       get_state=get_state,
-      put_batch=lambda batch: parallel.global_batch(batch, mesh),
-      empty=lambda cls: parallel.to_global(cls.empty(), mesh),
+      put_batch=lambda batch: sharding.global_batch(batch, mesh),
+      empty=lambda cls: sharding.to_global(cls.empty(), mesh),
   )
 
 

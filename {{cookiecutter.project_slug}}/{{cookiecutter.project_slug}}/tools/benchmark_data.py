@@ -21,12 +21,12 @@ import numpy as np
 from flax import serialization
 from PIL import Image
 
-import image_files
-import input_pipeline
-import parallel
-import plan
-import steps
 import write_arrayrecord
+
+from .. import plan
+from ..data import image_files, input_pipeline
+from ..parallel import sharding
+from ..training import steps
 
 PIPELINE = dict(image_shape=(64, 64, 3), batch_size=1024)
 DECODING = dict(image_shape=(64, 64, 3), batch_size=256, num_images=2048)
@@ -42,7 +42,7 @@ def measure_pipeline(config, is_tiny: bool, seconds: float = 3.0) -> dict:
   config.synthetic.num_train = 8 * config.batch_size
   config.num_epochs = 1000  # never runs out
   splits, _ = input_pipeline.get_datasets(config)
-  put = functools.partial(parallel.global_batch, mesh=parallel.make_mesh())
+  put = functools.partial(sharding.global_batch, mesh=sharding.make_mesh())
   iterator = input_pipeline.as_iterator(input_pipeline.train_batches(splits["train"], config),
                                         config, put=put)
   jax.block_until_ready(next(iterator))  # threads started, first element read

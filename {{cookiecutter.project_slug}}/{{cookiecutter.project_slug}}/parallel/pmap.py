@@ -1,7 +1,7 @@
 """pmap's pieces, the legacy path (`config.parallelism='pmap'`): every leaf has a leading axis of
 one entry per local device. `replicate` makes it, `unreplicate` takes it away, `shard_batch`
 splits a batch into per-device pieces; `fold_in_device_index` gives each device its own dropout.
-A reader of the spmd and fsdp paths (jit, parallel.py) needs nothing from this module.
+A reader of the spmd and fsdp paths (jit, sharding.py) needs nothing from this module.
 """
 
 import jax
@@ -10,7 +10,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from layers import PMAP_AXIS  # (layers.BatchNorm reduces over pmap's axis)
+from ..layers import PMAP_AXIS  # (layers.BatchNorm reduces over pmap's axis)
 
 
 def local_devices_mesh() -> Mesh:

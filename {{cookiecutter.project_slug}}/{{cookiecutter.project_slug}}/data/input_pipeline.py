@@ -30,7 +30,7 @@ import jax
 import numpy as np
 from flax import serialization
 
-from image_files import Crops, decode_batch
+from .image_files import Crops, decode_batch
 
 DATASETS = ("digits", "arrayrecord", "huggingface", "tfds", "synthetic")
 
@@ -142,9 +142,9 @@ def get_datasets(config) -> tuple[dict[str, ArraySource | RecordSource], Dataset
     class_names = meta.get("class_names", ())
   elif config.dataset in ("huggingface", "tfds"):
     if config.dataset == "huggingface":  # (the `huggingface` extra)
-      import huggingface as reader
+      from . import huggingface as reader
     else:  # (the `tfds` extra)
-      import tfds_data as reader
+      from . import tfds_data as reader
     crops_on_host = config.augment_crop  # photos of any size: cropped from the whole photo
     sources, image_shape, class_names = reader.sources(
         config, host_crops(config) if crops_on_host else {})

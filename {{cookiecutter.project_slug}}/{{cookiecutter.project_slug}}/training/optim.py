@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-import parallel
+from ..parallel import sharding
 
 
 def model_module(config):
@@ -96,7 +96,7 @@ def initial_state(config, info, mesh, num_train_steps: int):
     return build_state(config, info.image_shape, info.num_classes, num_train_steps)
 
   graphdef, abstract = nnx.split(nnx.eval_shape(build))
-  shardings = parallel.state_shardings(abstract, mesh, config.fsdp_min_size)
+  shardings = sharding.state_shardings(abstract, mesh, config.fsdp_min_size)
   abstract = jax.tree.map(lambda x, where: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where),
                           abstract, shardings)
   return graphdef, abstract, jax.jit(lambda: nnx.split(build())[1], out_shardings=shardings)

@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-import image_files
+from . import image_files
 
 EVAL_SPLITS = ("validation", "test")
 

@@ -17,11 +17,10 @@ import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
-import input_pipeline
-import optim
-import parallel
-import steps
-from errors import ConfigError
+from .data import input_pipeline
+from .errors import ConfigError
+from .parallel import sharding
+from .training import optim, steps
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 LR_SCALINGS = ("none", "linear", "sqrt")
@@ -152,7 +151,7 @@ def _warmup(config, target):
 
 
 def _fsdp_devices(config, target):
-  slices = parallel.num_slices(target.devices)
+  slices = sharding.num_slices(target.devices)
   per_slice = target.num_devices // slices  # fsdp groups stay within a TPU slice
   if not (_int(0)(config.fsdp_devices) and per_slice % max(config.fsdp_devices, 1) == 0):
     return (f"config.fsdp_devices={config.fsdp_devices!r} does not divide the {per_slice} "
@@ -269,8 +268,7 @@ def _hub_dataset(config, target):
   if config.dataset == "tfds" and not config.tfds_name:
     return ("config.dataset='tfds' needs config.tfds_name: the dataset's TFDS name, e.g. "
             "--config.tfds_name=imagenet2012.")
-  import huggingface
-  import tfds_data
+  from .data import huggingface, tfds_data
 
   try:  # the data's folder, splits, image and label
     huggingface.splits(config) if config.dataset == "huggingface" else tfds_data.builder(config)

@@ -134,7 +134,7 @@ def create_writer(workdir: str, write: bool = True, config=None, new_run: bool =
   chosen = [TensorBoardWriter(workdir)]
   flat = None
   if config is not None:
-    from runs import flatten  # the config as dotted keys
+    from .runs import flatten  # the config as dotted keys
 
     flat = flatten(config.to_dict())
     if config.get("wandb_project"):

@@ -22,7 +22,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import parallel
+from . import sharding
 
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "host:port of process 0, to run several processes without a "
@@ -133,11 +133,11 @@ def connect_cpu_collectives() -> None:
   already connected waits as long as XLA lets it. The groups the programs use: one device of
   each process (Orbax's barriers, multihost_utils) and every device (the steps' mesh)."""
   multihost_utils.sync_global_devices("distributed.connect_cpu_collectives")
-  mesh = parallel.make_mesh()
+  mesh = sharding.make_mesh()
   ones = jax.make_array_from_process_local_data(
-      NamedSharding(mesh, P(parallel.DATA_AXIS)),
+      NamedSharding(mesh, P(sharding.DATA_AXIS)),
       np.ones(jax.local_device_count(), np.float32))
-  jax.jit(jnp.sum, out_shardings=parallel.replicated(mesh))(ones).block_until_ready()
+  jax.jit(jnp.sum, out_shardings=sharding.replicated(mesh))(ones).block_until_ready()
 
 
 def is_first() -> bool:

@@ -9,10 +9,9 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex
 
-import chips
-import pmap
-import steps
-from metrics import TrainMetrics
+from ..parallel import chips, pmap
+from . import steps
+from .metrics import TrainMetrics
 
 
 def _inner_jaxprs(params):

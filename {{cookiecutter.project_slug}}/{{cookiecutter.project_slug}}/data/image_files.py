@@ -13,7 +13,7 @@ import os
 import numpy as np
 from PIL import Image, ImageOps
 
-from errors import ConfigError
+from ..errors import ConfigError
 
 
 def decode_image(data: bytes, image_shape: tuple[int, int, int]) -> np.ndarray:

@@ -1,0 +1,1 @@
+"""The machinery behind train.py and the other commands: config rules (plan), errors, layers."""

@@ -1,0 +1,1 @@
+"""Helpers of benchmark.py: data-pipeline measurements and the BENCHMARKS.md report."""

@@ -1,0 +1,2 @@
+"""The step and what runs around it: steps, optimizer, metrics, checkpoints (runs),
+writers, FLOPs."""
