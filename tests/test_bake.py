@@ -57,12 +57,15 @@ EXPECTED_FILES = [
     "nnx_data_parallel/tools/__init__.py",
     "nnx_data_parallel/tools/benchmark_data.py",
     "nnx_data_parallel/tools/benchmark_report.py",
+    "nnx_data_parallel/tools/topologies.py",
     "nnx_data_parallel/training/__init__.py",
     "nnx_data_parallel/training/flops.py",
     "nnx_data_parallel/training/metrics.py",
     "nnx_data_parallel/training/optim.py",
     "nnx_data_parallel/training/runs.py",
     "nnx_data_parallel/training/steps.py",
+    "nnx_data_parallel/training/trained.py",
+    "nnx_data_parallel/training/wandb_writer.py",
     "nnx_data_parallel/training/writers.py",
     "predict.py",
     "pyproject.toml",
@@ -199,6 +202,51 @@ def test_bake_quotes_backslashes_unicode(cookies):
     assert readme.read_text(encoding="utf-8").strip()
   assert_no_jinja_leftovers(project)
   assert_lint_and_compile(project)
+
+
+def project_imports(project: Path) -> dict[str, set[str]]:
+  """Each module of the baked project -> the project's modules it imports (anywhere in it,
+  relative imports resolved), from its source."""
+  modules = {".".join(p.relative_to(project).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in project.rglob("*.py") if "tests" not in p.parts}
+  graph = {}
+  for name, path in modules.items():
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+      if isinstance(node, ast.Import):
+        found |= {alias.name for alias in node.names}
+      elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+          parent = package.split(".")[:len(package.split(".")) - node.level + 1]
+          base = ".".join(filter(None, [*parent, node.module]))
+        found |= {base} | {f"{base}.{alias.name}" for alias in node.names}
+    graph[name] = {m for m in found if m in modules and m != name}
+  return graph
+
+
+def test_bake_layout_commands_at_the_top_machinery_in_one_package_no_import_cycle(cookies):
+  """What users run and edit stands at the top (at most 10 .py files), the machinery in the
+  package named after the project; no module imports itself back through others (lazy imports
+  inside functions included)."""
+  project = bake_ok(cookies)
+  top = sorted(p.name for p in project.glob("*.py"))
+  assert top == ["aot.py", "benchmark.py", "evaluate.py", "export.py", "launch.py", "model.py",
+                 "predict.py", "train.py", "write_arrayrecord.py"], top
+  graph = project_imports(project)
+  assert {"nnx_data_parallel.training.steps", "nnx_data_parallel.plan"} <= graph["train"]
+
+  def cycle_from(module, path):
+    for imported in sorted(graph[module]):
+      if imported in path:
+        return path[path.index(imported):] + [imported]
+      if found := cycle_from(imported, path + [imported]):
+        return found
+    return None
+
+  for module in graph:
+    assert (found := cycle_from(module, [module])) is None, " -> ".join(found)
 
 
 BAD_INPUTS = [

@@ -59,3 +59,35 @@ def test_cruft_update_brings_a_later_template_commit_into_a_baked_project(tmp_pa
   assert model[1:6] == ["<<<<<<< ours", USER_LINE, "=======", TEMPLATE_LINE, ">>>>>>> theirs"]
   assert run(project, "git", "status", "--short", "model.py").stdout.startswith("UU")
   assert run(project, *cruft, "check").returncode == 0  # up to date: the conflict is the user's
+
+
+def test_cruft_update_moves_a_project_baked_before_the_package(tmp_path):
+  """README: The move to one package. A project baked from the last commit with the machinery at
+  its top level, with the user's own edits in it, takes the move with `cruft update`: the
+  modules land in the package with the user's lines, and train.py imports."""
+  moved = run(TEMPLATE, "git", "log", "-1", "--format=%H", "--diff-filter=D", "--",
+              "{{cookiecutter.project_slug}}/steps.py").stdout.strip()
+  assert moved, "the template's history holds no commit that moved steps.py (a shallow clone?)"
+  clone = tmp_path / "template"
+  done = run(tmp_path, "git", "clone", "-q", str(TEMPLATE), str(clone))
+  assert done.returncode == 0, done.stderr
+  cruft = [sys.executable, "-m", "cruft"]
+  done = run(tmp_path, *cruft, "create", "--no-input", "--checkout", f"{moved}^",
+             "--output-dir", "out", str(clone))
+  assert done.returncode == 0, done.stderr
+  project = tmp_path / "out" / "nnx_data_parallel"
+  assert (project / "steps.py").is_file()
+  assert run(project, "git", "init", "-q").returncode == 0
+  commit(project, "baked")
+  add_line(project / "steps.py", USER_LINE, after=1)
+  commit(project, "the user's own line")
+
+  done = run(project, *cruft, "update", "-y")
+  assert done.returncode == 0, done.stdout + done.stderr
+  assert not (project / "steps.py").exists() and not (project / "parallel.py").exists()
+  steps = project / "nnx_data_parallel" / "training" / "steps.py"
+  assert steps.read_text(encoding="utf-8").splitlines()[1] == USER_LINE
+  assert (project / "nnx_data_parallel" / "parallel" / "sharding.py").is_file()
+  done = run(project, sys.executable, "-c", "import train")
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert run(project, *cruft, "check").returncode == 0

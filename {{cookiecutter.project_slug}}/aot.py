@@ -37,6 +37,7 @@ from ml_collections import config_flags  # noqa: E402
 from {{cookiecutter.project_slug}} import plan  # noqa: E402
 from {{cookiecutter.project_slug}}.data import input_pipeline  # noqa: E402
 from {{cookiecutter.project_slug}}.parallel import chips, sharding  # noqa: E402
+from {{cookiecutter.project_slug}}.tools import topologies  # noqa: E402
 from {{cookiecutter.project_slug}}.training import flops, metrics, optim, steps  # noqa: E402
 
 COLLECTIVES = ("all-reduce-scatter", "reduce-scatter", "all-gather", "all-reduce", "all-to-all",
@@ -127,7 +128,7 @@ def compile_timed(lowered_fn, what: str, device_kind: str, memory_bytes: int):
 
 def analyze(config, devices) -> dict:
   """Compiles `config`'s train step, eval step and initial state for `devices` (compile-only,
-  from `chips.compile_only_devices`) as train.py would build them there; returns the figures
+  from `topologies.compile_only_devices`) as train.py would build them there; returns the figures
   (see the README: Will it fit?). Raises plan.ConfigError for a config that train.py would
   refuse on those devices, DoesNotFit for one that the compiler refuses."""
   # JAX's persistent cache cannot load what was compiled for devices that are not here.
@@ -247,9 +248,9 @@ def main(argv):
   del argv
   topology, num_slices, out = FLAGS.topology, FLAGS.num_slices, FLAGS.json
   try:
-    devices = chips.compile_only_devices(topology, num_slices)
+    devices = topologies.compile_only_devices(topology, num_slices)
     result = analyze(FLAGS.config, devices)
-  except (chips.TopologyError, plan.ConfigError) as e:
+  except (topologies.TopologyError, plan.ConfigError) as e:
     raise SystemExit(f"error: {e}") from None
   except DoesNotFit as e:
     result, error = dict(topology=topology, **e.figures, fits=False), str(e)
@@ -270,7 +271,7 @@ def main(argv):
 if __name__ == "__main__":  # flags defined here: the functions above can be imported
   config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
   flags.mark_flag_as_required("config")
-  flags.DEFINE_string("topology", None, f"The devices to compile for: {chips.KNOWN}.",
+  flags.DEFINE_string("topology", None, f"The devices to compile for: {topologies.KNOWN}.",
                       required=True)
   flags.DEFINE_integer("num_slices", 1, "TPU slices (multi-slice).")
   flags.DEFINE_string("json", None, "Also write the figures to this JSON file.")

@@ -20,12 +20,12 @@ from flax import nnx
 from {{cookiecutter.project_slug}} import plan
 from {{cookiecutter.project_slug}}.data import image_files, input_pipeline
 from {{cookiecutter.project_slug}}.parallel import distributed
-from {{cookiecutter.project_slug}}.training import metrics, runs, steps, writers
+from {{cookiecutter.project_slug}}.training import metrics, steps, trained, writers
 
 FLAGS = flags.FLAGS
 
 
-def image_folder_source(folder: str, run: runs.Restored) -> input_pipeline.ArraySource:
+def image_folder_source(folder: str, run: trained.Restored) -> input_pipeline.ArraySource:
   """The images under `folder`/CLASS/, decoded as predict.py decodes them, labelled by the run's
   class names; unreadable files are reported on stderr and skipped."""
   info = run.info
@@ -44,7 +44,7 @@ def image_folder_source(folder: str, run: runs.Restored) -> input_pipeline.Array
                              f"are {', '.join(info.class_names)}.")
     for path in image_files.find_images([entry.path]):
       image = image_files.read_image(path, info.image_shape,
-                                        center_ratio=runs.center_ratio(run))
+                                        center_ratio=trained.center_ratio(run))
       if isinstance(image, str):
         print(f"skipped {path}: {image}", file=sys.stderr)
         continue
@@ -65,7 +65,7 @@ def confusion_image(counts: np.ndarray) -> np.ndarray:
   return np.repeat(pixels[None, :, :, None], 3, axis=-1)
 
 
-def evaluate(run: runs.Restored, source) -> dict:
+def evaluate(run: trained.Restored, source) -> dict:
   """Loss, accuracy, examples, per-class accuracy and the confusion matrix of `source`."""
   config = run.config
   config.steps_per_dispatch = 1
@@ -87,7 +87,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   distributed.initialize()
   try:
-    run = runs.Restored(FLAGS.workdir, FLAGS.step)
+    run = trained.Restored(FLAGS.workdir, FLAGS.step)
     if FLAGS.image_folder:
       source = image_folder_source(FLAGS.image_folder, run)
     else:

@@ -32,7 +32,7 @@ from jax.experimental import multihost_utils
 from {{cookiecutter.project_slug}} import plan
 from {{cookiecutter.project_slug}}.data import input_pipeline
 from {{cookiecutter.project_slug}}.parallel import distributed
-from {{cookiecutter.project_slug}}.training import runs, steps
+from {{cookiecutter.project_slug}}.training import steps, trained
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
@@ -48,7 +48,7 @@ def raw(x):
   return jax.random.key_data(x) if is_key(x) else x
 
 
-def export(run: runs.Restored) -> jax.export.Exported:
+def export(run: trained.Restored) -> jax.export.Exported:
   """The inference function of `run`'s model: (its arrays, in `jax.tree.leaves` order, `raw`,
   images) -> probabilities, for one device."""
   leaves, treedef = jax.tree.flatten(run.state)
@@ -65,7 +65,7 @@ def export(run: runs.Restored) -> jax.export.Exported:
   return jax.export.export(jax.jit(infer), platforms=PLATFORMS)(arrays, images)
 
 
-def write(run: runs.Restored, path: str) -> None:
+def write(run: trained.Restored, path: str) -> None:
   """Writes `export(run)` and the model's arrays to the `.npz` file `path` (process 0; every
   process takes part in gathering each array from the devices that hold its pieces)."""
   exported = export(run)
@@ -88,7 +88,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   distributed.initialize()
   try:
-    run = runs.Restored(FLAGS.workdir, FLAGS.step)
+    run = trained.Restored(FLAGS.workdir, FLAGS.step)
   except plan.ConfigError as e:
     raise SystemExit(f"error: {e}") from None
   if distributed.is_first():

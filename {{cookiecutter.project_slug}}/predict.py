@@ -27,12 +27,12 @@ from jax.sharding import PartitionSpec as P
 from {{cookiecutter.project_slug}} import plan
 from {{cookiecutter.project_slug}}.data import image_files, input_pipeline
 from {{cookiecutter.project_slug}}.parallel import distributed
-from {{cookiecutter.project_slug}}.training import runs, steps
+from {{cookiecutter.project_slug}}.training import steps, trained
 
 FLAGS = flags.FLAGS
 
 
-def predict(run: runs.Restored, paths: list[str], batch_size: int = 0):
+def predict(run: trained.Restored, paths: list[str], batch_size: int = 0):
   """Yields (path, probabilities [classes] or why the file could not be read), in order. Each
   process reads its share of every batch (`batch_size` rows over all devices); every process
   gets every row's probabilities."""
@@ -46,7 +46,7 @@ def predict(run: runs.Restored, paths: list[str], batch_size: int = 0):
       static_argnums=0, out_shardings=NamedSharding(run.mesh, P()))  # every row, everywhere
   put = lambda x: jax.make_array_from_process_local_data(sharding, x)  # noqa: E731
   read = functools.partial(image_files.read_image, image_shape=run.info.image_shape,
-                           pixel_dtype=run.info.pixel_dtype, center_ratio=runs.center_ratio(run))
+                           pixel_dtype=run.info.pixel_dtype, center_ratio=trained.center_ratio(run))
   with concurrent.futures.ThreadPoolExecutor(input_pipeline.available_cpus()) as pool:
     for start in range(0, len(paths), batch_size):
       chunk = paths[start:start + batch_size]
@@ -74,7 +74,7 @@ def main(argv):
     if not paths:
       raise plan.ConfigError("no image to classify: give image files (.jpg, .jpeg, .png) or "
                              "folders of them after the flags.")
-    run = runs.Restored(FLAGS.workdir, FLAGS.step)
+    run = trained.Restored(FLAGS.workdir, FLAGS.step)
     files = [p for p in paths if not p.lower().endswith(".npy")]
     if files and run.info.pixel_dtype != "uint8":
       raise plan.ConfigError(

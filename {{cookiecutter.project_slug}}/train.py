@@ -169,11 +169,6 @@ def log_state(config, graphdef, state, speed: flops.Speed, num_train_steps: int)
                sum(x.nbytes for x in jax.tree.leaves(state)) / 1e6)
   if warning := steps.mask_warning(model):
     logging.warning("%s", warning)
-  if config.batch_norm_devices and (plain := steps.plain_batch_norms(model)):
-    raise ConfigError(f"config.batch_norm_devices={config.batch_norm_devices} is for "
-                      f"layers.BatchNorm; {type(model).__name__} holds nnx.BatchNorm at "
-                      f"{', '.join(plain)}, which takes the global batch's statistics: use "
-                      "layers.BatchNorm in model.py (or batch_norm_devices=0).")
 
 
 def compile_eval(compiled: steps.Steps, state, eval_batches) -> float:
@@ -216,7 +211,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   graphdef, abstract, init = optim.initial_state(config, info, mesh, num_train_steps)
   compiled = steps.make(graphdef, config, mesh, crop_on_device=not info.crops_on_host)
   if config.init_from:  # read before the workdir is touched: a mismatch stops here
-    init = runs.init_from(config.init_from, abstract, init)
+    from {{cookiecutter.project_slug}}.training import trained
+
+    init = trained.init_from(config.init_from, abstract, init)
   checkpoints = runs.checkpoint_manager(workdir, config.max_checkpoints_to_keep)
   first_step, state = runs.restore_or_init(checkpoints, abstract, init, workdir)
   runs.write_description(workdir, config, info)  # what predict.py, export.py, ... read

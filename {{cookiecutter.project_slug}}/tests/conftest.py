@@ -43,6 +43,8 @@ OWN_MODEL = f"--config.model.module={SHIPPED_MODEL}"  # the same, on a command l
 import pytest  # noqa: E402
 from absl import flags  # noqa: E402
 
+from {{cookiecutter.project_slug}}.training import trained  # noqa: E402
+
 flags.FLAGS.mark_as_parsed()  # absl flags are parsed by app.run in train.py, not under pytest
 
 
@@ -144,7 +146,6 @@ def trains_as_written(config, workdir, splits: dict, class_names) -> dict:
   import write_arrayrecord
 
   from {{cookiecutter.project_slug}}.data import input_pipeline
-  from {{cookiecutter.project_slug}}.training import runs
 
   metrics = train.train_and_evaluate(config, str(workdir / "run"))
   write_arrayrecord.write_dataset(str(workdir / "records"), splits)
@@ -152,7 +153,7 @@ def trains_as_written(config, workdir, splits: dict, class_names) -> dict:
   written = train.train_and_evaluate(config, str(workdir / "written"))
   assert written["accuracy"] == metrics["accuracy"]
   assert written["loss"] == pytest.approx(metrics["loss"], abs=1e-6)
-  run = runs.Restored(str(workdir / "run"))
+  run = trained.Restored(str(workdir / "run"))
   assert run.info.class_names == class_names
   source = input_pipeline.get_datasets(run.config)[0]["eval"]
   assert evaluate.evaluate(run, source)["accuracy"] == metrics["accuracy"]

@@ -27,7 +27,8 @@ from configs import default
 
 from {{cookiecutter.project_slug}} import plan
 from {{cookiecutter.project_slug}}.data import input_pipeline
-from {{cookiecutter.project_slug}}.parallel import chips, sharding
+from {{cookiecutter.project_slug}}.parallel import sharding
+from {{cookiecutter.project_slug}}.tools import topologies
 from {{cookiecutter.project_slug}}.training import metrics, optim
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,7 +75,7 @@ def config_for(parallelism, **overrides):
 
 
 def analyze(config, topology, num_slices=1) -> dict:
-  return aot.analyze(config, chips.compile_only_devices(topology, num_slices))
+  return aot.analyze(config, topologies.compile_only_devices(topology, num_slices))
 
 
 def run_aot(*args, timeout=600) -> subprocess.CompletedProcess:
@@ -140,11 +141,11 @@ def test_every_config_is_valid_at_the_accelerators_k_and_the_cpus(platform, k):
 
 
 def test_unknown_topology_lists_the_known_ones():
-  with pytest.raises(chips.TopologyError, match=r"'v9:2x4' is unknown; known: TPU: v4:AxB.*"
+  with pytest.raises(topologies.TopologyError, match=r"'v9:2x4' is unknown; known: TPU: v4:AxB.*"
                                                 r"GPU: h100:N.*h100:2x8"):
-    chips.compile_only_devices("v9:2x4")
-  with pytest.raises(chips.TopologyError, match="--num_slices=2 is for TPUs"):
-    chips.compile_only_devices("h100:8", num_slices=2)
+    topologies.compile_only_devices("v9:2x4")
+  with pytest.raises(topologies.TopologyError, match="--num_slices=2 is for TPUs"):
+    topologies.compile_only_devices("h100:8", num_slices=2)
 
 
 @pytest.mark.slow
@@ -222,7 +223,7 @@ def test_fsdp_holds_an_eighth_of_a_large_state_and_reduce_scatters(mlp):
 def test_two_slices_fsdp_within_a_slice():
   """Multi-slice: the mesh's 'data' axis crosses the slices, 'fsdp' stays within one."""
   config = config_for("fsdp", fsdp_min_size=0)
-  devices = chips.compile_only_devices("v5e:2x4", num_slices=2)
+  devices = topologies.compile_only_devices("v5e:2x4", num_slices=2)
   mesh = sharding.make_mesh(config, devices)
   assert dict(mesh.shape) == {"data": 2, "fsdp": 8}
   for i, row in enumerate(mesh.devices):
@@ -334,7 +335,7 @@ optim.create_model = lambda config, image_shape, num_classes, rngs: MLP(image_sh
 config = default.get_config()
 config.dataset, config.synthetic.image_shape = "synthetic", (32, 32, 3)
 config.parallelism, config.xla_options = "fsdp", sys.argv[1]
-print(json.dumps(aot.analyze(config, chips.compile_only_devices("h100:8"))))
+print(json.dumps(aot.analyze(config, topologies.compile_only_devices("h100:8"))))
 """
 # XLA:GPU's latency-hiding scheduler overlaps the gathers and reduce-scatters with compute, and
 # holds several layers' whole weights and gradients to do so (README: Will it fit?).

@@ -14,7 +14,7 @@ from configs import default, tiny
 
 from {{cookiecutter.project_slug}} import plan
 from {{cookiecutter.project_slug}}.data import image_files, input_pipeline
-from {{cookiecutter.project_slug}}.training import runs
+from {{cookiecutter.project_slug}}.training import trained
 
 
 def digits_dataset(split_names=("train", "validation")) -> datasets.DatasetDict:
@@ -132,7 +132,7 @@ def test_a_run_on_a_hugging_face_dataset_keeps_its_class_names(folders, tmp_path
   metrics = trains_as_written(config, tmp_path, {
       split: (digits[split].images, digits[split].labels) for split in ("train", "eval")}, NAMES)
   assert metrics["examples"] == 360 and metrics["accuracy"] > 0.5
-  run = runs.Restored(str(tmp_path / "run"))
+  run = trained.Restored(str(tmp_path / "run"))
   source = input_pipeline.get_datasets(run.config)[0]["eval"]
   images = source.take(np.arange(40))
   for i, image in enumerate(images["image"]):

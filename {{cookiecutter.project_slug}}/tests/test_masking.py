@@ -190,8 +190,8 @@ class FlaxNorm(NormNoMask):
 def test_statistics_of_groups_of_devices_refuse_a_plain_nnx_batchnorm(tiny_config, tmp_path,
                                                                       monkeypatch):
   """config.batch_norm_devices is layers.BatchNorm's: a model holding nnx.BatchNorm, whose
-  statistics would stay the global batch's, stops before training, naming the layer and the
-  fix; with batch_norm_devices=0 it trains, in the same workdir."""
+  statistics would stay the global batch's, stops as it is built, naming the layer and the fix;
+  with batch_norm_devices=0 it trains, in the same workdir."""
   monkeypatch.setattr(optim, "create_model", lambda config, image_shape, num_classes, rngs:
                       FlaxNorm(image_shape, num_classes, rngs))
   tiny_config.eval_every_steps = tiny_config.checkpoint_every_steps = 1000
@@ -199,5 +199,6 @@ def test_statistics_of_groups_of_devices_refuse_a_plain_nnx_batchnorm(tiny_confi
   with pytest.raises(ConfigError, match=r"FlaxNorm holds nnx.BatchNorm at norm, .*use "
                                         r"layers.BatchNorm"):
     train.train_and_evaluate(tiny_config, str(tmp_path))
+  assert not any(tmp_path.iterdir())  # refused as the model is built, before anything is written
   tiny_config.batch_norm_devices = 0  # the fix, in the same workdir
   assert train.train_and_evaluate(tiny_config, str(tmp_path))["examples"] == 360

@@ -14,6 +14,8 @@ import pytest
 from conftest import OWN_MODEL, RECIPE
 from test_train import read_scalars
 
+from {{cookiecutter.project_slug}}.training import trained
+
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -59,9 +61,8 @@ def test_two_processes_train_like_the_straight_spmd_run(straight_runs, tmp_path)
   import evaluate
 
   from {{cookiecutter.project_slug}}.data import input_pipeline
-  from {{cookiecutter.project_slug}}.training import runs
 
-  run = runs.Restored(str(tmp_path))
+  run = trained.Restored(str(tmp_path))
   assert run.step == 45
   result = evaluate.evaluate(run, input_pipeline.get_datasets(run.config)[0]["eval"])
   assert result["examples"] == multi["eval_examples"][45] == 360

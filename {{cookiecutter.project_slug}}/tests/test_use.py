@@ -30,7 +30,7 @@ from configs import default
 from {{cookiecutter.project_slug}} import plan
 from {{cookiecutter.project_slug}}.data import image_files, input_pipeline
 from {{cookiecutter.project_slug}}.parallel import sharding
-from {{cookiecutter.project_slug}}.training import optim, runs, steps
+from {{cookiecutter.project_slug}}.training import optim, runs, steps, trained
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLASSES = ("zero", "one", "two", "three")  # the digits 0-3; labels follow the sorted names
@@ -83,18 +83,18 @@ def test_fine_tuning_copies_the_convolutions_and_starts_a_new_classifier(folder_
       "(10,) -> (4,), dense/kernel (64, 10) -> (64, 4)"]
   assert metrics["examples"] == 144 and metrics["accuracy"] > 0.9, metrics  # chance: 0.25
 
-  config, info = runs.read_description(workdir)  # the state it started from, built again
+  config, info = trained.read_description(workdir)  # the state it started from, built again
   mesh = sharding.make_mesh(config)
   _, abstract, init = optim.initial_state(config, info, mesh, 10)
-  start = jax.device_get(runs.init_from(source, abstract, init)())
+  start = jax.device_get(trained.init_from(source, abstract, init)())
   fresh = jax.device_get(init())
   with ocp.CheckpointManager(os.path.join(source, "checkpoints")) as checkpoints:
-    trained = checkpoints.restore(45, args=ocp.args.Composite(
+    saved = checkpoints.restore(45, args=ocp.args.Composite(
         state=ocp.args.StandardRestore()))["state"]
   for i in range(2):
     for name in ("kernel", "bias"):
       np.testing.assert_array_equal(start[0]["convs"][i][name][...],
-                                    trained["2"]["convs"][str(i)][name]["value"])
+                                    saved["2"]["convs"][str(i)][name]["value"])
   for name in ("kernel", "bias"):
     np.testing.assert_array_equal(start[0]["dense"][name][...], fresh[0]["dense"][name][...])
   assert int(start[1]["step"][...]) == 0  # a fresh optimizer
@@ -105,11 +105,11 @@ def test_fine_tuning_copies_the_convolutions_and_starts_a_new_classifier(folder_
   sharded = config.copy_and_resolve_references()
   sharded.parallelism, sharded.fsdp_min_size = "fsdp", 0
   _, abstract, init = optim.initial_state(sharded, info, sharding.make_mesh(sharded), 10)
-  kernel = runs.init_from(source, abstract, init)()[0]["convs"][1]["kernel"][...]
+  kernel = trained.init_from(source, abstract, init)()[0]["convs"][1]["kernel"][...]
   wanted = jax.tree.leaves(abstract[0]["convs"][1]["kernel"])[0].sharding
   assert kernel.sharding.is_equivalent_to(wanted, kernel.ndim)
   assert sharding.bytes_per_device(kernel) == kernel.nbytes // 8
-  np.testing.assert_array_equal(kernel, trained["2"]["convs"]["1"]["kernel"]["value"])
+  np.testing.assert_array_equal(kernel, saved["2"]["convs"]["1"]["kernel"]["value"])
 
   config.init_from = source  # resuming its own checkpoints: nothing left to train
   shutil.copytree(workdir, tmp_path / "workdir")  # (other tests read the run while this one runs)
@@ -130,7 +130,7 @@ def test_another_model_is_not_fine_tuned_and_the_workdir_is_kept(straight_runs, 
 
 def test_predictions_agree_with_evaluation_and_are_named_by_the_folders(folder_run):
   root, workdir, metrics, _ = folder_run
-  run = runs.Restored(workdir)
+  run = trained.Restored(workdir)
   assert run.info.class_names == tuple(sorted(CLASSES))
   paths = image_files.find_images([str(root / "pngs" / "val")])
   (root / "broken.png").write_bytes(b"not an image")
@@ -159,7 +159,7 @@ def test_every_path_evaluates_its_checkpoint_as_training_did(straight_runs, para
   """The model alone is restored (its moving average: the recipe keeps one), placed as the run
   placed it: fsdp's split over the devices, the others whole on each."""
   workdir, metrics = straight_runs[parallelism]
-  run = runs.Restored(str(workdir))
+  run = trained.Restored(str(workdir))
   assert run.step == 45 and run.info.class_names == tuple(str(i) for i in range(10))
   assert set(run.state.keys()) == {"convs", "dense"}  # a model's, not (model, optimizer, ...)
   assert {x.dtype for x in jax.tree.leaves(run.state)} == {np.dtype(np.float32)}
@@ -176,12 +176,12 @@ def test_a_model_larger_than_the_devices_is_refused_saying_what_it_needs(straigh
   """Devices that hold less than the model as the run placed it (whole, or an eighth by fsdp):
   one line, before anything is read. (The CPU reports no memory: here it says 256 bytes.)"""
   workdir = straight_runs[parallelism][0]
-  state = runs.Restored(str(workdir)).state
+  state = trained.Restored(str(workdir)).state
   whole, need = sum(x.nbytes for x in jax.tree.leaves(state)), sharding.bytes_per_device(state)
   assert need == whole if parallelism == "spmd" else need < whole / 4
-  monkeypatch.setattr(runs, "device_memory_bytes", lambda device: 256)
+  monkeypatch.setattr(trained, "device_memory_bytes", lambda device: 256)
   with pytest.raises(plan.ConfigError) as e:
-    runs.Restored(str(workdir))
+    trained.Restored(str(workdir))
   fix = (f"devices of {need / 2**30:.3g} GiB or more." if parallelism == "spmd" else
          f"{-(-need * 8 // 256)} or more of them.")
   assert str(e.value) == (
@@ -192,15 +192,15 @@ def test_a_model_larger_than_the_devices_is_refused_saying_what_it_needs(straigh
 def test_a_workdir_without_a_checkpoint_or_that_step_is_one_line(folder_run, tmp_path):
   _, workdir, _, _ = folder_run
   with pytest.raises(plan.ConfigError, match=r"holds no config.json: give the --workdir of a "):
-    runs.Restored(str(tmp_path))
+    trained.Restored(str(tmp_path))
   for name in (runs.CONFIG_FILE, runs.DATA_FILE):
     shutil.copy(os.path.join(workdir, name), tmp_path)
   with pytest.raises(plan.ConfigError, match="holds no checkpoint yet; train first"):
-    runs.Restored(str(tmp_path))
+    trained.Restored(str(tmp_path))
   assert sorted(os.listdir(tmp_path)) == sorted([runs.CONFIG_FILE, runs.DATA_FILE])
   with pytest.raises(plan.ConfigError, match=r"^--step=7: workdir .* holds the checkpoints of "
                                              r"steps 10, 20, 30, 40, 50, 54\.$"):
-    runs.Restored(workdir, step=7)
+    trained.Restored(workdir, step=7)
 
 
 # Runs with nothing but jax and numpy: flax cannot be imported, and the project is not on the
@@ -231,7 +231,7 @@ def exported(folder_run, where, num_images: int) -> np.ndarray:
   """The folder run's model exported to `where`/model.npz, beside `num_images` of its images
   (images.npy) as predict.py reads them; returns predict.py's probabilities for them."""
   root, workdir, _, _ = folder_run
-  run = runs.Restored(workdir)
+  run = trained.Restored(workdir)
   paths = image_files.find_images([str(root / "pngs" / "val")])[:num_images]
   export.write(run, str(where / "model.npz"))
   np.save(where / "images.npy", np.stack([image_files.read_image(p, (8, 8, 1)) for p in paths]))
@@ -281,7 +281,7 @@ def test_an_fsdp_runs_export_holds_its_whole_arrays_and_answers_as_it_does(strai
                                                                           tmp_path):
   """The arrays split over the devices are written whole, one entry each, beside a program that
   takes them: read back from the file, it gives the restored model's probabilities."""
-  run = runs.Restored(str(straight_runs["fsdp"][0]))
+  run = trained.Restored(str(straight_runs["fsdp"][0]))
   assert any(len(x.sharding.device_set) > 1 and not x.sharding.is_fully_replicated
              for x in jax.tree.leaves(run.state))  # some arrays are split
   export.write(run, str(tmp_path / "model.npz"))
@@ -359,7 +359,7 @@ def test_a_run_on_float_pixels_is_used_as_it_was_trained(tmp_path):
   data = json.loads((workdir / "data.json").read_text())
   assert (data["pixel_dtype"], data["model_input"]) == ("float32", "pixels as stored")
 
-  run = runs.Restored(str(workdir))
+  run = trained.Restored(str(workdir))
   evaluated = evaluate.evaluate(run, input_pipeline.get_datasets(run.config)[0]["eval"])
   assert evaluated["examples"] == 360 and evaluated["accuracy"] == metrics["accuracy"] > 0.5
   images = standardise(sources["eval"].images)

@@ -1,4 +1,4 @@
-"""Weights & Biases beside TensorBoard (writers.WandbWriter), in W&B's offline mode: nothing
+"""Weights & Biases beside TensorBoard (wandb_writer.WandbWriter), in W&B's offline mode: nothing
 leaves the machine; what a run logged is read back from W&B's own files."""
 
 import glob

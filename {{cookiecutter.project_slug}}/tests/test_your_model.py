@@ -31,7 +31,7 @@ import train
 from configs import tiny
 
 from {{cookiecutter.project_slug}}.data import input_pipeline
-from {{cookiecutter.project_slug}}.training import optim, runs, steps
+from {{cookiecutter.project_slug}}.training import optim, runs, steps, trained
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -111,7 +111,7 @@ def test_your_model_resumes_bit_for_bit(straight, tmp_path):
 
 def test_predict_evaluate_and_export_work_on_your_model(straight, tmp_path):
   workdir, expected = straight
-  run = runs.Restored(str(workdir))
+  run = trained.Restored(str(workdir))
   source = input_pipeline.get_datasets(run.config)[0]["eval"]
   result = evaluate.evaluate(run, source)
   assert result["examples"] == 360 and result["accuracy"] == expected["accuracy"]

@@ -1,9 +1,6 @@
-"""What a run of a config will be, decided before anything is read, built or compiled: the
-config checked against the devices it will run on (a table of rules, each naming the key, the
-value and the fix), and its choices made for them (k, the global batch); and the command line's
-own mistakes as one line. train.py and aot.py both start here, so that what aot.py compiles for
-a topology is what train.py would run there.
-"""
+"""What a run of a config will be, decided before anything is read or compiled: the config
+checked against its devices (a table of rules, each naming the key, the value and the fix) and its
+choices made (k, the global batch). train.py and aot.py both start here."""
 
 import difflib
 import glob
@@ -150,21 +147,24 @@ def _warmup(config, target):
             f"config.warmup_steps (={config.warmup_steps!r}) is set: give one of the two.")
 
 
+def _divisors(n: int) -> list[int]:
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def _fsdp_devices(config, target):
   slices = sharding.num_slices(target.devices)
   per_slice = target.num_devices // slices  # fsdp groups stay within a TPU slice
   if not (_int(0)(config.fsdp_devices) and per_slice % max(config.fsdp_devices, 1) == 0):
     return (f"config.fsdp_devices={config.fsdp_devices!r} does not divide the {per_slice} "
-            f"devices{' of a slice' if slices > 1 else ''}; use one of "
-            f"{[d for d in range(1, per_slice + 1) if per_slice % d == 0]} (0: all of them).")
+            f"devices{' of a slice' if slices > 1 else ''}; use one of {_divisors(per_slice)} "
+            "(0: all of them).")
 
 
 def _batch_norm_devices(config, target):
   if target.num_devices % max(config.batch_norm_devices, 1):
     return (f"config.batch_norm_devices={config.batch_norm_devices} does not divide the "
             f"{target.num_devices} devices into groups for BatchNorm's statistics; use one of "
-            f"{[d for d in range(1, target.num_devices + 1) if target.num_devices % d == 0]} "
-            "(0: the global batch).")
+            f"{_divisors(target.num_devices)} (0: the global batch).")
 
 
 def _xla_options(config, target):

@@ -1,21 +1,12 @@
 """Grain input pipeline: sources, a seeded shuffle, and padded-and-masked batches.
 
-The iterator's every element is k = `config.steps_per_dispatch` batches stacked, each holding
-this process's share of one global batch, as NumPy arrays (steps.py: what the device does):
-  image [k, local_batch, H, W, C] as stored (uint8 pixels stay uint8 up to the device),
-  label [k, local_batch] int32, mask [k, local_batch] bool (False on padding),
-  position [k, local_batch] uint32 (the example's place in the stream; keys its augmentation).
-A split is cut into exactly ceil(examples / global_batch) batches on every process, so all
-processes run the same number of steps and every real example is seen exactly once per epoch:
-nothing is dropped, nothing is counted twice.
-
-A worker reads a batch at a time (gathered with NumPy fancy indexing: Grain's per-example path
-costs tens of microseconds an example, more than a small model's step), and the main process
-stacks k of them: the host holds what is in flight, whatever k x batch. Batch b holds the
-examples at positions [b * global_batch, (b + 1) * global_batch) of the stream (`num_epochs`
-passes, each a fresh seeded permutation); process p takes positions p, p + P, ... of it, so the
-global batch is the same whatever the number of processes P.
-"""
+Each element is k = `config.steps_per_dispatch` batches stacked, each this process's share of a
+global batch (NumPy): image [k, B, H, W, C] as stored, label, mask (False on padding), position
+(the example's place in the stream). Every process cuts a split into ceil(examples /
+global_batch) batches, so no example is dropped or counted twice. Batch b holds stream positions
+[b * global_batch, (b + 1) * global_batch) (`num_epochs` seeded permutations); process p takes
+positions p, p + P, ...: the global batch is the same for any number of processes. A worker
+gathers a batch at a time with NumPy (Grain's per-example path costs more than a small step)."""
 
 import dataclasses
 import functools
@@ -66,10 +57,8 @@ class ArraySource:
 
 
 class RecordSource:
-  """Examples in ArrayRecord files, one msgpack-encoded example per record. Images stored
-  encoded (`write_arrayrecord.py --keep_encoded`) are decoded here, to `image_shape`: in the
-  Grain worker processes, or Grain's threads, that read the batches; photos stored whole
-  (`--resize_shorter`) are cropped by `crops`, each by its stream position (`take`)."""
+  """Examples in ArrayRecord files (msgpack, one a record). Images stored encoded are decoded
+  here, in the reading workers; photos stored whole are cropped by `crops`, by stream position."""
 
   def __init__(self, paths: list[str], image_shape: tuple[int, int, int],
                crops: Crops | None = None):
@@ -192,17 +181,11 @@ def num_batches(num_examples: int, global_batch_size: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class LoadUnit:
-  """Unit u of the stream -> `unit_size` consecutive examples of this process's batches, padded
-  and masked (`[unit_size, ...]`): a worker's unit of work. With worker processes, a device's
-  share of a batch: what a worker holds does not grow with the batch or k; without, k batches
-  (one gather from memory). `Elements` stacks the units into elements of k batches.
-
-  Batches past the end of the stream, and before `first_batch` (a resumed run), are all padding:
-  the steps skip them, and no example is read for them. The stream is cut to whole elements of k
-  batches, aligned from its start whatever `first_batch`, so the steps of a run are aligned too;
-  with `trim` (evaluation), the batches that fill the last element are left out of their units:
-  the last element holds only the batches left.
-  """
+  """A worker's unit of work: unit u -> `unit_size` consecutive examples of this process's
+  batches, padded and masked (with workers a device's share of a batch, so a worker's memory does
+  not grow with the batch or k). Batches past the stream's end or before `first_batch` (a resume)
+  are padding, read from nowhere; the stream is cut into whole elements of k batches from its
+  start, and with `trim` (evaluation) the last element holds only the batches left."""
 
   source: ArraySource | RecordSource
   global_batch_size: int
@@ -307,11 +290,8 @@ def elements(load: LoadUnit, first_element: int = 0) -> Elements:
 
 
 def train_batches(source, config, first_step: int = 0, **process) -> Elements:
-  """`num_epochs` passes over `source`, reshuffled every epoch, as one stream of batches, from
-  the element holding batch `first_step` on (`first_step`: the steps already done).
-
-  Only the very last batch can be partial; it is padded and masked.
-  """
+  """`num_epochs` passes over `source`, reshuffled each epoch, as one stream of batches, from the
+  element holding batch `first_step` on; only the very last batch can be partial."""
   k, local = config.steps_per_dispatch, config.batch_size // process.get("process_count", 1)
   load = LoadUnit(source, config.batch_size, config.num_epochs, config.seed, k, first_step,
                   **process, unit_size=unit_size(config, local))
@@ -345,12 +325,9 @@ def default_workers(config) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class HostMemory:
-  """What the input pipeline holds in host memory, in units (a device's share of a batch) of this
-  process, for its two iterators (training's and evaluation's, each with its workers): each
-  Grain worker its read-ahead (`prefetch_batches`), the units its `read_threads` are building and
-  the one in its queue to the main process; the main process (which reads ahead itself when
-  there are no workers) an element of k batches being stacked for each, and for training those
-  placed ahead on the devices (`prefetch_to_device`) and the one being placed."""
+  """What the pipeline holds in host memory, in units (a device's share of a batch), for training
+  and evaluation: each worker's read-ahead, the units its threads build and the one queued; the
+  main process's element being stacked, and training's elements placed ahead on the devices."""
 
   unit_bytes: int
   workers: int  # an iterator's
@@ -397,12 +374,9 @@ def leave_interrupts_to_the_main_process(worker_index: int, num_workers: int) ->
 
 def as_iterator(batches: Elements, config, put=None,
                 num_workers: int | None = None) -> grain.DatasetIterator:
-  """An iterator over `batches`' elements, their units read with `num_workers` worker processes
-  (default: chosen by `default_workers(config)`). Close it when done: that stops the workers.
-
-  With `put` (a function placing stacked batches on the devices), they are placed by a
-  background thread, `config.prefetch_to_device` elements ahead of the step.
-  """
+  """An iterator over `batches`' elements, read by `num_workers` worker processes (default:
+  `default_workers`). With `put`, a background thread places them on the devices,
+  `config.prefetch_to_device` ahead. Close it to stop the workers."""
   read_options = grain.ReadOptions(num_threads=config.read_threads,
                                    prefetch_buffer_size=config.prefetch_batches)
   dataset = batches.units.to_iter_dataset(read_options)

@@ -1,15 +1,9 @@
-"""Where arrays live under jit: the device mesh and the shardings of state and batches (spmd
-and fsdp; pmap's layout is pmap.py's).
+"""Where arrays live under jit: the device mesh and the shardings of state and batches.
 
-spmd: one global array per leaf. Batches (stacked `[k, batch, ...]`, see steps.py) are split
-  over the mesh axis 'data'; the model and optimizer state are replicated (PartitionSpec()).
-fsdp: the same over a mesh ('data', 'fsdp') of (devices // fsdp_devices, fsdp_devices). Batches
-  are split over both axes; each large leaf of the state is split over 'fsdp' along its largest
-  dimension that 'fsdp' divides (ZeRO-3), and copied over 'data'. XLA inserts the collectives:
-  on XLA:CPU, all-gathers of the parameters and an all-reduce of the whole gradients, each
-  device keeping its slice (no reduce-scatter); on GPU and TPU XLA turns that all-reduce and
-  slice into a reduce-scatter (unverified here: tests/test_accelerator.py checks it).
-"""
+spmd: batches (`[k, batch, ...]`) split over the mesh axis 'data', the state replicated.
+fsdp: a mesh ('data', 'fsdp'); batches split over both axes, each large leaf of the state split
+over 'fsdp' along its largest dimension that 'fsdp' divides (ZeRO-3), copied over 'data'. XLA
+inserts the collectives (on GPUs and TPUs the gradient's all-reduce becomes a reduce-scatter)."""
 
 import collections
 

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex
 
-from ..parallel import chips, pmap
+from .. import layers
+from ..parallel import chips
 from . import steps
 from .metrics import TrainMetrics
 
@@ -61,7 +62,7 @@ class Speed:
   def __init__(self, graphdef, state, image_shape, config, devices=None):
     # Under pmap, traced with its axis (of size 1: the global batch on one device), for models
     # whose layers reduce over it (BatchNorm).
-    axis = pmap.PMAP_AXIS if config.parallelism == "pmap" else None
+    axis = layers.PMAP_AXIS if config.parallelism == "pmap" else None
     # (The crop's resampling is left out: it is a matrix product, but not the model's.)
     step = functools.partial(steps.train_step, graphdef, **dict(
         steps.step_options(config), crop=None), axis_name=axis)

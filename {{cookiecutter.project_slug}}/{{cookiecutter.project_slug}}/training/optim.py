@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from ..errors import ConfigError
+from ..layers import BatchNorm
 from ..parallel import sharding
 
 
@@ -76,6 +78,13 @@ def build_state(config, image_shape, num_classes, num_train_steps: int) -> tuple
   """The training state's objects: (model, optimizer), and with `config.ema_decay` a third, the
   moving average of the model (a copy of it, which the train step moves and evaluation uses)."""
   model = create_model(config, image_shape, num_classes, nnx.Rngs(config.seed))
+  if config.get("batch_norm_devices") and (plain := [
+      "/".join(map(str, path)) for path, node in nnx.iter_graph(model)
+      if isinstance(node, nnx.BatchNorm) and not isinstance(node, BatchNorm)]):
+    raise ConfigError(f"config.batch_norm_devices={config.batch_norm_devices} is for "
+                      f"layers.BatchNorm; {type(model).__name__} holds nnx.BatchNorm at "
+                      f"{', '.join(plain)}, which takes the global batch's statistics: use "
+                      "layers.BatchNorm in model.py (or batch_norm_devices=0).")
   optimizer = nnx.Optimizer(model, create_optimizer(config, num_train_steps), wrt=nnx.Param)
   if not config.ema_decay:
     return model, optimizer

@@ -1,14 +1,9 @@
 """The train and eval steps, how each parallelism compiles them, and the evaluation loop.
 
-Every compiled call runs k = `config.steps_per_dispatch` steps (`lax.scan`) over k batches
-stacked on a leading axis, so the host dispatches once per k steps:
-  image [k, B, H, W, C] in its stored dtype (uint8 pixels are divided by 255 on the device),
-  label [k, B] int32, mask [k, B] bool (False on padding), position [k, B] uint32 (each
-  example's place in the stream: it keys the augmentation, so that any batching, any number
-  of processes and any resume give the same shifts, flips and crops).
-A step whose batch holds no real example (padding at the end of training, or before the first
-batch of a resumed run) changes nothing, so k steps in one call equal k single calls.
-"""
+A compiled call runs k = `config.steps_per_dispatch` steps (`lax.scan`) over k stacked batches:
+image [k, B, H, W, C] (stored dtype), label [k, B], mask [k, B] (False on padding), position
+[k, B] (each example's place in the stream: it keys the augmentation). A batch of padding alone
+changes nothing, so k steps in one call equal k single calls."""
 
 import contextlib
 import functools
@@ -24,7 +19,7 @@ from flax import nnx
 from .. import layers
 from ..data import input_pipeline
 from ..data.augment import prepare_images
-from ..parallel import pmap, sharding
+from ..parallel import sharding
 from .metrics import Metrics, NonFinite, StepAverage, TrainLoss, TrainMetrics
 
 PARALLELISMS = ("spmd", "pmap", "fsdp")
@@ -37,9 +32,8 @@ ACCELERATOR_STEPS_PER_DISPATCH = 10
 
 
 def steps_per_dispatch(config, platform: str | None = None) -> int:
-  """k: `config.steps_per_dispatch`, or when it is 0, the default of `platform` (default: the
-  backend's): 1 on the CPU; on a GPU or TPU, `ACCELERATOR_STEPS_PER_DISPATCH` or the largest
-  number below it that divides the log, eval and checkpoint intervals (multiples of k)."""
+  """k: `config.steps_per_dispatch`, or when 0: 1 on the CPU, else the largest number up to
+  `ACCELERATOR_STEPS_PER_DISPATCH` that divides the log, eval and checkpoint intervals."""
   if config.steps_per_dispatch:
     return config.steps_per_dispatch
   if (platform or jax.default_backend()) == "cpu":
@@ -50,16 +44,13 @@ def steps_per_dispatch(config, platform: str | None = None) -> int:
 
 
 def takes_mask(model) -> bool:
-  """Whether the model is called with `example_mask=`: when its class's `__call__` has a
-  parameter of that name or takes `**kwargs`. (inspect.signature sees through a decorator that
-  uses functools.wraps to the function it wraps.)"""
+  """Whether the model's `__call__` takes `example_mask=` (or `**kwargs`)."""
   parameters = inspect.signature(type(model).__call__).parameters.values()
   return any(p.name == "example_mask" or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 def call_model(model, images_BHWC, mask_B) -> jax.Array:
-  """The one place that calls the model: `model(images)`, with `example_mask=mask_B` when it
-  takes it (`takes_mask`)."""
+  """The one place that calls the model, with the mask when it takes one."""
   return model(images_BHWC, **({"example_mask": mask_B} if takes_mask(model) else {}))
 
 
@@ -74,20 +65,9 @@ def mask_warning(model) -> str | None:
           "layers.BatchNorm(...)(x, mask=example_mask) (model.py's docstring)")
 
 
-def plain_batch_norms(model) -> list[str]:
-  """Where the model holds an nnx.BatchNorm that is not a `layers.BatchNorm` (which alone
-  takes the statistics of groups of devices: `config.batch_norm_devices`)."""
-  return ["/".join(map(str, path)) for path, node in nnx.iter_graph(model)
-          if isinstance(node, nnx.BatchNorm) and not isinstance(node, layers.BatchNorm)]
-
-
 def loss_and_metrics(model, batch, collection=Metrics, label_smoothing: float = 0.0):
-  """The SUM of the losses of the real examples (normalised later, by the global count), in
-  float32 whatever the model's dtype. `batch["image"]` is the model's input (see
-  `prepare_images`), with `batch["mask"]` (`[batch]`, False on padding) where the model takes
-  it (`call_model`: BatchNorm must leave the padding out). The metrics: a `collection` of the
-  step's real examples. `label_smoothing` a: the targets are (1 - a) x one-hot + a / classes.
-  """
+  """The SUM of the real examples' losses (float32; normalised later by the global count), and a
+  `collection` of their metrics. `label_smoothing` a: targets (1 - a) x one-hot + a / classes."""
   logits_BK = call_model(model, batch["image"], batch["mask"])
   logits_BK = logits_BK.astype(jnp.float32)
   cross_entropy_B = optax.softmax_cross_entropy_with_integer_labels(logits_BK, batch["label"])
@@ -104,24 +84,16 @@ def loss_and_metrics(model, batch, collection=Metrics, label_smoothing: float = 
 
 
 def micro_batches(batch, num: int):
-  """`[batch, ...]` -> `[num, batch // num, ...]`; micro-batch j holds examples j, j + num, ...,
-  so every device holds an equal share of every micro-batch."""
+  """`[batch, ...]` -> `[num, batch // num, ...]`, micro-batch j holding examples j, j + num, ...
+  (every device an equal share of each)."""
   return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, num, *x.shape[1:]), 0, 1), batch)
 
 
 def summed_gradients(model, batch, num_micro_batches: int = 1, label_smoothing: float = 0.0,
                      axis_name=None):
-  """Gradient of the summed loss, and metrics, over `batch` in `num_micro_batches` sequential
-  pieces (gradient accumulation: the memory of one piece). The pieces run in one loop from
-  zeros: one forward and backward pass in the compiled program. A piece without a real example
-  (a last batch holding fewer than `num_micro_batches`) adds nothing and leaves the model's
-  state as it was (BatchNorm's statistics, RNG counters): its values are not selected, so its
-  NaNs (a mean over no example) go nowhere. Under pmap (`axis_name`) "without a real example"
-  is over all devices.
-
-  The sum equals the whole batch's for a model whose examples do not meet in the forward pass.
-  BatchNorm (train mode) normalises each piece by the piece's own real examples, as a batch of
-  that size would, and moves its running statistics once per piece that holds a real example."""
+  """Gradient of the summed loss, and metrics, over `batch` in `num_micro_batches` pieces run in
+  one loop (gradient accumulation). A piece without a real example (over all devices under pmap)
+  adds nothing and leaves the model's state (BatchNorm statistics, RNG counters) as it was."""
   grad_fn = nnx.grad(functools.partial(loss_and_metrics, collection=TrainLoss,
                                        label_smoothing=label_smoothing), has_aux=True)
   if num_micro_batches == 1:
@@ -163,41 +135,36 @@ def step_options(config) -> dict:
 
 # What the moving average of the parameters averages: every Param, and BatchNorm's statistics.
 AVERAGED = (nnx.Param, nnx.BatchStat)
+# The one per-backend choice of how the train step is written (`train_step`'s `skip_by` and
+# `norms_of`); no form is within 5% of the best peak memory on every chip (aot.py: the 1.16 GB
+# MLP of tests/test_aot.py under fsdp, 'kept' +19% on h100:8 with the low-memory options,
+# 'updated' +7% on v5e:2x4). The CPU skips under lax.cond: selecting keeps a second state.
+STEP_FORMS = {
+    "cpu": dict(skip_by="cond", norms_of="kept"),
+    "gpu": dict(skip_by="select", norms_of="updated"),
+    "tpu": dict(skip_by="select", norms_of="kept"),
+}
 
 
 def train_step(graphdef, state, running, batch, *, grad_accum_steps=1, max_shift=0, seed=0,
                flip=False, crop=None, label_smoothing=0.0, ema_decay=0.0, ema_warmup=False,
                batch_norm_groups=1, axis_name=None, skip_by="select", norms_of="kept"):
-  """One optimizer step on one batch (no leading k axis); `running` (TrainMetrics) comes back
-  with this step's metrics merged in. Under pmap (`axis_name` set) sums are reduced across
-  devices; BatchNorm's statistics are those of `batch_norm_groups` groups of devices
-  (`layers.statistics_groups`; 1: the global batch). A state of (model, optimizer, average)
-  also updates the average: a copy of the model (in float32) whose `AVERAGED` variables move to
-  the model's by a fraction 1 - d each step, d = `ema_decay`, or with `ema_warmup`
-  min(`ema_decay`, (1 + n) / (10 + n)) at update n = 0, 1, ... (TensorFlow's
-  ExponentialMovingAverage with num_updates): so that a short run's average is not its
-  initialisation.
-
-  The gradient is sum(gradients of the real examples' losses) / (number of real examples),
-  both summed globally: exact for any padding, on any number of devices (and micro-batches:
-  see `summed_gradients`). Only gradients and metrics are reduced; the optimizer's counters are
-  never averaged.
-
-  A non-finite loss or gradient leaves the state as it was (the loop decides what to do), and so
-  does a batch of padding alone. `skip_by`: 'select' updates, then keeps each leaf's old value
-  (`jnp.where`): no conditional, which a GPU runs by copying its predicate to the host and
-  waiting, at every one of the k steps of a call; 'cond' runs the update under `lax.cond`:
-  XLA:CPU's choice, where selecting keeps a second copy of the state. The norms are those of the
-  parameters and of their change (the update as applied), the same values either way but taken
-  from the state `norms_of`: 'kept' (after the choice: what the TPU compiler schedules best) or
-  'updated' (before it: XLA:GPU, which otherwise keeps the old parameters alive when its
-  latency-hiding scheduler is off). README: Will it fit?
-  """
+  """One optimizer step on one batch; returns the state and `running` with this step's metrics.
+  The gradient is sum(real examples' gradients) / (number of real examples), both summed globally
+  (pmap: `axis_name`): exact for any padding and device count. BatchNorm's statistics are those of
+  `batch_norm_groups` groups of devices. A non-finite step, or a batch of padding alone, leaves the
+  state as it was: by selection (`skip_by='select'`: no conditional, which a GPU would sync on) or
+  under `lax.cond` ('cond'); the norms are taken from the state after the choice
+  (`norms_of='kept'`) or before it ('updated'); `STEP_FORMS` chooses per backend. With a moving
+  average (state (model, optimizer, average)) its `AVERAGED` variables move by 1 - `ema_decay`, or
+  with `ema_warmup` by 1 - min(`ema_decay`, (1 + n) / (10 + n)) at update n (as TensorFlow's)."""
   old_state = jax.tree.map(lambda x: x, state)  # kept for a step that changes nothing
   model, optimizer, *average = nnx.merge(graphdef, state)
   model.train()
   batch = dict(batch, image=prepare_images(batch, max_shift, seed, flip, crop))
   if axis_name is not None:
+    from ..parallel import pmap  # (the pmap path alone)
+
     restore_keys = pmap.fold_in_device_index(model, axis_name)
   with layers.statistics_groups(batch_norm_groups):
     grads, step_metrics = summed_gradients(model, batch, grad_accum_steps, label_smoothing,
@@ -313,16 +280,12 @@ class Steps(NamedTuple):
 
 def make(graphdef, config, mesh, unroll: bool | None = None, pmap_devices=None,
          crop_on_device: bool = True) -> Steps:
-  """The train and eval steps of `config.parallelism`, each running stacked batches. `unroll`:
-  the k steps of a call as straight-line code (True) or a rolled loop (False); None: unrolled
-  on the CPU, whose XLA runs convolution gradients far slower inside a loop, rolled elsewhere
-  (it compiles once, whatever k). `pmap_devices`: pmap's devices (default: the local ones;
-  aot.py: a topology's). A step is skipped by selection on GPUs and TPUs, under lax.cond on the
-  CPU (`train_step`'s `skip_by`, `norms_of`). `crop_on_device` False: `config.augment_crop`'s
-  crops are the input pipeline's (photos stored whole: image_files.Crops)."""
+  """The train and eval steps of `config.parallelism`, each over stacked batches. `unroll` (None:
+  on the CPU alone, whose convolution gradients run far slower inside a loop) writes the k steps
+  out; `pmap_devices`: pmap's (aot.py: a topology's); `crop_on_device` False: the input pipeline
+  crops photos stored whole."""
   platform = (pmap_devices or mesh.devices.flat)[0].platform
-  options = dict(step_options(config), skip_by="cond" if platform == "cpu" else "select",
-                 norms_of="updated" if platform == "gpu" else "kept")
+  options = dict(step_options(config), **STEP_FORMS[platform])
   if not crop_on_device:
     options["crop"] = None
   devices = (len(pmap_devices or jax.devices()) if config.parallelism == "pmap"
@@ -331,6 +294,8 @@ def make(graphdef, config, mesh, unroll: bool | None = None, pmap_devices=None,
   if unroll is None:
     unroll = platform == "cpu"
   if config.parallelism == "pmap":
+    from ..parallel import pmap  # (the legacy path's pieces)
+
     axis = pmap.PMAP_AXIS
     # State and batch: one slice per device (axis 0). Metrics: one value, the same everywhere.
     on_devices = functools.partial(jax.pmap, axis_name=axis, in_axes=(0, None, 0),
@@ -385,9 +350,8 @@ def make(graphdef, config, mesh, unroll: bool | None = None, pmap_devices=None,
 
 
 def probabilities(graphdef, state, images_BHWC, mask_B=None) -> jax.Array:
-  """The model's class probabilities (float32 `[batch, classes]`) for stored images (uint8
-  pixels divided by 255 on the device), computed as evaluation computes the logits: the model
-  in eval mode, given the mask (`mask_B`, default all True) if its `__call__` takes one."""
+  """Class probabilities (float32 `[batch, classes]`) of stored images, as evaluation computes
+  the logits (eval mode, the mask given when the model takes one)."""
   model = nnx.merge(graphdef, state)
   model.eval()
   mask_B = jnp.ones(images_BHWC.shape[:1], bool) if mask_B is None else mask_B
@@ -396,8 +360,8 @@ def probabilities(graphdef, state, images_BHWC, mask_B=None) -> jax.Array:
 
 
 def sync_every(config) -> int:
-  """How often, in steps, the loops wait for a result: XLA:CPU collectives abort when hundreds
-  of calls are queued; other backends never need to wait (0)."""
+  """How often, in steps, the loops wait for a result: XLA:CPU's collectives abort with hundreds
+  of calls queued; elsewhere never (0)."""
   return config.cpu_sync_every_steps if jax.default_backend() == "cpu" else 0
 
 
@@ -409,16 +373,14 @@ def summarize(running: Metrics) -> dict[str, float]:
 
 
 def eval_iterator(batches: grain.MapDataset, config) -> grain.DatasetIterator:
-  """An endless iterator over `batches` repeated, read as training reads (worker processes for
-  encoded data): `evaluate` takes len(batches) elements of it each time, so its workers start
-  once and read the next evaluation's first elements ahead. Close it when done."""
+  """An endless iterator over `batches` repeated (`evaluate` takes len(batches) a time), so its
+  workers start once. Close it when done."""
   return input_pipeline.as_iterator(batches.repeat(), config)
 
 
 def evaluate(compiled: Steps, state, batches, config, metrics=Metrics,
              iterator=None):
-  """`metrics` (a collection) over the batches once; the merged metrics, on the devices. Read
-  from `iterator` (an `eval_iterator` of `batches`) when given, else from a new one."""
+  """`metrics` over the batches once, merged on the devices; read from `iterator` when given."""
   running, every = compiled.empty(metrics), sync_every(config)
   with contextlib.ExitStack() as stack:
     if iterator is None:

@@ -1,17 +1,9 @@
-"""What a run writes for people to read: TensorBoard event files, a Weights & Biases run beside
-them (`config.wandb_project`), the progress lines and bar of the log, and the training loop's
-clock that their rates come from.
-
-Every writer has the methods of CLU's `MetricWriter` that the scripts use (`write_scalars`,
-`write_images`, `write_hparams`, `flush`, `close`), so the loop does not know which writers it
-feeds. CLU's own writers are not used: `clu.metric_writers` (and so `clu.periodic_actions`)
-imports TensorFlow at import. TensorBoard's event files are written by tensorboardX instead,
-the same standard files, without TensorFlow.
-"""
+"""What a run writes for people: TensorBoard event files (tensorboardX: CLU's writers import
+TensorFlow), W&B beside them (wandb_writer.py), the log's progress lines and bar, and the loop's
+clock. Each writer has the methods of CLU's `MetricWriter` that the scripts call."""
 
 import concurrent.futures
 import contextlib
-import os
 import sys
 import time
 from typing import NamedTuple
@@ -49,41 +41,6 @@ class TensorBoardWriter:
 
   def close(self):
     self._writer.close()
-
-
-class WandbWriter:
-  """Scalars and hyperparameters to a Weights & Biases run (the `wandb` extra), one W&B run per
-  workdir: its id is kept in `workdir/wandb_run_id`, so a resumed run logs to the same one. W&B
-  reads its own variables (WANDB_MODE=offline, WANDB_ENTITY, ...); its files go into the
-  workdir unless WANDB_DIR names a place. Images stay TensorBoard's."""
-
-  def __init__(self, workdir: str, project: str, config: dict):
-    import wandb  # only here: a run without `config.wandb_project` never imports it
-    from etils import epath
-
-    id_file = epath.Path(workdir) / "wandb_run_id"
-    run_id = id_file.read_text().strip() if id_file.exists() else None
-    local = "://" not in workdir and "WANDB_DIR" not in os.environ
-    self._run = wandb.init(project=project, id=run_id, resume="allow",
-                           name=os.path.basename(os.path.normpath(workdir)), config=config,
-                           dir=workdir if local else None)
-    if run_id is None:
-      id_file.write_text(self._run.id)
-
-  def write_scalars(self, step: int, scalars: dict):
-    self._run.log({key: float(value) for key, value in scalars.items()}, step=step)
-
-  def write_images(self, step: int, images: dict):
-    del step, images
-
-  def write_hparams(self, hparams: dict):
-    self._run.config.update(hparams, allow_val_change=True)
-
-  def flush(self):
-    pass
-
-  def close(self):
-    self._run.finish()
 
 
 class Writers:
@@ -138,6 +95,8 @@ def create_writer(workdir: str, write: bool = True, config=None, new_run: bool =
 
     flat = flatten(config.to_dict())
     if config.get("wandb_project"):
+      from .wandb_writer import WandbWriter  # (a run without W&B never imports it)
+
       chosen.append(WandbWriter(workdir, config.wandb_project, flat))
   writers = Writers(chosen)
   if new_run and flat is not None:
