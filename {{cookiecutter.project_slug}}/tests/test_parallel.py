@@ -60,7 +60,11 @@ def stacked(batch_list, k: int):
 
 
 def single_step(config, graphdef):
-  return jitted_single_step(graphdef, tuple(steps.step_options(config).items()))
+  """One device's train step; with `config.batch_norm_devices`, its batch split into as many
+  groups for BatchNorm's statistics as 8 devices make."""
+  groups = NUM_DEVICES // (config.get("batch_norm_devices") or NUM_DEVICES)
+  return jitted_single_step(graphdef, tuple(dict(steps.step_options(config),
+                                                 batch_norm_groups=groups).items()))
 
 
 @functools.cache

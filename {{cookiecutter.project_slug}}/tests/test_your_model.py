@@ -74,11 +74,13 @@ def without_dropout(graphdef, state):
   return nnx.split(model)
 
 
-def test_your_model_takes_the_same_steps_on_every_path():
-  """Three steps (a padded batch among them) from the same state: one device, spmd and fsdp
-  give the same state and metrics, dropout included; pmap too, with Dropout off."""
+def takes_the_same_steps_on_every_path(batch_norm_devices: int):
+  """Three steps (a padded batch among them) from the same state: one device (its batch split
+  into 8 groups for BatchNorm's statistics with `batch_norm_devices`=1), spmd and fsdp give the
+  same state and metrics, dropout included; pmap too, with Dropout off."""
   config = config_as_shipped()
   config.fsdp_min_size = 0  # split every leaf that divides over 8
+  config.batch_norm_devices = batch_norm_devices
   _, info = input_pipeline.get_datasets(config)
   assert info.image_shape == (8, 8, 1)  # (test_parallel.batches: digits-shaped)
   graphdef, state = nnx.split(optim.build_state(config, info.image_shape, info.num_classes, 3))
@@ -92,6 +94,17 @@ def test_your_model_takes_the_same_steps_on_every_path():
       assert_trees_close(got, single, atol=1e-5)
       assert metrics["examples"] == 148 and metrics["accuracy"] == single_metrics["accuracy"]
       assert metrics["loss"] == pytest.approx(single_metrics["loss"], rel=1e-5), parallelism
+
+
+def test_your_model_takes_the_same_steps_on_every_path():
+  """With the global batch's BatchNorm statistics (configs/default.py's)."""
+  takes_the_same_steps_on_every_path(batch_norm_devices=0)
+
+
+@pytest.mark.slow
+def test_your_model_takes_the_same_steps_on_every_path_with_each_devices_own_statistics():
+  """config.batch_norm_devices=1 (configs/imagenet.py's): each device's BatchNorm statistics."""
+  takes_the_same_steps_on_every_path(batch_norm_devices=1)
 
 
 def test_your_model_resumes_bit_for_bit(straight, tmp_path):
