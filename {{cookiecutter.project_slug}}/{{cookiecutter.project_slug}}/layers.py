@@ -1,9 +1,5 @@
-"""Layers that a model.py uses for the project's paths to hold: `BatchNorm`, whose batch
-statistics are those of the real examples of the global batch, or of groups of devices
-(`config.batch_norm_devices`), alike on every path (spmd, fsdp and pmap). Give it the
-`[batch]` example mask that the steps pass to a model whose `__call__` takes `example_mask`
-(model.py's docstring).
-"""
+"""Layers a model.py uses for the project's guarantees to hold: `BatchNorm`, whose statistics are
+those of the real examples (give it the `example_mask` the steps pass to the model)."""
 
 import contextlib
 import contextvars
@@ -38,19 +34,14 @@ def bound(axis_name: str) -> bool:
 
 
 class BatchNorm(nnx.BatchNorm):
-  """nnx.BatchNorm whose batch statistics are those of the real examples of the global batch,
-  or of each group of devices under `statistics_groups` (the train step's, from
-  `config.batch_norm_devices`), on every path: give `mask` (`[batch]`, False on padding: the
-  `example_mask` that the steps pass to the model). Under pmap it reduces over pmap's axis
-  (`PMAP_AXIS`) by itself, unless given another `axis_name`. Features on the last axis.
+  """nnx.BatchNorm whose batch statistics are those of the real examples (`mask`: [batch], False on
+  padding) of the global batch, or of each group of devices under `statistics_groups`
+  (`config.batch_norm_devices`), alike on spmd, fsdp and pmap (pmap: over `PMAP_AXIS`).
 
-  The sums and counts of the real examples (E[x] and E[x^2], as nnx.BatchNorm's fast variance) are
-  taken over each group: under jit, the batch split into `groups` (a device's examples are a
-  contiguous slice of it); under pmap, this device's alone, or summed over its group (or all) of
-  devices. The running statistics are the global batch's whatever the groups (summed apart from
-  the normalisation, which does not wait for them), so the state stays one value on every device.
-  A padded example comes out as the bias: a group of padding alone (no statistics) stays finite.
-  """
+  Sums and counts are taken per group (jit: the batch cut into `groups` contiguous slices, a
+  device's each; pmap: psum over the group); the running statistics are the global batch's, so
+  the state is one value on every device. A padded example comes out as the bias: a group of
+  padding alone stays finite."""
 
   def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
     if use_running_average is None:

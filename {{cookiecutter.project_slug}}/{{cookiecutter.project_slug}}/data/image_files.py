@@ -1,8 +1,5 @@
-"""Image files: finding them, decoding them to the run's image shape (scaled to cover it and
-centre-cropped), and the crops of photos stored whole (`Crops`: random for training, central for
-evaluation), made on the host where the file is read. Used by the input pipeline (in Grain's
-worker processes), write_arrayrecord.py, predict.py and evaluate.py; it needs NumPy and PIL alone.
-"""
+"""Image files: found, decoded to the run's image shape (scaled to cover it, centre-cropped), and
+the crops of photos stored whole (`Crops`). NumPy and PIL alone: it runs in Grain's workers."""
 
 import dataclasses
 import glob
@@ -81,13 +78,11 @@ def read_image(path: str, image_shape, keep_encoded: bool = False,
 
 @dataclasses.dataclass(frozen=True)
 class Crops:
-  """How a photo stored whole (`write_arrayrecord.py --resize_shorter`) becomes `image_shape`.
-  With `scale`, a random crop (Inception's: a fraction of the area in `scale`, of aspect
-  (width / height) log-uniform in `ratio`, the first of 10 draws that fits, else the centre
-  crop), drawn from `seed` and the example's stream position alone; without it, evaluation's
-  centre crop: the image scaled to cover `image_shape` / `center_ratio` (256 for 224 at
-  0.875), its centre `image_shape` kept. The box is chosen from the file's header, and a JPEG
-  is decoded at the smallest scale (1/2, 1/4, 1/8: DCT scaling) that keeps the box's pixels."""
+  """How a photo stored whole (`write_arrayrecord.py --resize_shorter`) becomes `image_shape`: with
+  `scale`, Inception's random crop (area fraction in `scale`, log-uniform aspect in `ratio`, the
+  first of 10 draws that fits, else the centre), drawn from `seed` and the stream position alone;
+  without, evaluation's centre crop (scaled to cover `image_shape` / `center_ratio`). The box comes
+  from the header, and a JPEG is decoded at the smallest DCT scale that keeps the box's pixels."""
 
   seed: int = 0
   scale: tuple[float, float] | None = None
