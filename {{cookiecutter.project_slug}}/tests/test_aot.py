@@ -326,7 +326,7 @@ def test_gpu_refuses_what_does_not_fit(tmp_path):
 GPU_MLP = """
 import json, sys
 import aot
-from {{cookiecutter.project_slug}}.parallel import chips
+from {{cookiecutter.project_slug}}.tools import topologies
 from {{cookiecutter.project_slug}}.training import optim
 from test_aot import MLP
 from configs import default
