@@ -469,8 +469,9 @@ def test_the_log_is_quiet_one_short_line_per_interval(tmp_path, data):
 @pytest.mark.slow
 def test_ctrl_c_with_workers_saves_and_ends_at_once_without_a_traceback(tmp_path):
   """Ctrl-C (SIGINT to the whole process group: Grain's 2 workers too) during a run that reads
-  with workers: the main process alone takes it, saves and exits 130 within 3 s of its last
-  log line (Grain waits up to 25 s for a worker that does not stop); no worker's traceback."""
+  with workers: the main process alone takes it, saves and exits 130 well before Grain's 25 s
+  wait for a worker that does not stop (~0.5 s after its last log line alone; 3.9 s beside
+  aot.py's ResNet-50 compile on 2 cores: the bound is 10 s); no worker's traceback."""
   overrides = [*write_digits(tmp_path / "data"), "--config.num_workers=2",
                "--config.num_epochs=30"]
   process = subprocess.Popen(
@@ -490,7 +491,7 @@ def test_ctrl_c_with_workers_saves_and_ends_at_once_without_a_traceback(tmp_path
     process.kill()
   assert "Stopped by SIGINT after step" in log[-1], "".join(log)[-3000:]
   assert not any("Traceback" in line or "KeyboardInterrupt" in line for line in log), "".join(log)
-  assert ended < 3, f"the process ended {ended:.1f} s after its last log line"
+  assert ended < 10, f"the process ended {ended:.1f} s after its last log line"
 
 
 @pytest.mark.slow
