@@ -370,7 +370,7 @@ def test_baked_fast_tier_passes_with_a_model_of_your_own(cookies, model):
   (project / "model.py").write_text((USER_MODELS / f"{model}.py").read_text())
   output = run_tier(project, "fast", "-rA")
   ours = re.findall(r"^PASSED tests/test_your_model.py::(\w+)", output, re.MULTILINE)
-  assert len(ours) == 4, output[-5000:]  # every test of the your-model tier ran, on this model
+  assert len(ours) == 5, output[-5000:]  # every test of the your-model tier ran, on this model
   print(output.strip().splitlines()[-1])
   output = run_tier(project, "slow", "-rA", "tests/test_your_model.py")
   assert "PASSED tests/test_your_model.py::test_your_model_stops_on_ctrl_c" in output, output

@@ -74,10 +74,11 @@ def without_dropout(graphdef, state):
   return nnx.split(model)
 
 
-def takes_the_same_steps_on_every_path(batch_norm_devices: int):
+def takes_the_same_steps_on_every_path(batch_norm_devices: int, paths=("spmd", "fsdp"),
+                                       without_dropout_paths=("spmd", "pmap", "fsdp")):
   """Three steps (a padded batch among them) from the same state: one device (its batch split
-  into 8 groups for BatchNorm's statistics with `batch_norm_devices`=1), spmd and fsdp give the
-  same state and metrics, dropout included; pmap too, with Dropout off."""
+  into 8 groups for BatchNorm's statistics with `batch_norm_devices`=1) and `paths` give the
+  same state and metrics, dropout included; `without_dropout_paths` too, with Dropout off."""
   config = config_as_shipped()
   config.fsdp_min_size = 0  # split every leaf that divides over 8
   config.batch_norm_devices = batch_norm_devices
@@ -86,10 +87,12 @@ def takes_the_same_steps_on_every_path(batch_norm_devices: int):
   graphdef, state = nnx.split(optim.build_state(config, info.image_shape, info.num_classes, 3))
   data = batches([64, 20, 64])
   copy = lambda state: jax.tree.map(jnp.copy, state)  # (the steps donate it)  # noqa: E731
-  for graph, start, paths in ((graphdef, state, ("spmd", "fsdp")),
-                              (*without_dropout(graphdef, state), ("spmd", "pmap", "fsdp"))):
+  for graph, start, chosen in ((graphdef, state, paths),
+                               (*without_dropout(graphdef, state), without_dropout_paths)):
+    if not chosen:
+      continue
     single, single_metrics = run(config, "single", data, graph, copy(start))
-    for parallelism in paths:
+    for parallelism in chosen:
       got, metrics = run(config, parallelism, data, graph, copy(start))
       assert_trees_close(got, single, atol=1e-5)
       assert metrics["examples"] == 148 and metrics["accuracy"] == single_metrics["accuracy"]
@@ -101,10 +104,11 @@ def test_your_model_takes_the_same_steps_on_every_path():
   takes_the_same_steps_on_every_path(batch_norm_devices=0)
 
 
-@pytest.mark.slow
-def test_your_model_takes_the_same_steps_on_every_path_with_each_devices_own_statistics():
-  """config.batch_norm_devices=1 (configs/imagenet.py's): each device's BatchNorm statistics."""
-  takes_the_same_steps_on_every_path(batch_norm_devices=1)
+def test_your_model_takes_the_same_steps_with_each_devices_own_statistics():
+  """config.batch_norm_devices=1 (configs/imagenet.py's): each device's BatchNorm statistics,
+  spmd alone (test_parallel holds fsdp and pmap on the tests' own BatchNorm model)."""
+  takes_the_same_steps_on_every_path(batch_norm_devices=1, paths=("spmd",),
+                                     without_dropout_paths=())
 
 
 def test_your_model_resumes_bit_for_bit(straight, tmp_path):

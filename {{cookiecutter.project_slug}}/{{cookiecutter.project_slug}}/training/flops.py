@@ -54,7 +54,6 @@ def model_flops(fn, *args, axis_env=None) -> int:
   return _flops(jax.make_jaxpr(fn, axis_env=axis_env)(*args).jaxpr)
 
 
-
 class Speed:
   """FLOP/s and model FLOP utilisation (MFU) from the FLOPs of the step's matrix products and
   convolutions, counted in its jaxpr (the same on every backend)."""

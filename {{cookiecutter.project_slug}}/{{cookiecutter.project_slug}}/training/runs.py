@@ -127,7 +127,6 @@ def restore_or_init(checkpoints, abstract, init, workdir: str):
   return step, state
 
 
-
 # Keys that a resumed run may change: how it runs, not what it computes (the rest, what it
 # optimises and on what data, is the run's own: `resumed`).
 FREE_ON_RESUME = (

@@ -139,6 +139,7 @@ AVERAGED = (nnx.Param, nnx.BatchStat)
 # `norms_of`); no form is within 5% of the best peak memory on every chip (aot.py: the 1.16 GB
 # MLP of tests/test_aot.py under fsdp, 'kept' +19% on h100:8 with the low-memory options,
 # 'updated' +7% on v5e:2x4). The CPU skips under lax.cond: selecting keeps a second state.
+# Other platforms take the TPU's.
 STEP_FORMS = {
     "cpu": dict(skip_by="cond", norms_of="kept"),
     "gpu": dict(skip_by="select", norms_of="updated"),
@@ -285,7 +286,7 @@ def make(graphdef, config, mesh, unroll: bool | None = None, pmap_devices=None,
   out; `pmap_devices`: pmap's (aot.py: a topology's); `crop_on_device` False: the input pipeline
   crops photos stored whole."""
   platform = (pmap_devices or mesh.devices.flat)[0].platform
-  options = dict(step_options(config), **STEP_FORMS[platform])
+  options = dict(step_options(config), **STEP_FORMS.get(platform, STEP_FORMS["tpu"]))
   if not crop_on_device:
     options["crop"] = None
   devices = (len(pmap_devices or jax.devices()) if config.parallelism == "pmap"
@@ -344,9 +345,6 @@ def make(graphdef, config, mesh, unroll: bool | None = None, pmap_devices=None,
       put_batch=lambda batch: sharding.global_batch(batch, mesh),
       empty=lambda cls: sharding.to_global(cls.empty(), mesh),
   )
-
-
-
 
 
 def probabilities(graphdef, state, images_BHWC, mask_B=None) -> jax.Array:
