@@ -249,6 +249,34 @@ def test_bake_layout_commands_at_the_top_machinery_in_one_package_no_import_cycl
     assert (found := cycle_from(module, [module])) is None, " -> ".join(found)
 
 
+# What a run reaches only when its config asks for it: its modules and their libraries.
+OPTIONAL_MODULES = ("nnx_data_parallel.data.huggingface", "nnx_data_parallel.data.tfds_data",
+                    "nnx_data_parallel.data.image_files", "nnx_data_parallel.training.trained",
+                    "nnx_data_parallel.training.wandb_writer", "nnx_data_parallel.parallel.pmap",
+                    "nnx_data_parallel.tools", "datasets", "tensorflow_datasets", "tensorflow",
+                    "wandb", "PIL")
+
+
+def test_bake_train_imports_only_what_every_run_uses(cookies):
+  """`import train` (what train.py needs before it reads its config) loads none of the optional
+  parts: Hugging Face, TFDS, W&B, image decoding, pmap, a trained run's reader, aot's and
+  benchmark's tools. Prints the project's lines it does load (the issue's figure; no bound)."""
+  project = bake_ok(cookies)
+  script = ("import json, os, sys, train\n"
+            "mine = {n: m.__file__ for n, m in sys.modules.items() if getattr(m, '__file__', None)"
+            " and os.path.abspath(m.__file__).startswith(os.getcwd())}\n"
+            "print(json.dumps({'modules': sorted(sys.modules), 'lines': sum(len(open(f).read()"
+            ".splitlines()) for f in mine.values()), 'files': len(mine)}))\n")
+  result = run([sys.executable, "-c", script], cwd=project)
+  assert result.returncode == 0, result.stderr
+  loaded = json.loads(result.stdout.strip().splitlines()[-1])
+  print(f"train.py's import-time closure: {loaded['lines']} lines in {loaded['files']} files")
+  assert "nnx_data_parallel.training.steps" in loaded["modules"]
+  reached = [m for m in loaded["modules"] if any(
+      m == name or m.startswith(name + ".") for name in OPTIONAL_MODULES)]
+  assert not reached, reached
+
+
 BAD_INPUTS = [
     ({"project_slug": "My-Project"}, ["project_slug", "lowercase", "'my_project'"]),
     ({"project_slug": "1abc"}, ["project_slug", "start with a lowercase letter", "'abc'"]),

@@ -15,13 +15,15 @@ import json
 import math
 import os
 import signal
+from typing import TYPE_CHECKING
 
 import grain
 import jax
 import numpy as np
 from flax import serialization
 
-from .image_files import Crops, decode_batch
+if TYPE_CHECKING:  # (image_files is imported where images are decoded or cropped)
+  from .image_files import Crops
 
 DATASETS = ("digits", "arrayrecord", "huggingface", "tfds", "synthetic")
 
@@ -61,7 +63,7 @@ class RecordSource:
   here, in the reading workers; photos stored whole are cropped by `crops`, by stream position."""
 
   def __init__(self, paths: list[str], image_shape: tuple[int, int, int],
-               crops: Crops | None = None):
+               crops: "Crops | None" = None):
     self.records = grain.sources.ArrayRecordDataSource(paths)
     self.image_shape = tuple(image_shape)
     self.crops = crops
@@ -71,6 +73,8 @@ class RecordSource:
 
   def take(self, indices: np.ndarray, positions: np.ndarray | None = None
            ) -> dict[str, np.ndarray]:
+    from .image_files import decode_batch
+
     examples = [serialization.msgpack_restore(record)  # records read in parallel
                 for record in self.records.__getitems__([int(i) for i in indices])]
     return {"image": decode_batch([ex["image"] for ex in examples], self.image_shape,
@@ -107,10 +111,12 @@ def arrayrecord_paths(data_dir: str, split: str) -> list[str]:
   return sorted(glob.glob(os.path.join(data_dir, f"{split}-*.array_record")))
 
 
-def host_crops(config) -> dict[str, Crops]:
+def host_crops(config) -> "dict[str, Crops]":
   """How the host cuts photos kept whole (stored whole by write_arrayrecord.py --resize_shorter,
   or in a Hugging Face or TFDS dataset when the run crops): training's random-resized crop
   (`augment_crop`: from the whole photo), else, and in evaluation, the `eval_crop_ratio` centre."""
+  from .image_files import Crops
+
   return {"eval": Crops(center_ratio=config.eval_crop_ratio),
           "train": Crops(config.seed, tuple(config.augment_crop_scale)
                          if config.augment_crop else None, tuple(config.augment_crop_ratio),

@@ -35,6 +35,7 @@ _HEARTBEAT = flags.DEFINE_integer(
     "heartbeat_timeout_seconds", 100, "After this long without news of a process, the others "
     "stop with an error instead of waiting for it.")
 
+
 def tasks_on_this_node(environ) -> int:
   """SLURM's tasks on this task's node: its entry in SLURM_STEP_TASKS_PER_NODE ('8(x2),4': 8 on
   each of the first 2 nodes, 4 on the third), by SLURM_NODEID."""

@@ -99,12 +99,13 @@ def summed_gradients(model, batch, num_micro_batches: int = 1, label_smoothing: 
   if num_micro_batches == 1:
     return grad_fn(model, batch)
   micro = micro_batches(batch, num_micro_batches)
-  graphdef, state = nnx.split(model)
+  # A forward pass changes BatchNorm's statistics and the RNG counters, never the parameters:
+  # only that part of the model is carried from micro-batch to micro-batch.
+  graphdef, params, changing = nnx.split(model, nnx.Param, ...)
 
   def add_micro_batch(carry, micro_batch):
-    state, sums = carry
-    old_state = jax.tree.map(lambda x: x, state)  # its own Variables: the model's change
-    model = nnx.merge(graphdef, state)
+    changing, sums = carry
+    model = nnx.merge(graphdef, params, changing, copy=True)  # `changing` stays as it was
     grads_and_metrics = grad_fn(model, micro_batch)
     real = jnp.sum(micro_batch["mask"], dtype=jnp.int32)
     if axis_name is not None:
@@ -112,14 +113,14 @@ def summed_gradients(model, batch, num_micro_batches: int = 1, label_smoothing: 
     keep = lambda new, old: jnp.where(real > 0, new, old)  # noqa: E731
     sums = jax.tree.map(lambda total, x: total + keep(x, jnp.zeros_like(x)), sums,
                         grads_and_metrics)
-    return (jax.tree.map(keep, nnx.state(model), old_state), sums), None
+    return (jax.tree.map(keep, nnx.state(model, nnx.Not(nnx.Param)), changing), sums), None
 
   first = jax.tree.map(lambda x: x[0], micro)
-  shapes = jax.eval_shape(lambda state, batch: grad_fn(nnx.merge(graphdef, state), batch),
-                          state, first)
+  shapes = jax.eval_shape(lambda changing, batch: grad_fn(
+      nnx.merge(graphdef, params, changing, copy=True), batch), changing, first)
   zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
-  (state, sums), _ = jax.lax.scan(add_micro_batch, (state, zeros), micro)
-  nnx.update(model, state)
+  (changing, sums), _ = jax.lax.scan(add_micro_batch, (changing, zeros), micro)
+  nnx.update(model, changing)
   return sums
 
 
