@@ -101,7 +101,8 @@ def summed_gradients(model, batch, num_micro_batches: int = 1, label_smoothing: 
   micro = micro_batches(batch, num_micro_batches)
   # A forward pass changes BatchNorm's statistics and the RNG counters, never the parameters:
   # only that part of the model is carried from micro-batch to micro-batch.
-  graphdef, params, changing = nnx.split(model, nnx.Param, ...)
+  changes = nnx.Not(nnx.Param)
+  graphdef, params, changing = nnx.split(model, nnx.Param, changes)
 
   def add_micro_batch(carry, micro_batch):
     changing, sums = carry
@@ -113,7 +114,7 @@ def summed_gradients(model, batch, num_micro_batches: int = 1, label_smoothing: 
     keep = lambda new, old: jnp.where(real > 0, new, old)  # noqa: E731
     sums = jax.tree.map(lambda total, x: total + keep(x, jnp.zeros_like(x)), sums,
                         grads_and_metrics)
-    return (jax.tree.map(keep, nnx.state(model, nnx.Not(nnx.Param)), changing), sums), None
+    return (jax.tree.map(keep, nnx.state(model, changes), changing), sums), None
 
   first = jax.tree.map(lambda x: x[0], micro)
   shapes = jax.eval_shape(lambda changing, batch: grad_fn(
