@@ -23,7 +23,9 @@ Prints its tables and writes them to --out (JSON) and --markdown (BENCHMARKS.md)
   loop runs an accelerator's k (`steps.ACCELERATOR_STEPS_PER_DISPATCH`) even on the CPU. Also
   ResNet-50 training (configs/imagenet.py, synthetic images: `resnet_config`): images/s a
   device and MFU (where the chip's peak is known), the loop against the bare step.
-- Input (benchmark_data.py): the Grain iterator alone, and JPEG files decoded by its workers.
+- Input (benchmark_data.py): the Grain iterator alone, JPEG files decoded by its workers, and
+  224x224x3 arrays read by its workers and placed on the devices: the main process's CPU-seconds
+  per GB delivered, and the images/s one core of it feeds at that size.
 - Dispatch: the host time of handing the ResNet-50 state to a compiled call, as an nnx.State and
   as the loop's flat list of arrays (`measure_dispatch`).
 - Default run: `python train.py --config=configs/default.py` as a whole process, cold (no
@@ -341,6 +343,8 @@ def measure(what: str, is_tiny: bool) -> dict:
     result = benchmark_data.measure_pipeline(get_config("large", is_tiny), is_tiny)
   elif kind == "decoding":
     result = benchmark_data.measure_decoding(get_config("digits", is_tiny), is_tiny)
+  elif kind == "workers":
+    result = benchmark_data.measure_workers(get_config("digits", is_tiny), is_tiny)
   elif kind == "dispatch":
     result = measure_dispatch(is_tiny)
   else:  # loop:MODEL:PATH:RUN
@@ -405,7 +409,8 @@ def benchmark(is_tiny: bool) -> dict:
   loops = [(model, path, i) for i in range(repeats) for model, path in
            [("digits", path) for path in loop_paths] + [("large", config_parallelism)] +
            [("resnet", "spmd")] if model == "digits" or i < max(repeats - 1, 1)]
-  results = run_all(["pipeline", "decoding", "dispatch"] + [f"steps:{model}" for model in MODELS] +
+  results = run_all(["pipeline", "decoding", "workers", "dispatch"] +
+                    [f"steps:{model}" for model in MODELS] +
                     [f"memory:{model}:{path}" for model in MODELS for path in PATHS] +
                     [f"loop:{model}:{path}:{i}" for model, path, i in loops], is_tiny)
   default_run = measure_default_run(is_tiny)  # alone: nothing else runs beside it
@@ -430,7 +435,7 @@ def benchmark(is_tiny: bool) -> dict:
               compile_time="ahead of time: step.lower(...).compile(), every path",
               config_parallelism=config_parallelism, models=models, loop=loop,
               pipeline=results["pipeline"], decoding=results["decoding"],
-              dispatch=results["dispatch"], default_run=default_run)
+              workers=results["workers"], dispatch=results["dispatch"], default_run=default_run)
 
 
 def main(argv):

@@ -19,6 +19,7 @@ from flax import nnx
 
 from {{cookiecutter.project_slug}} import plan
 from {{cookiecutter.project_slug}}.data import image_files, input_pipeline
+from {{cookiecutter.project_slug}}.errors import BadData
 from {{cookiecutter.project_slug}}.parallel import distributed
 from {{cookiecutter.project_slug}}.training import metrics, steps, trained, writers
 
@@ -109,7 +110,10 @@ def main(argv):
     raise SystemExit(f"error: {e}") from None
   if distributed.is_first():
     print(run.summary, file=sys.stderr)
-  result = evaluate(run, source)  # every process: its share of the batches
+  try:
+    result = evaluate(run, source)  # every process: its share of the batches
+  except BadData as e:
+    raise SystemExit(f"error: {e}") from None
   if not distributed.is_first():
     return
   names = run.info.class_names

@@ -24,7 +24,7 @@ from ml_collections import config_flags
 
 from {{cookiecutter.project_slug}} import plan
 from {{cookiecutter.project_slug}}.data import input_pipeline
-from {{cookiecutter.project_slug}}.errors import ConfigError
+from {{cookiecutter.project_slug}}.errors import BadData, ConfigError
 from {{cookiecutter.project_slug}}.parallel import distributed, sharding
 from {{cookiecutter.project_slug}}.training import flops, metrics, optim, runs, steps, writers
 
@@ -335,7 +335,7 @@ def main(argv):
   distributed.initialize()
   try:
     result = train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  except (ConfigError, NonFiniteLoss) as e:
+  except (BadData, ConfigError, NonFiniteLoss) as e:
     raise SystemExit(f"error: {e}") from None
   if result is None:  # stopped after saving: 128 + the signal, as shells expect (130: Ctrl-C)
     raise SystemExit(128 + (last_stop if isinstance(last_stop, int) else signal.SIGTERM))

@@ -17,10 +17,12 @@ bytes), so that training crops from all of it (image_files.Crops). An unreadable
 reported by its path and skipped; the class names go into `metadata.json`.
 
 The .npz holds `train_images`, `train_labels`, `eval_images`, `eval_labels` (images
-[N, H, W, C]; labels [N], integers from 0). Store pixels as uint8, 0 to 255: they stay uint8 up
-to the device, which divides them by 255 (float images reach the model as they are, at 4x the
-bytes). Other integer pixels are written as uint8 if they fit; pixels that stay far below 255
-(0..16, say) get a warning. Without --npz or --image_folder: the digits, as uint8.
+[N, H, W, C], anything else refused; feature vectors as [N, 1, F, 1], trained with
+--config.augment_max_shift=0; labels [N], integers from 0). Store pixels as uint8, 0 to 255:
+they stay uint8 up to the device, which divides them by 255 (float images reach the model as
+they are, at 4x the bytes). Other integer pixels are written as uint8 if they fit; pixels that
+stay far below 255 (0..16, say) get a warning. Without --npz or --image_folder: the digits, as
+uint8.
 
 Each record is one example, msgpack-encoded by flax.serialization; `metadata.json` records the
 image shape, the number of classes (and their names) and the split sizes. Then train with
@@ -99,6 +101,13 @@ def write_metadata(out_dir: str, image_shape, num_classes: int, num_examples: di
 def write_dataset(out_dir: str, splits: dict[str, tuple[np.ndarray, np.ndarray]],
                   num_shards: int = 4) -> None:
   """Arrays: {split: (images [N, H, W, C], labels [N])} for 'train' and 'eval'."""
+  for split, (images, _) in splits.items():
+    if np.ndim(images) != 4:
+      shape = "[" + ", ".join(map(str, np.shape(images))) + "]"
+      raise ValueError(
+          f"{split}_images is {shape}; images must be [N, H, W, C]. For feature vectors [N, F], "
+          "store them as [N, 1, F, 1] (`x.reshape(len(x), 1, -1, 1)`) and train with "
+          "--config.augment_max_shift=0 (no shifts along the features).")
   splits = {split: (as_pixels(split, np.asarray(images)), np.asarray(labels))
             for split, (images, labels) in splits.items()}
   for split, (images, labels) in splits.items():

@@ -36,7 +36,7 @@ def get_config() -> ml_collections.ConfigDict:
   # whose batches are one NumPy gather); 0 reads in the main process.
   config.num_workers = -1
   config.read_threads = 2  # Grain threads per process (or per worker)
-  config.prefetch_batches = 4  # units (a device's share of a batch) a worker reads ahead
+  config.prefetch_batches = 2  # units (a device's share of k batches) a worker reads ahead
   config.prefetch_to_device = 2  # elements placed on the devices ahead of the step; 0: none
 
   # Model and optimisation. module: the module whose create_model builds the model (model.py:

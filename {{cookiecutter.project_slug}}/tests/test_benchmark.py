@@ -66,6 +66,13 @@ def test_tiny_benchmark_measures_every_model_and_path(tmp_path):
                                "accuracy"), "default_run")
   assert run["steps_per_dispatch"] == 1 and run["startup_s"] < run["wall_s"]
   assert_positive_finite(results["decoding"], ("images_per_sec", "workers"), "decoding")
+  workers = results["workers"]
+  assert_positive_finite(workers, ("images_per_sec", "workers", "main_cpu_seconds_per_gb",
+                                   "main_process_ceiling_images_per_second",
+                                   "pickled_images_per_sec", "pickled_main_cpu_seconds_per_gb",
+                                   "pickled_main_process_ceiling_images_per_second"), "workers")
+  assert workers["main_process_ceiling_images_per_second"] == pytest.approx(
+      1e9 / workers["main_cpu_seconds_per_gb"] / (224 * 224 * 3 + 9), rel=1e-6)
   assert re.search(r"^ResNet \(32x32x3, batch 16, float32, 8 x cpu\): \d+ images/s a device in "
                    r"the loop, MFU unknown \(no peak for this chip\); loop/bare step \d+\.\d\d",
                    done.stdout, re.MULTILINE), done.stdout
@@ -82,6 +89,10 @@ def test_tiny_benchmark_measures_every_model_and_path(tmp_path):
                r"moving average: spmd step time x\d+\.\d\d, state \d+\.\d+ MB/device against",
                r"input pipeline \(64x64x3, batch 1024\): \d+ images/s",
                r"image decoding \(JPEG 64x64, \d+ workers\): \d+ images/s",
+               r"input with workers \(224x224x3 uint8, batch 256, k=4, \d+ worker processes, "
+               r"placed on the devices\): \d+ images/s; the main process \d+\.\d{3} CPU-s per GB "
+               r"delivered: one core feeds [\d,]+ images/s \(pickled, without /dev/shm: \d+ "
+               r"images/s, \d+\.\d{3} CPU-s per GB, [\d,]+ images/s\)",
                r"default run \(configs/tiny.py, k=1, no compilation cache\): \d+\.\d s as a whole "
                r"process"):
     assert re.search(f"^{line}", done.stdout, re.MULTILINE), (line, done.stdout)
@@ -143,7 +154,11 @@ def test_the_input_pipeline_alone_on_your_own_data(tmp_path):
   assert result["workers"] == 1 and result["crops_on_host"] and result["image_shape"] == [64, 64, 3]
   assert_positive_finite(result, ("images_per_second", "images_per_cpu_second",
                                   "pil_loop_images_per_cpu_second", "pipeline_over_pil_loop",
-                                  "peak_memory_mib", "expected_memory_mib"), "data")
+                                  "peak_memory_mib", "expected_memory_mib",
+                                  "main_cpu_seconds_per_gb",
+                                  "main_process_ceiling_images_per_second"), "data")
+  assert result["main_process_ceiling_images_per_second"] == pytest.approx(
+      1e9 / result["main_cpu_seconds_per_gb"] / (64 * 64 * 3 + 9), rel=1e-6)
   assert result["cores_per_accelerator"] == pytest.approx(
       1000 / result["images_per_cpu_second"], rel=1e-9)
   assert result["images"] % 8 == 0 and result["images"] >= 8

@@ -2,6 +2,7 @@
 Parquet files of the digits, with an Image column, a ClassLabel column of names and a third."""
 
 import io
+import logging
 
 import datasets
 import numpy as np
@@ -117,6 +118,36 @@ def test_photos_are_cropped_from_all_of_each(tmp_path):
   config = config_for(str(tmp_path / "saved"))
   config.image_size = (32, 32, 3)
   cropped_from_the_whole_photo(config, eval_examples=2)
+
+
+def test_images_of_several_sizes_are_said_at_start(tmp_path, caplog):
+  """A split whose images differ in size: one warning at start naming the sizes and the one
+  taken (the first's), and how to choose; the images all read at that size. With
+  config.image_size given, no warning."""
+  sizes = [(89, 71), (40, 60), (89, 71), (120, 90)]  # (height, width)
+  rng = np.random.default_rng(0)
+  images = []
+  for height, width in sizes:
+    out = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(out, "PNG")
+    images.append({"bytes": out.getvalue(), "path": None})
+  features = datasets.Features({"image": datasets.Image(),
+                                "label": datasets.ClassLabel(names=["a", "b"])})
+  dataset = datasets.Dataset.from_dict({"image": images, "label": [0, 1, 0, 1]}, features=features)
+  datasets.DatasetDict(train=dataset, test=dataset).save_to_disk(str(tmp_path / "saved"))
+  config = config_for(str(tmp_path / "saved"))
+  caplog.set_level(logging.WARNING)
+  sources, info = input_pipeline.get_datasets(config)
+  said = [r.getMessage() for r in caplog.records if "sizes" in r.getMessage()]
+  assert said == ["huggingface: the first 4 training images have 3 sizes (height x width "
+                  "40x60, 89x71, 120x90); each is scaled to cover and centre-cropped to the "
+                  "first's, 89x71: give --config.image_size=H,W to choose"]
+  assert info.image_shape == (89, 71, 3)
+  assert sources["train"].take(np.arange(4))["image"].shape == (4, 89, 71, 3)
+  caplog.clear()
+  config.image_size = (64, 64, 3)
+  assert input_pipeline.get_datasets(config)[1].image_shape == (64, 64, 3)
+  assert not [r for r in caplog.records if "sizes" in r.getMessage()]
 
 
 @pytest.mark.slow

@@ -2,12 +2,14 @@
 encoded and decoded by the Grain workers while training; unreadable files skipped by path."""
 
 import contextlib
+import glob
 import io
 import json
 import multiprocessing
 import os
 import subprocess
 import sys
+import time
 
 import grain
 import numpy as np
@@ -321,3 +323,62 @@ def test_the_imagenet_recipe_trains_on_a_photo_folder(tmp_path):
   result = train.train_and_evaluate(config, str(tmp_path / "run"))
   assert result["examples"] == 6 and np.isfinite(result["loss"])
   assert runs.checkpoint_manager(str(tmp_path / "run"), 1).latest_step() == 2  # ceil(12 / 8)
+
+
+def seconds_after_last_line(command: list[str]) -> tuple[subprocess.CompletedProcess, float]:
+  """Runs `command` in the project; returns its result (its `args`: the process id) and the
+  seconds from its last line of output (stdout or stderr) to its exit."""
+  last, lines = time.perf_counter(), []
+  with subprocess.Popen(command, cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        text=True) as process:
+    for line in process.stdout:
+      last = time.perf_counter()
+      lines.append(line)
+    code = process.wait(timeout=120)
+  return (subprocess.CompletedProcess(process.pid, code, "".join(lines)),
+          time.perf_counter() - last)
+
+
+@pytest.mark.slow
+def test_commands_reading_with_workers_end_within_3_seconds_of_their_last_line(tmp_path):
+  """96x96 photos kept encoded, read by 2 Grain workers a reader. An evaluation iterator closed
+  after a pass stops its workers within 3 s, 5 times out of 5 (a worker whose queue nobody read
+  any more waited 25 s for Grain to kill it, in 5 of 5 here before); the training run, then
+  evaluate.py 3 times, each ends <= 3 s after its last line, leaving nothing in /dev/shm."""
+  from {{cookiecutter.project_slug}}.data import shm
+  from {{cookiecutter.project_slug}}.tools.benchmark_data import write_jpeg_folder
+
+  write_jpeg_folder(str(tmp_path / "photos"), 256, 96)  # a device's share: 221 KB decoded
+  done = convert(f"--out_dir={tmp_path / 'data'}", f"--image_folder={tmp_path / 'photos'}",
+                 "--keep_encoded", "--eval_fraction=0.5")
+  assert done.returncode == 0, done.stderr
+  config = owned(default.get_config())
+  config.dataset, config.data_dir, config.num_workers = "arrayrecord", str(tmp_path / "data"), 2
+  config.batch_size, config.steps_per_dispatch = 64, 1
+  splits, _ = input_pipeline.get_datasets(config)
+  batches = input_pipeline.eval_batches(splits["eval"], config)
+  closing = []
+  for _ in range(5):
+    iterator = steps.eval_iterator(batches, config)
+    assert sum(int(next(iterator)["mask"].sum()) for _ in range(len(batches))) == 128
+    start = time.perf_counter()
+    iterator.close()
+    closing.append(time.perf_counter() - start)
+  assert max(closing) <= 3, closing
+  workdir = tmp_path / "run"
+  run, after = seconds_after_last_line([
+      sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={workdir}",
+      "--config.model.module=shipped_model", "--config.dataset=arrayrecord",
+      f"--config.data_dir={tmp_path / 'data'}", "--config.num_workers=2",
+      "--config.batch_size=64", "--config.num_epochs=2"])
+  assert run.returncode == 0, run.stdout[-3000:]
+  exits, pids = [after], [run.args]
+  for _ in range(3):
+    evaluated, after = seconds_after_last_line([
+        sys.executable, "evaluate.py", f"--workdir={workdir}"])
+    assert evaluated.returncode == 0 and "128 examples" in evaluated.stdout, evaluated.stdout
+    exits.append(after)
+    pids.append(evaluated.args)
+  assert max(exits) <= 3, exits
+  for pid in pids:  # every unit its workers made: received and unlinked, or removed
+    assert not glob.glob(os.path.join(shm.DIRECTORY, f"{shm.PREFIX}-{pid}-*"))

@@ -1,3 +1,7 @@
+import errno
+import functools
+import glob
+import logging
 import os
 
 import ml_collections
@@ -5,10 +9,12 @@ import numpy as np
 import pytest
 from conftest import run_main
 
+import train
 import write_arrayrecord
 from write_arrayrecord import write_dataset
 
-from {{cookiecutter.project_slug}}.data import input_pipeline
+from {{cookiecutter.project_slug}}.data import input_pipeline, shm
+from {{cookiecutter.project_slug}}.parallel import pmap, sharding
 
 
 def numbered(n: int) -> input_pipeline.ArraySource:
@@ -112,14 +118,15 @@ def test_training_batches_do_not_depend_on_the_process_count(tiny_config):
 
 
 @pytest.mark.parametrize("processes", [1, 2])
-def test_a_worker_reads_one_devices_share_of_a_batch_whatever_k(tiny_config, processes):
-  """What a Grain worker builds and holds is a unit: one device's share of this process's batch
-  (64 / 8 devices / processes examples), for k = 1 and 5 alike; the elements stacked from the
-  units are those read a whole batch at a time, in training and in evaluation. Without workers
-  a unit is the whole batch (one gather)."""
+def test_a_worker_reads_one_devices_share_of_an_element(tiny_config, processes):
+  """What a Grain worker builds and sends is a unit: one device's share of each of an element's k
+  batches (`[k, 64 / 8 devices / processes, ...]`), which that device takes as it is; the
+  elements stacked from the units are those read a whole element at a time, in training and in
+  evaluation, for k = 1 and 5. Without workers a unit is the whole element (one gather)."""
   tiny_config.batch_size, tiny_config.num_epochs, tiny_config.num_workers = 64, 2, 0
+  k = tiny_config.steps_per_dispatch
   assert input_pipeline.train_batches(numbered(150), tiny_config).units[0]["mask"].shape == (
-      tiny_config.steps_per_dispatch * 64,)
+      k, 64)
   tiny_config.num_workers = 1
   source = numbered(150)
   for k in (1, 5):
@@ -127,8 +134,10 @@ def test_a_worker_reads_one_devices_share_of_a_batch_whatever_k(tiny_config, pro
     for name, trim in (("train_batches", False), ("eval_batches", True)):
       elements = getattr(input_pipeline, name)(source, tiny_config, process_index=processes - 1,
                                                process_count=processes)
-      assert elements.units[0]["image"].shape == (64 // 8 // processes, 1, 1, 1)
-      whole = input_pipeline.LoadUnit(  # a batch a unit
+      assert elements.shares == 8
+      kept = min(k, -(-150 // 64)) if trim else k  # evaluation: the batches there are
+      assert elements.units[0]["image"].shape == (kept, 64 // 8 // processes, 1, 1, 1)
+      whole = input_pipeline.LoadUnit(  # an element a unit
           source, 64, 1 if trim else 2, None if trim else tiny_config.seed, k, trim=trim,
           process_index=processes - 1, process_count=processes)
       expected = input_pipeline.elements(whole)
@@ -136,6 +145,73 @@ def test_a_worker_reads_one_devices_share_of_a_batch_whatever_k(tiny_config, pro
       for got, want in zip(elements, expected, strict=True):
         for key in want:
           np.testing.assert_array_equal(got[key], want[key])
+
+
+@pytest.mark.parametrize("parallelism", ["spmd", "fsdp", "pmap"])
+def test_an_elements_shares_are_placed_as_the_element_itself(tiny_config, parallelism):
+  """The 8 shares of an element (what workers send), each put on its own device, make the same
+  arrays, shard for shard on the same devices, as the element stacked on the host and split by
+  JAX: on spmd's mesh, fsdp's 2 x 4 and pmap's devices."""
+  tiny_config.num_workers, tiny_config.batch_size, tiny_config.steps_per_dispatch = 1, 64, 3
+  tiny_config.parallelism, tiny_config.fsdp_devices = parallelism, 4
+  elements = input_pipeline.train_batches(numbered(150), tiny_config)
+  assert elements.shares == 8
+  if parallelism == "pmap":
+    put = pmap.pmap_batch
+  else:
+    put = functools.partial(sharding.global_batch, mesh=sharding.make_mesh(tiny_config))
+  for e in range(len(elements)):
+    shares = [elements.units[e * 8 + r] for r in range(8)]
+    placed, stacked = put(shares), put(elements[e])
+    for key, want in stacked.items():
+      assert placed[key].shape == want.shape and placed[key].sharding == want.sharding
+      for got_shard, want_shard in zip(placed[key].addressable_shards, want.addressable_shards,
+                                       strict=True):
+        assert got_shard.device == want_shard.device and got_shard.index == want_shard.index
+        np.testing.assert_array_equal(np.asarray(got_shard.data), np.asarray(want_shard.data))
+
+
+def test_a_unit_goes_through_shared_memory_and_a_full_one_sends_it_pickled(monkeypatch, caplog):
+  """A worker's unit: its large arrays in /dev/shm, read back equal by the main process, whose
+  receipt unlinks each name; with /dev/shm full, the arrays travel as they are, said once."""
+  outbox = shm.Outbox(prefix := shm.iterator_prefix(), keep=2)
+  unit = {"image": np.arange(4 * 64 * 64 * 3, dtype=np.uint32).reshape(4, 64, 64, 3),
+          "mask": np.ones(4, bool)}
+  sent = outbox(unit)
+  assert isinstance(sent["image"], shm.Shared) and sent["mask"] is unit["mask"]  # (small)
+  received = shm.receive(sent)
+  np.testing.assert_array_equal(received["image"], unit["image"])
+  assert not glob.glob(f"{shm.DIRECTORY}/{prefix}-*")  # unlinked once mapped
+  caplog.set_level(logging.WARNING)
+
+  def full(fd, offset, size):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(os, "posix_fallocate", full)
+  for _ in range(2):
+    assert outbox(unit)["image"] is unit["image"]
+  assert [r.getMessage() for r in caplog.records] == [
+      f"{shm.DIRECTORY} is full ([Errno 28] No space left on device): units travel pickled, "
+      "slower; give it more room (Docker: --shm-size=16g or --ipc=host)"]
+  assert not glob.glob(f"{shm.DIRECTORY}/{prefix}-*")
+
+
+def test_units_a_killed_run_left_are_said_not_removed(tmp_path, monkeypatch, caplog):
+  """Units of a main process not running here: one warning, with the command; nothing removed
+  (a run in another container sharing /dev/shm would look dead from here)."""
+  monkeypatch.setattr(shm, "DIRECTORY", str(tmp_path))
+  dead = next(pid for pid in range(4_000_000, 4_100_000) if not os.path.exists(f"/proc/{pid}"))
+  left = tmp_path / f"{shm.PREFIX}-{dead}-0a1b2c3d-{dead + 1}-0"
+  left.write_bytes(bytes(2**20))
+  (tmp_path / f"{shm.PREFIX}-{os.getpid()}-0a1b2c3d-1-0").write_bytes(b"ours")  # not said
+  caplog.set_level(logging.WARNING)
+  shm.warn_of_leftovers.cache_clear()
+  shm.warn_of_leftovers()
+  shm.warn_of_leftovers()  # once a process
+  assert [r.getMessage() for r in caplog.records] == [
+      f"{tmp_path} holds 1 unit (1 MiB) of runs not running here (killed?); if no other run of "
+      f"this project shares it, remove them: rm {tmp_path}/{shm.PREFIX}-*"]
+  assert left.exists()
 
 
 def test_digits_split(tiny_config):
@@ -174,6 +250,39 @@ def test_arrayrecord_round_trip(tmp_path, tiny_config):
     np.testing.assert_array_equal(read["label"], labels)
   batch = unstacked(input_pipeline.eval_batches(splits["eval"], tiny_config))[0]
   np.testing.assert_array_equal(batch["image"][:11], arrays["eval"][0])  # still uint8
+
+
+def features(tmp_path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+  """[N, 30] feature vectors and their labels, by split, also saved as tmp_path/features.npz."""
+  rng = np.random.default_rng(0)
+  splits = {split: (rng.integers(0, 256, (n, 30)).astype(np.uint8), rng.integers(0, 3, n))
+            for split, n in (("train", 40), ("eval", 8))}
+  np.savez(tmp_path / "features.npz", **{f"{s}_images": x for s, (x, _) in splits.items()},
+           **{f"{s}_labels": y for s, (_, y) in splits.items()})
+  return splits
+
+
+def test_write_arrayrecord_refuses_features_naming_the_reshape(tmp_path):
+  """[N, F] feature arrays are refused in one line that names the reshape and the shift to turn
+  off, with nothing written."""
+  features(tmp_path)
+  out = run_main(write_arrayrecord, f"--out_dir={tmp_path / 'refused'}",
+                 f"--npz={tmp_path / 'features.npz'}")
+  assert out.returncode == 1 and out.stderr.strip().splitlines() == [
+      "error: train_images is [40, 30]; images must be [N, H, W, C]. For feature vectors [N, F], "
+      "store them as [N, 1, F, 1] (`x.reshape(len(x), 1, -1, 1)`) and train with "
+      "--config.augment_max_shift=0 (no shifts along the features)."], out.stderr
+  assert not (tmp_path / "refused").exists()
+
+
+@pytest.mark.slow
+def test_features_stored_as_the_refusal_says_train(tmp_path, tiny_config):
+  write_dataset(str(tmp_path / "data"), {s: (x.reshape(len(x), 1, -1, 1), y)
+                                         for s, (x, y) in features(tmp_path).items()})
+  tiny_config.dataset, tiny_config.data_dir = "arrayrecord", str(tmp_path / "data")
+  tiny_config.augment_max_shift, tiny_config.num_epochs, tiny_config.batch_size = 0, 1, 8
+  result = train.train_and_evaluate(tiny_config, str(tmp_path / "workdir"))
+  assert result["examples"] == 8 and np.isfinite(result["loss"])
 
 
 @pytest.mark.parametrize("case", ["int64", "dark", "too_large", "missing_key"])

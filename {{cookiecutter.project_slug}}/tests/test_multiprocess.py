@@ -84,6 +84,21 @@ def test_two_processes_train_like_one(tmp_path, parallelism, k):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("parallelism, processes", [("spmd", 1), ("spmd", 2), ("pmap", 2),
+                                                    ("fsdp", 2)])
+def test_shares_from_workers_train_like_elements_read_in_one_gather(tmp_path, parallelism,
+                                                                     processes):
+  """A Grain worker a process: each local device's share of an element made there, sent in
+  shared memory and put on its device as it is, trains exactly as the digits gathered in
+  memory by one process, without workers."""
+  overrides = (f"--config.parallelism={parallelism}", "--config.steps_per_dispatch=5",
+               "--config.fsdp_min_size=0")
+  single = train(tmp_path / "one", 1, *overrides)
+  assert_same_run(train(tmp_path / "workers", processes, *overrides, "--config.num_workers=1"),
+                  single)
+
+
+@pytest.mark.slow
 def test_two_processes_train_like_one_under_fsdp(tmp_path):
   """The state split over each process's 4 devices (a 2 x 4 mesh: hybrid sharding, replicated
   across the processes), or over all 8 (each shard on one process; Orbax writes both): the

@@ -39,13 +39,13 @@ config = owned(tiny.get_config())
 config.update(json.loads(overrides))
 record = open(record_path, "a")
 make_unit = input_pipeline.LoadUnit.__call__
-def recorded(self, u):
-  unit, local = make_unit(self, u), self.local_batch_size
-  for i in range(self.size // local if self.shuffle_seed is not None else 0):  # training's
-    batch = {key: value[i * local:(i + 1) * local] for key, value in unit.items()}
+def recorded(self, u):  # (in memory, without workers: a unit is an element, [k, batch, ...])
+  unit = make_unit(self, u)
+  for i in range(len(unit["mask"]) if self.shuffle_seed is not None else 0):  # training's
+    batch = {key: value[i] for key, value in unit.items()}
     if batch["mask"].any():
       digest = hashlib.sha1(b"".join(batch[k].tobytes() for k in sorted(batch)))
-      print(u * self.size // local + i, digest.hexdigest(), file=record, flush=True)
+      print(u * self.steps_per_element + i, digest.hexdigest(), file=record, flush=True)
   return unit
 input_pipeline.LoadUnit.__call__ = recorded
 result = train.train_and_evaluate(config, workdir)

@@ -581,7 +581,7 @@ BAD_CONFIGS = [
                                 "'resnet18', 'resnet50'); choose one."),
     ("--config.grad_clip_norm=-1", "config.grad_clip_norm=-1.0 must be a number >= 0."),
     ("--config.dataset=synthetic --config.synthetic.image_shape=(2048,2048,3) "
-     "--config.batch_size=8192 --config.num_workers=4", "the input would hold 1.15e+03 GiB of "
+     "--config.batch_size=8192 --config.num_workers=4", "the input would hold 960 GiB of "
      "this host's"),
     ("--config.label_smoothing=1", "config.label_smoothing=1.0 must be a number in [0, 1); 0 "
                                    "turns it off."),

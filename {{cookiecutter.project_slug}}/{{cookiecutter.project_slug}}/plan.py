@@ -296,7 +296,7 @@ def _input_memory(config, target):
   return (f"the input would hold {memory.bytes / 2**30:.3g} GiB of this host's "
           f"{have / 2**30:.3g} GiB: {memory.iterators} x {memory.workers} workers x "
           f"{memory.per_worker} + {memory.main} units of {memory.unit_bytes / 2**20:.4g} MiB "
-          f"(a device's share of a batch; k={target.k}); use "
+          f"(a device's share of k={target.k} batches); use "
           + (f"--config.num_workers={fits} or fewer, " if fits > 0 else "")
           + "a lower --config.prefetch_batches, or a smaller batch or steps_per_dispatch.")
 

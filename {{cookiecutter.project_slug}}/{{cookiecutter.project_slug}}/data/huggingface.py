@@ -84,28 +84,36 @@ def splits(config) -> tuple[dict, str, str]:
 class Source:
   """A split of a Hugging Face dataset as a Grain source: `take` decodes a batch of images."""
 
-  def __init__(self, dataset, image_column: str, label_column: str, image_shape, crops=None):
+  def __init__(self, dataset, image_column: str, label_column: str, image_shape, crops=None,
+               name: str = "huggingface"):
     import datasets
 
     self.dataset = dataset.cast_column(image_column, datasets.Image(decode=False))
+    self.name = name  # in the log's lines
     self.image_column, self.label_column = image_column, label_column
     self.image_shape, self.crops = tuple(image_shape), crops
 
   def __len__(self) -> int:
     return len(self.dataset)
 
-  def encoded(self, image: dict) -> bytes:
+  def encoded(self, image: dict) -> bytes | str:
+    """The image's bytes (the file's, where only its path is stored), or why not."""
     if image["bytes"] is None:
-      with open(image["path"], "rb") as f:
-        return f.read()
+      try:
+        with open(image["path"], "rb") as f:
+          return f.read()
+      except OSError as e:
+        return image_files.why(e)
     return image["bytes"]
 
   def take(self, indices: np.ndarray, positions: np.ndarray | None = None
            ) -> dict[str, np.ndarray]:
     rows = self.dataset[[int(i) for i in indices]]
-    images = image_files.decode_batch([self.encoded(image) for image in rows[self.image_column]],
-                                      self.image_shape, self.crops, positions)
-    return {"image": images, "label": np.asarray(rows[self.label_column], np.int32)}
+    images, failed = image_files.decode_batch(
+        [self.encoded(image) for image in rows[self.image_column]], self.image_shape, self.crops,
+        positions)
+    return {"image": images, "label": np.asarray(rows[self.label_column], np.int32),
+            "failed": failed}
 
 
 def sources(config, crops: dict) -> tuple[dict[str, Source], tuple[int, int, int],
@@ -113,14 +121,13 @@ def sources(config, crops: dict) -> tuple[dict[str, Source], tuple[int, int, int
   """The 'train' and 'eval' sources (each cut by its `crops`, if any), the image shape, the
   class names."""
   loaded, image, label = splits(config)
-  if config.image_size:
-    shape = tuple(config.image_size)
-  else:
-    first = Source(loaded["train"], image, label, (1, 1, 1))
-    shape = image_files.encoded_shape(first.encoded(first.dataset[0][image]))
+  first = Source(loaded["train"], image, label, (1, 1, 1))
+  shape = tuple(config.image_size) or image_files.first_shape(
+      lambda i: first.encoded(first.dataset[i][image]), len(first), "huggingface")
   feature = loaded["train"].features[label]
   names = tuple(getattr(feature, "names", None) or ())
   if not names:  # integer labels without names: 0 .. max
     names = tuple(str(i) for i in range(max(loaded["train"][label]) + 1))
-  return ({split: Source(ds, image, label, shape, crops.get(split))
+  where = config.huggingface.name or config.data_dir
+  return ({split: Source(ds, image, label, shape, crops.get(split), f"huggingface {where} {split}")
            for split, ds in loaded.items()}, shape, names)

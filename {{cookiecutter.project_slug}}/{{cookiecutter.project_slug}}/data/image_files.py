@@ -8,6 +8,7 @@ import math
 import os
 
 import numpy as np
+from absl import logging
 from PIL import Image, ImageOps
 
 from ..errors import ConfigError
@@ -24,22 +25,67 @@ def decode_image(data: bytes, image_shape: tuple[int, int, int]) -> np.ndarray:
     return np.asarray(image).reshape(height, width, channels)
 
 
-def decode_batch(encoded: list, image_shape, crops=None, positions=None) -> np.ndarray:
+def decode_batch(encoded: list, image_shape, crops=None, positions=None
+                 ) -> tuple[np.ndarray, dict[int, str]]:
   """Encoded images (bytes; arrays pass as they are) as a batch of `image_shape`: each cut by
   `crops` (a `Crops`, by the example's stream position in `positions`) when given, else scaled
-  to cover and center-cropped (`decode_image`)."""
-  if crops is not None:
-    positions = np.zeros(len(encoded), np.int64) if positions is None else positions
-    return np.stack([crops(data, image_shape, int(position))
-                     for data, position in zip(encoded, positions, strict=True)])
-  return np.stack([decode_image(data, image_shape) if isinstance(data, bytes) else data
-                   for data in encoded])
+  to cover and center-cropped (`decode_image`). Also {i: why} for those that failed (zeros)."""
+  if all(isinstance(data, np.ndarray) for data in encoded):  # arrays, as stored
+    return np.stack(encoded), {}
+  positions = np.zeros(len(encoded), np.int64) if positions is None else positions
+  images, failed = np.zeros((len(encoded), *image_shape), np.uint8), {}
+  for i, (data, position) in enumerate(zip(encoded, positions, strict=True)):
+    try:
+      if isinstance(data, str):  # why it could not be read
+        failed[i] = data
+      elif crops is not None:
+        images[i] = crops(data, image_shape, int(position))
+      else:
+        images[i] = decode_image(data, image_shape) if isinstance(data, bytes) else data
+    except Exception as e:  # noqa: BLE001  (any unreadable image is named and skipped)
+      failed[i] = why(e)
+  return images, failed
+
+
+def read_rows(read_many, read_one, indices: list[int]) -> list:
+  """`read_many(indices)`; where that fails, each row by `read_one(i)`, or why it could not be
+  read (a str), so that one bad row names itself and spoils no other."""
+  try:
+    return read_many(indices)
+  except Exception:  # noqa: BLE001
+    rows = []
+    for i in indices:
+      try:
+        rows.append(read_one(i))
+      except Exception as e:  # noqa: BLE001
+        rows.append(why(e))
+    return rows
+
+
+def why(error: Exception) -> str:
+  """An error in a few words: its type and message (without PIL's `<_io.BytesIO object ...>`)."""
+  message = str(error).split(" <_io.")[0]
+  return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
 def encoded_shape(data: bytes) -> tuple[int, int, int]:
   """(height, width, channels) that an encoded image decodes to here: 1 channel if gray, else 3."""
   with Image.open(io.BytesIO(data)) as image:
     return image.size[1], image.size[0], 1 if image.mode in GRAY_MODES else 3
+
+
+def first_shape(encoded, num_images: int, name: str, look: int = 64) -> tuple[int, int, int]:
+  """The shape a run takes without `config.image_size`: the first image's (`encoded(i)`: image
+  i's bytes). Where the first `look` differ in height or width, says so, naming what it takes."""
+  shapes = [encoded_shape(encoded(i)) for i in range(min(look, num_images))]
+  sizes = sorted({shape[:2] for shape in shapes})
+  if len(sizes) > 1:
+    logging.warning(
+        "%s: the first %d training images have %d sizes (height x width %s); each is scaled to "
+        "cover and centre-cropped to the first's, %dx%d: give --config.image_size=H,W to choose",
+        name, len(shapes), len(sizes), ", ".join(f"{h}x{w}" for h, w in sizes[:4])
+        + (", ..." if len(sizes) > 4 else ""), *shapes[0][:2])
+  return shapes[0]
 
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")  # the image files that folders are read for

@@ -6,8 +6,11 @@ global batch (NumPy): image [k, B, H, W, C] as stored, label, mask (False on pad
 global_batch) batches, so no example is dropped or counted twice. Batch b holds stream positions
 [b * global_batch, (b + 1) * global_batch) (`num_epochs` seeded permutations); process p takes
 positions p, p + P, ...: the global batch is the same for any number of processes. A worker
-gathers a batch at a time with NumPy (Grain's per-example path costs more than a small step)."""
+gathers a device's share of an element at a time with NumPy (Grain's per-example path costs more
+than a small step) and hands it over in shared memory: the main process places each share on its
+own device as it is (`sharding.global_batch`), touching no pixel."""
 
+import collections
 import dataclasses
 import functools
 import glob
@@ -15,12 +18,17 @@ import json
 import math
 import os
 import signal
+import threading
 from typing import TYPE_CHECKING
 
 import grain
 import jax
 import numpy as np
+from absl import logging
 from flax import serialization
+
+from ..errors import BadData
+from . import shm
 
 if TYPE_CHECKING:  # (image_files is imported where images are decoded or cropped)
   from .image_files import Crops
@@ -60,26 +68,45 @@ class ArraySource:
 
 class RecordSource:
   """Examples in ArrayRecord files (msgpack, one a record). Images stored encoded are decoded
-  here, in the reading workers; photos stored whole are cropped by `crops`, by stream position."""
+  here, in the reading workers; photos stored whole are cropped by `crops`, by stream position.
+  `take` also says which records could not be read, and why (`failed`)."""
 
   def __init__(self, paths: list[str], image_shape: tuple[int, int, int],
-               crops: "Crops | None" = None):
+               crops: "Crops | None" = None, name: str = "arrayrecord",
+               pixel_dtype: str = "uint8"):
     self.records = grain.sources.ArrayRecordDataSource(paths)
-    self.image_shape = tuple(image_shape)
-    self.crops = crops
+    self.image_shape, self.pixel_dtype = tuple(image_shape), pixel_dtype
+    self.crops, self.name = crops, name
 
   def __len__(self) -> int:
     return len(self.records)
+
+  def read(self, indices: list[int]) -> list:
+    """The records, each decoded from msgpack, or why it could not be read (a str)."""
+    from .image_files import read_rows, why
+
+    records = read_rows(self.records.__getitems__, self.records.__getitem__, indices)  # parallel
+    examples = []
+    for record in records:
+      try:
+        examples.append(record if isinstance(record, str) else
+                        serialization.msgpack_restore(record))
+      except Exception as e:  # noqa: BLE001
+        examples.append(why(e))
+    return examples
 
   def take(self, indices: np.ndarray, positions: np.ndarray | None = None
            ) -> dict[str, np.ndarray]:
     from .image_files import decode_batch
 
-    examples = [serialization.msgpack_restore(record)  # records read in parallel
-                for record in self.records.__getitems__([int(i) for i in indices])]
-    return {"image": decode_batch([ex["image"] for ex in examples], self.image_shape,
-                                  self.crops, positions),
-            "label": np.array([ex["label"] for ex in examples], np.int32)}
+    examples = self.read([int(i) for i in indices])
+    unread = {i: why for i, why in enumerate(examples) if isinstance(why, str)}
+    blank = {"image": np.zeros(self.image_shape, self.pixel_dtype), "label": 0}  # masked later
+    examples = [blank if isinstance(ex, str) else ex for ex in examples]
+    images, failed = decode_batch([ex["image"] for ex in examples], self.image_shape,
+                                  self.crops, positions)
+    return {"image": images, "label": np.array([ex["label"] for ex in examples], np.int32),
+            "failed": failed | unread}
 
 
 def _digits(config) -> dict[str, ArraySource]:
@@ -133,7 +160,9 @@ def get_datasets(config) -> tuple[dict[str, ArraySource | RecordSource], Dataset
     crops_on_host = bool(meta.get("resize_shorter"))
     crops = host_crops(config) if crops_on_host else {}
     sources = {split: RecordSource(arrayrecord_paths(config.data_dir, split), image_shape,
-                                   crops.get(split)) for split in ("train", "eval")}
+                                   crops.get(split), f"arrayrecord {config.data_dir} {split}",
+                                   meta.get("pixel_dtype", "uint8"))
+               for split in ("train", "eval")}
     class_names = meta.get("class_names", ())
   elif config.dataset in ("huggingface", "tfds"):
     if config.dataset == "huggingface":  # (the `huggingface` extra)
@@ -187,11 +216,12 @@ def num_batches(num_examples: int, global_batch_size: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class LoadUnit:
-  """A worker's unit of work: unit u -> `unit_size` consecutive examples of this process's
-  batches, padded and masked (with workers a device's share of a batch, so a worker's memory does
-  not grow with the batch or k). Batches past the stream's end or before `first_batch` (a resume)
-  are padding, read from nowhere; the stream is cut into whole elements of k batches from its
-  start, and with `trim` (evaluation) the last element holds only the batches left."""
+  """A worker's unit of work: unit u -> share u % `shares` of element u // `shares`, i.e. that
+  slice of each of the element's k batches, `[k, local_batch // shares, ...]`, padded and masked
+  (with workers, a local device's share of the element: placed on it as it is). Batches past the
+  stream's end or before `first_batch` (a resume) are padding, read from nowhere; the stream is
+  cut into whole elements of k batches from its start, and with `trim` (evaluation) the last
+  element holds only the batches left."""
 
   source: ArraySource | RecordSource
   global_batch_size: int
@@ -202,19 +232,14 @@ class LoadUnit:
   process_index: int = 0
   process_count: int = 1
   trim: bool = False
-  unit_size: int = 0  # 0: a batch
+  shares: int = 1  # units an element
 
   @property
   def local_batch_size(self) -> int:
     return self.global_batch_size // self.process_count
 
-  @property
-  def size(self) -> int:
-    return self.unit_size or self.local_batch_size
-
   def __len__(self) -> int:  # whole elements of k batches
-    elements = -(-self.num_batches // self.steps_per_element)
-    return elements * self.steps_per_element * self.local_batch_size // self.size
+    return -(-self.num_batches // self.steps_per_element) * self.shares
 
   @property
   def num_batches(self) -> int:
@@ -225,7 +250,10 @@ class LoadUnit:
     return np.random.default_rng([self.shuffle_seed, epoch]).permutation(len(self.source))
 
   def __call__(self, u: int) -> dict[str, np.ndarray]:
-    batch_S, slot_S = np.divmod(u * self.size + np.arange(self.size), self.local_batch_size)
+    element, share = divmod(u, self.shares)
+    k, per_share = self.steps_per_element, self.local_batch_size // self.shares
+    batch_S = np.repeat(element * k + np.arange(k), per_share)
+    slot_S = np.tile(share * per_share + np.arange(per_share), k)
     positions_S = (batch_S * self.global_batch_size + self.process_index
                    + self.process_count * slot_S)
     mask_S = (positions_S < self.num_epochs * len(self.source)) & (batch_S >= self.first_batch)
@@ -238,6 +266,9 @@ class LoadUnit:
       taken = self.source.take(indices, positions_S[read_S])
     else:
       taken = self.source.take(indices)
+    if "failed" in taken:  # records read from files: the unreadable ones named, then masked
+      mask_S = skip_failed(self.source, taken.pop("failed"), indices, np.flatnonzero(read_S),
+                           mask_S)
     image, label = taken["image"], taken["label"].astype(np.int32)
     if not mask_S.all():  # padding: zeros
       image = np.zeros((len(mask_S), *image.shape[1:]), image.dtype)
@@ -246,27 +277,58 @@ class LoadUnit:
       label[mask_S] = taken["label"][mask_S[read_S]]
     unit = {"image": image, "label": label, "mask": mask_S,
             "position": positions_S.astype(np.uint32)}
-    if self.trim:  # the batches that fill the last element: left out (maybe all of the unit)
-      unit = {key: value[batch_S < self.num_batches] for key, value in unit.items()}
-    return unit
+    # The batches that fill the last element (`trim`): left out (all but the first at least).
+    kept = min(k, self.num_batches - element * k) if self.trim else k
+    return {key: value.reshape(k, per_share, *value.shape[1:])[:kept]
+            for key, value in unit.items()}
+
+
+# A record that cannot be read is skipped, and named in the log; a process stops once more than
+# MAX_BAD_SHARE of the records it read, and more than MAX_BAD_RECORDS, failed.
+MAX_BAD_SHARE, MAX_BAD_RECORDS = 0.01, 10
+_records, _records_lock = collections.Counter(), threading.Lock()  # this process's
+
+
+def skip_failed(source, failed: dict[int, str], indices: np.ndarray, slots: np.ndarray,
+                mask_S: np.ndarray) -> np.ndarray:
+  """`mask_S` without the examples that `source.take` could not read (`failed`: their places in
+  `indices`, read into `slots`), each named in a warning; every record read is counted."""
+  failed = {j: why for j, why in failed.items() if mask_S[slots[j]]}  # not padding's stand-in
+  with _records_lock:
+    _records["read"] += int(mask_S.sum())
+    _records["failed"] += len(failed)
+    read, bad = _records["read"], _records["failed"]
+  if not failed:
+    return mask_S
+  for j, why in failed.items():
+    logging.warning("skipped %s row %d, unreadable (%s): %d of %d records read here so far",
+                    source.name, indices[j], why, bad, read)
+  if bad > MAX_BAD_RECORDS and bad > MAX_BAD_SHARE * read:
+    j, why = next(iter(failed.items()))
+    share = format(MAX_BAD_SHARE, ".0%")
+    raise BadData(f"{bad} of the {read} records read in this process could not be read, more "
+                  f"than {share} (input_pipeline.MAX_BAD_SHARE); the last: "
+                  f"{source.name} row {indices[j]}: {why}")
+  mask_S = mask_S.copy()
+  mask_S[slots[list(failed)]] = False
+  return mask_S
 
 
 @dataclasses.dataclass(frozen=True)
 class Elements:
   """A stream's elements, k batches stacked each (`train_batches`, `eval_batches`), made of
-  `units` (a Grain MapDataset of `LoadUnit`s): `as_iterator` reads them; `len`, indexing and
-  iteration read them here, in this process, for a look."""
+  `units` (a Grain MapDataset of `LoadUnit`s, `shares` an element): `as_iterator` reads them;
+  `len`, indexing and iteration read them here, in this process, stacked, for a look."""
 
   units: grain.MapDataset
-  per_element: int  # units
-  local_batch_size: int
+  shares: int  # units an element
 
   def __len__(self) -> int:
-    return len(self.units) // self.per_element
+    return len(self.units) // self.shares
 
   def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-    start = range(len(self))[i] * self.per_element
-    return self.stack([self.units[u] for u in range(start, start + self.per_element)])
+    start = range(len(self))[i] * self.shares
+    return self.stack([self.units[u] for u in range(start, start + self.shares)])
 
   def __iter__(self):
     return (self[i] for i in range(len(self)))
@@ -274,25 +336,26 @@ class Elements:
   def repeat(self) -> "Elements":
     return dataclasses.replace(self, units=self.units.repeat())
 
-  def stack(self, units: list[dict]) -> dict[str, np.ndarray]:
-    """An element's units as `[k, local_batch, ...]` (fewer batches where `trim` left some out)."""
-    return {key: (units[0][key] if len(units) == 1 else np.concatenate([u[key] for u in units])
-                  ).reshape(-1, self.local_batch_size, *units[0][key].shape[1:])
-            for key in units[0]}
+  @staticmethod
+  def stack(shares: list[dict]) -> dict[str, np.ndarray]:
+    """An element's shares as `[k, local_batch, ...]` (a copy, for a look: the devices take the
+    shares as they are)."""
+    if len(shares) == 1:
+      return shares[0]
+    return {key: np.concatenate([share[key] for share in shares], axis=1) for key in shares[0]}
 
 
-def unit_size(config, local_batch_size: int) -> int:
-  """The examples of a unit: with worker processes, a local device's share of a batch (when they
-  divide it); without, k batches: one gather from memory, or read by this process's threads."""
-  if default_workers(config):
-    return local_batch_size // math.gcd(local_batch_size, jax.local_device_count())
-  return config.steps_per_dispatch * local_batch_size
+def shares(config, local_batch_size: int) -> int:
+  """The units of an element: with worker processes, one a local device (when they divide the
+  batch), each placed on its device as it is; without, one: the element in one gather from memory,
+  or read by this process's threads."""
+  devices = jax.local_device_count()
+  return devices if default_workers(config) and local_batch_size % devices == 0 else 1
 
 
 def elements(load: LoadUnit, first_element: int = 0) -> Elements:
-  per_element = load.steps_per_element * load.local_batch_size // load.size
-  units = grain.MapDataset.range(len(load)).map(load)[first_element * per_element:]
-  return Elements(units, per_element, load.local_batch_size)
+  units = grain.MapDataset.range(len(load)).map(load)[first_element * load.shares:]
+  return Elements(units, load.shares)
 
 
 def train_batches(source, config, first_step: int = 0, **process) -> Elements:
@@ -300,7 +363,7 @@ def train_batches(source, config, first_step: int = 0, **process) -> Elements:
   element holding batch `first_step` on; only the very last batch can be partial."""
   k, local = config.steps_per_dispatch, config.batch_size // process.get("process_count", 1)
   load = LoadUnit(source, config.batch_size, config.num_epochs, config.seed, k, first_step,
-                  **process, unit_size=unit_size(config, local))
+                  **process, shares=shares(config, local))
   return elements(load, first_step // k)
 
 
@@ -308,7 +371,7 @@ def eval_batches(source, config, **process) -> Elements:
   """The split once, in its order, k batches an element, the last one only those left."""
   local = config.batch_size // process.get("process_count", 1)
   return elements(LoadUnit(source, config.batch_size, steps_per_element=config.steps_per_dispatch,
-                           trim=True, **process, unit_size=unit_size(config, local)))
+                           trim=True, **process, shares=shares(config, local)))
 
 
 def available_cpus() -> int:
@@ -331,9 +394,9 @@ def default_workers(config) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class HostMemory:
-  """What the pipeline holds in host memory, in units (a device's share of a batch), for training
-  and evaluation: each worker's read-ahead, the units its threads build and the one queued; the
-  main process's element being stacked, and training's elements placed ahead on the devices."""
+  """What the pipeline holds in host memory, in units (a device's share of an element, with
+  workers), for training and evaluation: each worker's read-ahead, the units its threads build and
+  the one queued; the main process's elements received, and training's placed ahead."""
 
   unit_bytes: int
   workers: int  # an iterator's
@@ -351,10 +414,10 @@ def host_memory(config, info: DatasetInfo, num_processes: int = 1,
   """The input's expected host memory on each process, for a resolved `config` (k, batch)."""
   image = math.prod(info.image_shape) * np.dtype(info.pixel_dtype).itemsize
   local_batch_size = config.batch_size // num_processes
-  unit = unit_size(config, local_batch_size) * (image + 4 + 1 + 4)  # label, mask, position
-  workers, k = default_workers(config), config.steps_per_dispatch
+  element = config.steps_per_dispatch * local_batch_size * (image + 4 + 1 + 4)  # label, mask, ...
+  unit = element // shares(config, local_batch_size)
+  workers = default_workers(config)
   ahead = config.prefetch_batches + config.read_threads + 1
-  element = k * local_batch_size * (image + 4 + 1 + 4)
   main = unit * (0 if workers else ahead) * iterators + element * (
       config.prefetch_to_device + iterators + 1)
   return HostMemory(unit, workers, ahead, main // unit, iterators)
@@ -378,26 +441,54 @@ def leave_interrupts_to_the_main_process(worker_index: int, num_workers: int) ->
   signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def as_iterator(batches: Elements, config, put=None,
-                num_workers: int | None = None) -> grain.DatasetIterator:
+class Iterator:
+  """Elements from Grain's iterator; `close` stops its workers and removes what they made that
+  was never received (`shm.remove_unreceived`)."""
+
+  def __init__(self, elements: grain.DatasetIterator, prefix: str | None = None):
+    self.elements, self.prefix = elements, prefix
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    return next(self.elements)
+
+  def close(self) -> None:
+    self.elements.close()
+    if self.prefix:
+      shm.remove_unreceived(self.prefix)
+
+
+def as_iterator(batches: Elements, config, put=None, num_workers: int | None = None,
+                shared_memory: bool = True) -> Iterator:
   """An iterator over `batches`' elements, read by `num_workers` worker processes (default:
-  `default_workers`). With `put`, a background thread places them on the devices,
-  `config.prefetch_to_device` ahead. Close it to stop the workers."""
+  `default_workers`), which hand their images over in shared memory (`shm`; pickled where there
+  is none, or without `shared_memory`). With `put`, which takes an element's shares (a list), a
+  background thread places them on the devices, `config.prefetch_to_device` ahead; without,
+  elements are stacked on the host. Close it to stop the workers."""
   read_options = grain.ReadOptions(num_threads=config.read_threads,
                                    prefetch_buffer_size=config.prefetch_batches)
   dataset = batches.units.to_iter_dataset(read_options)
   workers = default_workers(config) if num_workers is None else num_workers
+  prefix = receive = None
   if workers:
-    # Batches come back from the workers pickled, not in shared memory: Grain releases shared
-    # memory from a background thread, and releases still queued at exit were reported as leaks.
-    no_shm = grain.experimental.DatasetOptions(min_shm_size=2**62)
-    dataset = grain.experimental.WithOptionsIterDataset(dataset, no_shm)
+    if shared_memory and shm.available():
+      shm.warn_of_leftovers()
+      # Each worker keeps mapped as many of its units as the main process holds (the elements
+      # placed ahead, the one in use, the one being received), so that it frees them.
+      keep = (config.prefetch_to_device + 2) * -(-batches.shares // workers) + 1
+      dataset = dataset.map(shm.Outbox(prefix := shm.iterator_prefix(), keep))
+      receive = shm.receive
+    # What is left (labels, masks, small images) travels pickled, not in Grain's shared memory.
+    pickled = grain.experimental.DatasetOptions(min_shm_size=2**62)
+    dataset = grain.experimental.WithOptionsIterDataset(dataset, pickled)
     dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers),
                                   worker_init_fn=leave_interrupts_to_the_main_process)
-  dataset = dataset.batch(batches.per_element, batch_fn=batches.stack)
-  if put is not None:
-    dataset = dataset.map(put)
-    if config.prefetch_to_device:
-      dataset = grain.experimental.ThreadPrefetchIterDataset(
-          dataset, prefetch_buffer_size=config.prefetch_to_device)
-  return iter(dataset)
+  place = batches.stack if put is None else put
+  dataset = dataset.batch(batches.shares, batch_fn=place if receive is None else
+                          lambda units: place([receive(unit) for unit in units]))
+  if put is not None and config.prefetch_to_device:
+    dataset = grain.experimental.ThreadPrefetchIterDataset(
+        dataset, prefetch_buffer_size=config.prefetch_to_device)
+  return Iterator(iter(dataset), prefix)

@@ -58,19 +58,23 @@ def builder(config):
 class Source:
   """A split as a Grain source: `take` decodes a batch of its images."""
 
-  def __init__(self, data_source, image_key: str, label_key: str, image_shape, crops=None):
+  def __init__(self, data_source, image_key: str, label_key: str, image_shape, crops=None,
+               name: str = "tfds"):
     self.data, self.image_key, self.label_key = data_source, image_key, label_key
-    self.image_shape, self.crops = tuple(image_shape), crops
+    self.image_shape, self.crops, self.name = tuple(image_shape), crops, name
 
   def __len__(self) -> int:
     return len(self.data)
 
   def take(self, indices: np.ndarray, positions: np.ndarray | None = None
            ) -> dict[str, np.ndarray]:
-    rows = self.data.__getitems__([int(i) for i in indices])
-    return {"image": image_files.decode_batch([row[self.image_key] for row in rows],
-                                              self.image_shape, self.crops, positions),
-            "label": np.array([row[self.label_key] for row in rows], np.int32)}
+    rows = image_files.read_rows(self.data.__getitems__, self.data.__getitem__,
+                                 [int(i) for i in indices])
+    images, failed = image_files.decode_batch(
+        [row if isinstance(row, str) else row[self.image_key] for row in rows], self.image_shape,
+        self.crops, positions)
+    return {"image": images, "failed": failed, "label": np.array(
+        [0 if isinstance(row, str) else row[self.label_key] for row in rows], np.int32)}
 
 
 def sources(config, crops: dict) -> tuple[dict[str, Source], tuple[int, int, int],
@@ -82,6 +86,8 @@ def sources(config, crops: dict) -> tuple[dict[str, Source], tuple[int, int, int
   found, image, label, eval_split = builder(config)
   data = {split: found.as_data_source(split=name, decoders={image: tfds.decode.SkipDecoding()})
           for split, name in (("train", "train"), ("eval", eval_split))}
-  shape = tuple(config.image_size) or image_files.encoded_shape(data["train"][0][image])
-  return ({split: Source(d, image, label, shape, crops.get(split)) for split, d in data.items()},
+  shape = tuple(config.image_size) or image_files.first_shape(
+      lambda i: data["train"][i][image], len(data["train"]), "tfds")
+  return ({split: Source(d, image, label, shape, crops.get(split),
+                         f"tfds {config.tfds_name} {split}") for split, d in data.items()},
           shape, tuple(found.info.features[label].names))

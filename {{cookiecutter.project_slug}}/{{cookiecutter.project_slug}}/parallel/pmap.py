@@ -70,10 +70,19 @@ def unshard_batch(batch):
 
 def pmap_batch(local_batch):
   """This process's stacked batches `[k, local_batch, ...]` split over its devices and placed
-  there in one call, for pmap: `[local_devices, k, local_batch // local_devices, ...]`."""
+  there in one call, for pmap: `[local_devices, k, local_batch // local_devices, ...]`.
+  `local_batch`: one dict, or the devices' shares in order (a list), each sent as it is."""
   mesh = local_devices_mesh()
-  return jax.device_put(shard_batch(local_batch, mesh.size, axis=1),
-                        NamedSharding(mesh, P(PMAP_AXIS)))
+  sharding = NamedSharding(mesh, P(PMAP_AXIS))
+  if isinstance(local_batch, dict) or len(local_batch) == 1:
+    local_batch = local_batch if isinstance(local_batch, dict) else local_batch[0]
+    return jax.device_put(shard_batch(local_batch, mesh.size, axis=1), sharding)
+  devices = list(mesh.devices.flat)
+  placed = jax.device_put([jax.tree.map(lambda x: x[None], share) for share in local_batch],
+                          devices)
+  return {key: jax.make_array_from_single_device_arrays(
+      (len(devices), *local_batch[0][key].shape), sharding, [share[key] for share in placed])
+          for key in local_batch[0]}
 
 
 def fold_in_device_index(model, axis_name):

@@ -6,6 +6,7 @@ over 'fsdp' along its largest dimension that 'fsdp' divides (ZeRO-3), copied ove
 inserts the collectives (on GPUs and TPUs the gradient's all-reduce becomes a reduce-scatter)."""
 
 import collections
+import functools
 
 import jax
 import numpy as np
@@ -106,11 +107,31 @@ def to_global(tree, mesh: Mesh):
 
 def global_batch(local_batch, mesh: Mesh):
   """This process's part of stacked batches `[k, local_batch, ...]` -> global arrays
-  `[k, batch, ...]`, each batch split over 'data'; every leaf placed in one call."""
+  `[k, batch, ...]`, each batch split over the mesh. `local_batch`: one dict, or its local
+  devices' shares in order (a list: `input_pipeline`'s units, from the workers' shared memory),
+  each sent to its own device as it is, in one call, without joining them on the host."""
   sharding = data_sharded(mesh)
-  if jax.process_count() == 1:
-    return jax.device_put(local_batch, sharding)
-  return jax.make_array_from_process_local_data(sharding, local_batch)
+  if isinstance(local_batch, dict) or len(local_batch) == 1:
+    local_batch = local_batch if isinstance(local_batch, dict) else local_batch[0]
+    if jax.process_count() == 1:
+      return jax.device_put(local_batch, sharding)
+    return jax.make_array_from_process_local_data(sharding, local_batch)
+  first = local_batch[0]["mask"]
+  shape = (first.shape[0], first.shape[1] * mesh.devices.size)
+  devices, share_of = _shares(sharding, shape)
+  placed = jax.device_put([local_batch[share_of[d]] for d in devices], devices)
+  return {key: jax.make_array_from_single_device_arrays(
+      shape + local_batch[0][key].shape[2:], sharding, [share[key] for share in placed])
+          for key in local_batch[0]}
+
+
+@functools.lru_cache(maxsize=8)
+def _shares(sharding: NamedSharding, shape: tuple[int, int]):
+  """This process's devices, and the share of its local batch that each holds: their slices of
+  the batch axis in order (as `jax.make_array_from_process_local_data` maps them)."""
+  indices = sharding.addressable_devices_indices_map(shape)
+  starts = sorted({index[1].start or 0 for index in indices.values()})
+  return list(indices), {d: starts.index(index[1].start or 0) for d, index in indices.items()}
 
 
 def describe_run(state, batches) -> str:

@@ -1,9 +1,11 @@
 """The input side of benchmark.py: how fast the host feeds the devices. The Grain iterator alone
 on synthetic images as the loop reads it (placed on the devices); the same over JPEG files kept
-encoded and decoded by Grain's worker processes; and, for `benchmark.py --data_dir`, the
-training batches of your own data as train.py reads them (the config's decoding, crops and
-workers), in images per second and per CPU-second of this process and its workers, beside a
-plain PIL loop (open, decode, resize) over the same images: how many cores one accelerator needs.
+encoded and decoded by Grain's worker processes; 224x224x3 arrays read by worker processes and
+placed on the devices, for the main process's CPU-seconds per GB delivered (how many images one
+core of it can feed); and, for `benchmark.py --data_dir`, the training batches of your own data
+as train.py reads and places them (the config's decoding, crops and workers), in images per
+second and per CPU-second of this process and its workers, beside a plain PIL loop (open,
+decode, resize) over the same images: how many cores one accelerator needs.
 """
 
 import functools
@@ -30,6 +32,7 @@ from ..training import steps
 
 PIPELINE = dict(image_shape=(64, 64, 3), batch_size=1024)
 DECODING = dict(image_shape=(64, 64, 3), batch_size=256, num_images=2048)
+WORKERS = dict(image_shape=(224, 224, 3), batch_size=256, steps_per_dispatch=4, num_images=512)
 
 
 def measure_pipeline(config, is_tiny: bool, seconds: float = 3.0) -> dict:
@@ -88,6 +91,94 @@ def measure_decoding(config, is_tiny: bool, seconds: float = 3.0) -> dict:
               workers=input_pipeline.default_workers(config))
 
 
+class PeakMemory(threading.Thread):
+  """The highest resident memory of the process tree (`process_tree`: the input's workers
+  are processes of their own) while it runs, sampled every `interval` seconds; `cpu`: the CPU
+  time it has taken itself (reading /proc), left out of the input's figures."""
+
+  def __init__(self, interval: float = 0.2):
+    super().__init__(daemon=True)
+    self.interval, self.peak, self.stopped, self.cpu = interval, 0, threading.Event(), 0.0
+
+  def run(self):
+    page = os.sysconf("SC_PAGE_SIZE")
+    while not self.stopped.wait(self.interval):
+      self.peak = max(self.peak, page * sum(int(f[21]) for f in process_tree().values()))
+      self.cpu = time.thread_time()
+
+  def stop(self) -> int:
+    self.stopped.set()
+    self.join()
+    return self.peak
+
+
+def placer(config):
+  """What train.py does with an element's shares: place them on the devices."""
+  if config.parallelism == "pmap":
+    from ..parallel import pmap
+
+    return pmap.pmap_batch
+  return functools.partial(sharding.global_batch, mesh=sharding.make_mesh(config))
+
+
+def deliver(iterator, seconds: float, sampler: PeakMemory | None = None) -> dict:
+  """Elements from `iterator` (placed on the devices, each waited for) for `seconds`: the images
+  and bytes delivered, the wall time, and the CPU time of the main process (all its threads:
+  receiving, placing) and of its process tree (its workers too), `sampler`'s own left out."""
+  jax.block_until_ready(next(iterator))  # workers started, first element read
+  start, main, tree = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF), cpu_seconds()
+  sampled = sampler.cpu if sampler else 0.0
+  images = slots = nbytes = 0
+  while time.perf_counter() - start < seconds:
+    element = jax.block_until_ready(next(iterator))
+    mask = np.asarray(element["mask"])  # (a transfer of a few bytes)
+    images, slots = images + int(mask.sum()), slots + mask.size
+    nbytes += sum(x.nbytes for x in element.values())
+  wall, ended = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
+  sampled = (sampler.cpu if sampler else 0.0) - sampled
+  main_cpu = ended.ru_utime + ended.ru_stime - main.ru_utime - main.ru_stime - sampled
+  return dict(images=images, gb=nbytes / 1e9, seconds=wall, main_cpu_seconds=main_cpu,
+              tree_cpu_seconds=cpu_seconds() - tree - sampled, bytes_per_image=nbytes / slots)
+
+
+def main_process_cost(delivered: dict) -> dict:
+  """The main process's CPU-seconds per GB delivered, and the images/s one core of it feeds at
+  this image size (its ceiling)."""
+  per_gb = delivered["main_cpu_seconds"] / delivered["gb"]
+  return dict(main_cpu_seconds_per_gb=per_gb,
+              main_process_ceiling_images_per_second=1e9 / (per_gb * delivered["bytes_per_image"]))
+
+
+def measure_workers(config, is_tiny: bool, seconds: float = 5.0) -> dict:
+  """WORKERS' uint8 arrays in ArrayRecord files, read by `config`'s worker processes (at least
+  one) as training reads them and placed on the devices (spmd): images/s, and the main
+  process's cost per GB delivered (`main_process_cost`); the same with the shares pickled (where
+  there is no /dev/shm; before shared memory, the only way)."""
+  config = config.copy_and_resolve_references()
+  config.dataset, config.num_epochs, config.parallelism = "arrayrecord", 10**6, "spmd"
+  config.batch_size = WORKERS["batch_size"]
+  config.steps_per_dispatch = WORKERS["steps_per_dispatch"]
+  config.num_workers = input_pipeline.default_workers(config) or 1
+  num_images = WORKERS["num_images"] // (4 if is_tiny else 1)
+  rng = np.random.default_rng(0)
+  result = dict(WORKERS, num_images=num_images, workers=config.num_workers)
+  with tempfile.TemporaryDirectory() as root:
+    write_arrayrecord.write_dataset(root, {split: (
+        rng.integers(0, 256, (n, *WORKERS["image_shape"]), dtype=np.uint8),
+        rng.integers(0, 10, n)) for split, n in (("train", num_images), ("eval", 8))})
+    config.data_dir = root
+    splits, _ = input_pipeline.get_datasets(config)
+    for name, shared_memory in (("", True), ("pickled_", False)):
+      iterator = input_pipeline.as_iterator(
+          input_pipeline.train_batches(splits["train"], config), config, put=placer(config),
+          shared_memory=shared_memory)
+      delivered = deliver(iterator, 0.5 if is_tiny else seconds)
+      iterator.close()
+      result[f"{name}images_per_sec"] = delivered["images"] / delivered["seconds"]
+      result.update({name + key: value for key, value in main_process_cost(delivered).items()})
+  return result
+
+
 def process_tree() -> dict[int, list[str]]:
   """This process and its live children (its Grain workers): /proc/PID/stat's fields from the
   third (state) on, by PID (Linux)."""
@@ -111,25 +202,6 @@ def cpu_seconds() -> float:
   return ended.ru_utime + ended.ru_stime + live / os.sysconf("SC_CLK_TCK")
 
 
-class PeakMemory(threading.Thread):
-  """The highest resident memory of the process tree (`process_tree`: the input's workers
-  are processes of their own) while it runs, sampled every `interval` seconds."""
-
-  def __init__(self, interval: float = 0.2):
-    super().__init__(daemon=True)
-    self.interval, self.peak, self.stopped = interval, 0, threading.Event()
-
-  def run(self):
-    page = os.sysconf("SC_PAGE_SIZE")
-    while not self.stopped.wait(self.interval):
-      self.peak = max(self.peak, page * sum(int(f[21]) for f in process_tree().values()))
-
-  def stop(self) -> int:
-    self.stopped.set()
-    self.join()
-    return self.peak
-
-
 def pil_loop(encoded, image_shape, seconds: float) -> float:
   """Images per CPU-second of PIL opening, decoding and resizing `encoded()`'s images in turn."""
   height, width, channels = image_shape
@@ -143,10 +215,11 @@ def pil_loop(encoded, image_shape, seconds: float) -> float:
 
 
 def measure_data(config, seconds: float, rate: float, image_folder: str | None = None) -> dict:
-  """The training batches of `config.data_dir` for `seconds`: images per second and per
-  CPU-second (this process and its Grain workers), the cores that feed `rate` images/s, the
-  peak resident memory of the process tree (and `input_pipeline.host_memory`'s expectation),
-  and the plain PIL loop over `image_folder`'s files (or the stored images, when encoded)."""
+  """The training batches of `config.data_dir` for `seconds`, placed on the devices: images per
+  second and per CPU-second (this process and its Grain workers), the main process's cost per
+  GB (`main_process_cost`), the cores that feed `rate` images/s, the peak resident memory of
+  the process tree (and `input_pipeline.host_memory`'s expectation), and the plain PIL loop
+  over `image_folder`'s files (or the stored images, when encoded)."""
   config = config.copy_and_resolve_references()
   config.steps_per_dispatch = steps.steps_per_dispatch(config)
   config.num_epochs = 10**6  # never runs out
@@ -154,18 +227,16 @@ def measure_data(config, seconds: float, rate: float, image_folder: str | None =
   memory = PeakMemory()
   memory.start()
   iterator = input_pipeline.as_iterator(input_pipeline.train_batches(splits["train"], config),
-                                        config)
-  next(iterator)  # workers started, first element read
-  start, cpu_start, images = time.perf_counter(), cpu_seconds(), 0
-  while time.perf_counter() - start < seconds:
-    images += int(next(iterator)["mask"].sum())
-  wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start
+                                        config, put=placer(config))
+  delivered = deliver(iterator, seconds, memory)
   peak = memory.stop()
   iterator.close()
+  images, wall, cpu = delivered["images"], delivered["seconds"], delivered["tree_cpu_seconds"]
   result = dict(data_dir=config.data_dir, dataset=config.dataset,
                 image_shape=list(info.image_shape), crops_on_host=info.crops_on_host,
                 workers=input_pipeline.default_workers(config), images=images, seconds=wall,
                 images_per_second=images / wall, images_per_cpu_second=images / cpu,
+                **main_process_cost(delivered),
                 target_images_per_second=rate, cores_per_accelerator=rate * cpu / images,
                 peak_memory_mib=peak / 2**20, expected_memory_mib=input_pipeline.host_memory(
                     config, info, iterators=1).bytes / 2**20)

@@ -48,6 +48,16 @@ def notes(results: dict) -> list[str]:
                f"{pipeline['batch_size']}): {pipeline['images_per_sec']:.0f} images/s")
   lines.append(f"image decoding (JPEG {shape(decoding['image_shape'][:2])}, "
                f"{decoding['workers']} workers): {decoding['images_per_sec']:.0f} images/s")
+  if workers := results.get("workers"):
+    lines.append(f"input with workers ({shape(workers['image_shape'])} uint8, batch "
+                 f"{workers['batch_size']}, k={workers['steps_per_dispatch']}, "
+                 f"{workers['workers']} worker processes, placed on the devices): "
+                 f"{workers['images_per_sec']:.0f} images/s; the main process "
+                 f"{workers['main_cpu_seconds_per_gb']:.3f} CPU-s per GB delivered: one core "
+                 f"feeds {workers['main_process_ceiling_images_per_second']:,.0f} images/s "
+                 f"(pickled, without /dev/shm: {workers['pickled_images_per_sec']:.0f} images/s, "
+                 f"{workers['pickled_main_cpu_seconds_per_gb']:.3f} CPU-s per GB, "
+                 f"{workers['pickled_main_process_ceiling_images_per_second']:,.0f} images/s)")
   if dispatch := results.get("dispatch"):
     lines.append(f"dispatch host cost, {dispatch['model']} state ({dispatch['arrays']} arrays): "
                  f"{dispatch['state_ms']:.2f} ms a call as an nnx.State, {dispatch['flat_ms']:.2f} "
