@@ -126,9 +126,9 @@ def check_finite(nonfinite: metrics.NonFinite, since: int, config, checkpoints) 
     checkpoints.wait_until_finished()
     raise NonFiniteLoss(
         f"non-finite loss or gradient at step {since + int(nonfinite.first)}; its update was "
-        f"not applied, and the last good checkpoint is step {checkpoints.latest_step()} in "
-        f"{checkpoints.directory}. Lower the learning rate, check the data, or set "
-        "--config.skip_nonfinite_steps=True.")
+        f"not applied, and the latest checkpoint, step {checkpoints.latest_step()} in "
+        f"{checkpoints.directory}, was saved before it. Lower the learning rate, check the data, "
+        "or set --config.skip_nonfinite_steps=True.")
 
 
 def log_run(config, info, num_train_steps: int, workdir: str) -> None:

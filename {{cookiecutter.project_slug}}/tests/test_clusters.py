@@ -65,6 +65,9 @@ def test_the_gpu_jobset_names_its_coordinator_and_its_processes():
   assert pods["parallelism"] == pods["completions"] and pods["completionMode"] == "Indexed"
   args = container["args"]
   assert f"--num_processes={pods['parallelism']}" in args
+  shm = next(m["name"] for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm")
+  volumes = {v["name"]: v for v in pods["template"]["spec"]["volumes"]}
+  assert volumes[shm]["emptyDir"]["medium"] == "Memory"  # (a pod's own: 64 MB)
   assert "--process_id=$(JOB_COMPLETION_INDEX)" in args
   address = {e["name"]: e["value"] for e in container["env"]}["JAX_COORDINATOR_ADDRESS"]
   name = document["metadata"]["name"]
@@ -82,18 +85,41 @@ def test_the_tpu_jobset_fills_its_slice():
   assert not any(a.startswith("--coordinator_address") for a in container["args"])
 
 
+GCLOUD = r"""#!/bin/bash
+# gcloud, standing in: records its arguments; `compute tpus tpu-vm scp ... SOURCES NAME:DIR` copies
+# the sources into $HOST_DIR/DIR, as onto a host.
+printf "%s\n" "$*" >> "$GCLOUD_LOG"
+if [[ $4 == scp ]]; then
+  target=${!#}; target=${target#*:}; mkdir -p "$HOST_DIR/$target"
+  for source in "${@:5:$(($# - 5))}"; do
+    [[ $source == --* ]] || cp -r "$source" "$HOST_DIR/$target/"
+  done
+fi
+"""
+
+
 def test_the_tpu_pod_script_runs_train_py_on_every_host_with_the_arguments(tmp_path):
-  """gcloud (a stand-in that records its arguments): the project copied to every worker, then one
-  command on all of them that installs it and runs train.py with the arguments, quoted."""
-  (tmp_path / "gcloud").write_text('#!/bin/bash\nprintf "%s\\n" "$*" >> "$GCLOUD_LOG"\n')
+  """gcloud (a stand-in that records its arguments and copies what scp is given into a folder,
+  as onto a host): the project copied to every worker, all that train.py needs (there, `import
+  train` works), then one command on all of them that installs it and runs train.py with the
+  arguments, quoted."""
+  (tmp_path / "gcloud").write_text(GCLOUD)
   (tmp_path / "gcloud").chmod(0o755)
   log = tmp_path / "gcloud.log"
   done = subprocess.run(
       ["bash", f"{CLUSTERS}/tpu-vm-pod.sh", "pod", "us-west4-a", "--workdir=gs://b/run x",
        "--config=configs/imagenet.py"], capture_output=True, text=True, timeout=30,
-      env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "GCLOUD_LOG": str(log)})
+      env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "GCLOUD_LOG": str(log),
+           "HOST_DIR": str(tmp_path / "host")})
   assert done.returncode == 0, done.stderr
   copy, ssh = log.read_text().splitlines()
+  imported = subprocess.run(  # from the copy (an editable install would find the original)
+      [sys.executable, "-c", "import train, model, {{cookiecutter.project_slug}} as package; "
+       "print(package.__file__)"],
+      cwd=tmp_path / "host" / "nnx-dp", capture_output=True, text=True, timeout=120,
+      env={**os.environ, "PYTHONPATH": ""})
+  assert imported.returncode == 0, imported.stderr[-3000:]
+  assert imported.stdout.strip().startswith(str(tmp_path / "host" / "nnx-dp")), imported.stdout
   assert copy.startswith("compute tpus tpu-vm scp --zone=us-west4-a --worker=all --recurse")
   assert "train.py" in copy.split() and "model.py" in copy.split() and copy.endswith("pod:nnx-dp")
   assert ssh.startswith("compute tpus tpu-vm ssh pod --zone=us-west4-a --worker=all --command=")
@@ -103,6 +129,32 @@ def test_the_tpu_pod_script_runs_train_py_on_every_host_with_the_arguments(tmp_p
   usage = subprocess.run(["bash", f"{CLUSTERS}/tpu-vm-pod.sh", "pod"], capture_output=True,
                          text=True, timeout=30)
   assert usage.returncode == 2 and usage.stderr.startswith("usage: ")
+
+
+def test_the_sbatch_script_gives_each_job_its_workdir_and_says_when_requeue_is_refused(tmp_path):
+  """Without WORKDIR, a job writes runs/<job name>-<job id> (two experiments never share one);
+  stopped by --signal (143) on a cluster that refuses `scontrol requeue`, it says so and how to
+  resume."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  (bin_dir / "srun").write_text('#!/bin/bash\necho "$*" > "$SRUN_LOG"\nexit 143\n')
+  (bin_dir / "scontrol").write_text("#!/bin/bash\necho 'Requeue not allowed' >&2\nexit 1\n")
+  for tool in ("srun", "scontrol"):
+    (bin_dir / tool).chmod(0o755)
+  env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77",
+         "SLURM_JOB_NAME": "nnx-dp", "SLURM_SUBMIT_DIR": str(tmp_path),
+         "SRUN_LOG": str(tmp_path / "srun.log")}
+  env.pop("WORKDIR", None)
+  done = subprocess.run(["bash", f"{CLUSTERS}/slurm.sbatch", "--config=configs/imagenet.py"],
+                        env=env, capture_output=True, text=True, timeout=30)
+  assert done.returncode == 143
+  assert f"--workdir={tmp_path}/runs/nnx-dp-77 --config=configs/imagenet.py" in (
+      tmp_path / "srun.log").read_text()
+  assert done.stderr.strip().splitlines()[-1] == (
+      f"slurm.sbatch: the run saved a checkpoint in {tmp_path}/runs/nnx-dp-77, but this cluster "
+      "refused to requeue job 77 (scontrol requeue failed; some clusters allow it to admins "
+      f"only): resume it with WORKDIR={tmp_path}/runs/nnx-dp-77 sbatch clusters/slurm.sbatch "
+      "--config=configs/imagenet.py")
 
 
 @pytest.fixture(scope="module")

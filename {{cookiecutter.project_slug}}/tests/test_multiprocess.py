@@ -32,6 +32,7 @@ def train(workdir, processes: int, *overrides: str) -> dict[str, dict[int, float
   out = subprocess.run(command, cwd=PROJECT, env=env, capture_output=True, text=True,
                        timeout=450)
   assert out.returncode == 0, out.stderr[-4000:]
+  assert "[Gloo]" not in out.stdout + out.stderr  # (gloo's connection lines: --verbosity=1)
   return read_scalars(str(workdir))
 
 

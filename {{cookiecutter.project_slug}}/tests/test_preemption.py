@@ -1,7 +1,11 @@
 """Nothing lost: stopped, killed or fed bad input, a run resumes exactly or refuses cleanly."""
 
+import glob
 import json
+import logging
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,13 +15,13 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import two_epochs
+from conftest import OWN_MODEL, two_epochs
 
 import train
 from write_arrayrecord import write_dataset
 
 from {{cookiecutter.project_slug}}.data import input_pipeline
-from {{cookiecutter.project_slug}}.training import metrics, writers
+from {{cookiecutter.project_slug}}.training import metrics, runs, writers
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ)  # 8 CPU devices (conftest.py)
@@ -228,7 +232,8 @@ def test_nonfinite_loss_stops_naming_the_step_and_the_last_good_checkpoint(tiny_
   with pytest.raises(train.NonFiniteLoss, match=f"at step {bad_step};") as error:
     train.train_and_evaluate(tiny_config, str(tmp_path / "run"))
   last_good = (bad_step - 1) // 5 * 5
-  assert f"last good checkpoint is step {last_good} in" in str(error.value)
+  assert re.search(rf"the latest checkpoint, step {last_good} in \S+, was saved before it\.",
+                   str(error.value)), str(error.value)
   last_step, state = final_state(tmp_path / "run")
   assert last_step == last_good and all(np.isfinite(x).all() for x in state.values()
                                         if x.dtype.kind == "f")
@@ -260,3 +265,101 @@ def test_nonfinite_steps_are_counted_and_the_first_found_however_merged():
   assert (int(padding_first.steps), int(padding_first.count), int(padding_first.first)) == (1, 1, 0)
   clean = metrics.NonFinite.empty().merge(flags[0]).merge(flags[1])
   assert (int(clean.count), int(clean.first)) == (0, -1)
+
+
+def damage_checkpoint(directory, how: str) -> None:
+  """Damages checkpoint `directory` as disks and copies do: bytes `garbled` in its largest data
+  file, that file `truncated` to half, or its data folder `missing`."""
+  data = sorted(glob.glob(os.path.join(directory, "state", "ocdbt.process_*", "d", "*")),
+                key=os.path.getsize)
+  if how == "missing":
+    shutil.rmtree(os.path.dirname(data[-1]))
+    return
+  size = os.path.getsize(data[-1])
+  with open(data[-1], "r+b") as f:
+    if how == "garbled":
+      f.seek(size // 4)
+      f.write(b"\xff" * (size // 2))
+    else:
+      f.truncate(size // 2)
+
+
+def save_nonfinite(workdir, step: int) -> None:
+  """A checkpoint of `step` that reads back fine but holds NaNs: the latest one's state with the
+  dense kernel made NaN, in the model and its moving average (what a run that diverged
+  unchecked would have saved)."""
+  with ocp.CheckpointManager(os.path.join(workdir, "checkpoints")) as checkpoints:
+    state = checkpoints.restore(checkpoints.latest_step(), args=ocp.args.Composite(
+        state=ocp.args.StandardRestore()))["state"]
+    state = jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.numpy.full_like(x, np.nan)
+        if runs.leaf_name(path) in ("0/dense/kernel/value", "2/dense/kernel/value") else x, state)
+    checkpoints.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["garbled", "truncated", "missing", "nonfinite"])
+def test_a_damaged_checkpoint_is_named_kept_aside_and_the_run_ends_as_if_undamaged(
+    straight_runs, tmp_path, caplog, how):
+  """The latest checkpoint of a finished run damaged (or, `nonfinite`, a later one holding a
+  NaN): the same command names it in one warning, moves it to damaged_checkpoints/ (kept), resumes
+  from the newest intact one and ends with the state of the run never damaged, bitwise."""
+  straight, _ = straight_runs["spmd"]
+  workdir = tmp_path / "run"
+  shutil.copytree(straight, workdir)
+  last, want = final_state(workdir)
+  steps = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+  if how == "nonfinite":
+    bad, resumed_from = last + 5, last
+    save_nonfinite(workdir, bad)
+  else:
+    bad, resumed_from = last, steps[-2]
+    damage_checkpoint(workdir / "checkpoints" / str(bad), how)
+  caplog.set_level(logging.INFO)
+  result = train.train_and_evaluate(two_epochs("spmd"), str(workdir))
+  assert result["examples"] == 360
+  said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+  reason = "restores to non-finite values (0/dense/kernel)" if how == "nonfinite" else (
+      "cannot be read (")
+  assert len(said) == 1 and said[0].startswith(f"checkpoint {bad} in {workdir} {reason}"), said
+  assert said[0].endswith(f": kept in {workdir}/damaged_checkpoints/{bad}; resuming from an "
+                          "older one"), said
+  assert f"Resumed from the checkpoint of step {resumed_from} in {workdir}" in caplog.text
+  assert (workdir / "damaged_checkpoints" / str(bad) / "state").is_dir()
+  step, got = final_state(workdir)
+  assert step == last and got.keys() == want.keys()
+  for name, value in want.items():
+    np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+@pytest.mark.slow
+def test_the_tools_take_the_newest_intact_checkpoint_and_refuse_a_damaged_one(
+    straight_runs, tmp_path):
+  """evaluate.py (as predict.py and export.py read a run: trained.Restored) on a run whose latest
+  checkpoint holds a NaN: the newest intact one, said; that step asked for: one line, exit 1,
+  never a printed nan. init_from that run: one line."""
+  straight, metrics = straight_runs["spmd"]
+  workdir = tmp_path / "run"
+  shutil.copytree(straight, workdir)
+  last, _ = final_state(workdir)
+  save_nonfinite(workdir, last + 5)
+  listed = ", ".join(sorted((p.name for p in (workdir / "checkpoints").iterdir()
+                             if p.name.isdigit()), key=int))
+  for args, code in (([], 0), ([f"--step={last + 5}"], 1)):
+    out = subprocess.run([sys.executable, "evaluate.py", f"--workdir={workdir}", *args],
+                         cwd=PROJECT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert out.returncode == code, out.stderr[-3000:]
+    assert "nan" not in out.stdout
+    if code:
+      assert out.stderr.strip().splitlines()[-1] == (
+          f"error: checkpoint {last + 5} in {str(workdir)!r} restores to non-finite values "
+          f"(dense/kernel); give another --step (the checkpoints: {listed}).")
+    else:
+      assert f"checkpoint {last + 5} in {workdir} restores to non-finite values" in out.stderr
+      assert f"step {last}: loss {metrics['loss']:.4f}" in out.stdout, out.stdout
+  out = subprocess.run([sys.executable, "train.py", "--config=configs/tiny.py", OWN_MODEL,
+                        f"--workdir={tmp_path / 'fine'}", f"--config.init_from={workdir}"],
+                       cwd=PROJECT, env=ENV, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == (
+      f"error: config.init_from={str(workdir)!r}: its checkpoint {last + 5} restores to "
+      "non-finite values (2/dense/kernel); start from an intact run."), out.stderr[-3000:]

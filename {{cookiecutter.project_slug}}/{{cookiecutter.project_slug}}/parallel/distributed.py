@@ -10,9 +10,12 @@ JAX_COORDINATOR_ADDRESS: clusters/gke-gpu-jobset.yaml), --num_processes and --pr
 Whatever prints or writes a file does it on process 0 alone (`is_first`).
 """
 
+import atexit
 import glob
 import importlib.util
 import os
+import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -122,9 +125,36 @@ def initialize() -> None:
   logging.info("Process %d of %d drives %s (%d devices in all)", jax.process_index(),
                jax.process_count(), ", ".join(map(str, jax.local_devices())), jax.device_count())
   if jax.default_backend() == "cpu":
+    if logging.get_verbosity() < logging.DEBUG:  # (--verbosity=1 keeps them)
+      drop_from_stdout(b"[Gloo] ")  # 8 lines a process: 'Rank 1 is connected to 1 peer ranks'
     connect_cpu_collectives()
   if jax.process_index() > 0:
     logging.set_verbosity(logging.WARNING)  # process 0 logs progress and metrics
+
+
+def drop_from_stdout(prefix: bytes) -> None:
+  """Leaves out of this process's standard output the lines that start with `prefix` (written
+  there by C++ libraries too, so filtered at the file descriptor, by a thread, until exit)."""
+  original, (read, write) = os.dup(1), os.pipe()
+  sys.stdout.flush()
+  os.dup2(write, 1)
+  os.close(write)
+
+  def forward():
+    with os.fdopen(read, "rb") as lines, os.fdopen(os.dup(original), "wb", buffering=0) as out:
+      for line in lines:
+        if not line.startswith(prefix):
+          out.write(line)
+
+  thread = threading.Thread(target=forward, daemon=True)
+  thread.start()
+
+  def restore():  # at exit: the pipe closed (fd 1 back), what is in it written, then done
+    sys.stdout.flush()
+    os.dup2(original, 1)
+    thread.join(timeout=5)
+
+  atexit.register(restore)
 
 
 def connect_cpu_collectives() -> None:

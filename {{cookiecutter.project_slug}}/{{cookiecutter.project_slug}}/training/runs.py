@@ -3,10 +3,14 @@ Orbax checkpoints, and resuming: a run started again in its workdir resumes it a
 config but for what `FREE_ON_RESUME` names. (Reading a trained run back: trained.py.)"""
 
 import contextlib
+import gc
 import json
 import os
+import sys
+import warnings
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
@@ -108,9 +112,71 @@ def absolute(path: str) -> str:
   return path if "://" in path else os.path.abspath(path)
 
 
+def nonfinite_leaf(state) -> str | None:
+  """The name of the first floating leaf of `state` that holds a NaN or an infinity, or None."""
+  named = [(leaf_name(path), x) for path, x in jax.tree_util.tree_leaves_with_path(state)
+           if jnp.issubdtype(x.dtype, jnp.inexact)]
+  if not named:
+    return None
+  finite = jax.jit(lambda xs: jnp.stack([jnp.isfinite(x).all() for x in xs]))([x for _, x in named])
+  bad = np.flatnonzero(~np.asarray(multihost_utils.process_allgather(finite, tiled=True)))
+  return named[bad[0]][0] if len(bad) else None
+
+
+def unreadable(error: Exception) -> str:
+  """Why a checkpoint could not be read, in a line: the first line of the innermost error (Orbax
+  wraps TensorStore's: 'FAILED_PRECONDITION: Error reading ... ZSTD_decompressStream() ...')."""
+  while error.__cause__ or error.__context__:
+    error = error.__cause__ or error.__context__
+  return f"cannot be read ({type(error).__name__}: {str(error).strip().splitlines()[0][:300]})"
+
+
+def damage(restore, step: int) -> tuple[object, str | None]:
+  """`restore(step)`, and what is wrong with checkpoint `step` (None: nothing) on any process: it
+  cannot be read, or it holds non-finite values. A model that does not fit raises, as before."""
+  state, why = None, None
+  try:
+    state = restore(step)
+    if (leaf := nonfinite_leaf(state)) is not None:
+      why = f"restores to non-finite values ({leaf.removesuffix('/value')})"
+  except ConfigError:
+    raise
+  except Exception as e:  # noqa: BLE001  (anything that stops a read: named, then an older one)
+    why = unreadable(e)
+  if state is None:  # the read's other coroutines, abandoned with their errors: ended silently
+    hook, sys.unraisablehook = sys.unraisablehook, lambda unraisable: None
+    try:
+      with warnings.catch_warnings(action="ignore", category=RuntimeWarning):  # never awaited
+        gc.collect()
+    finally:
+      sys.unraisablehook = hook
+  if jax.process_count() > 1:  # the same verdict everywhere: damaged if any process found it
+    whys = multihost_utils.process_allgather(np.int32(why is not None)).tolist()
+    why = why or (f"cannot be read on process {whys.index(1)}" if any(whys) else None)
+  return state, why
+
+
+DAMAGED = "damaged_checkpoints"  # in the workdir: checkpoints that could not be restored
+
+
+def put_aside(checkpoints, step: int, workdir: str) -> str:
+  """Moves checkpoint `step` out of the checkpoints (a new one of that step will be saved) into
+  `workdir`/damaged_checkpoints/, where it is kept. Returns where (process 0 moves it)."""
+  aside = epath.Path(workdir) / DAMAGED / str(step)
+  if jax.process_index() == 0:
+    aside.parent.mkdir(parents=True, exist_ok=True)
+    (epath.Path(checkpoints.directory) / str(step)).rename(aside)
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(f"put aside checkpoint {step}")
+  checkpoints.reload()
+  return str(aside)
+
+
 def restore_or_init(checkpoints, abstract, init, workdir: str):
-  """The step and state of the latest complete checkpoint in `workdir` (into `abstract`'s shapes,
-  dtypes and shardings), or (0, `init()`). Every process must see the same checkpoints."""
+  """The step and state of the latest intact checkpoint in `workdir` (into `abstract`'s shapes,
+  dtypes and shardings), or (0, `init()`). Each newer one that cannot be read, or holds non-finite
+  values, is named in a warning and put aside (`put_aside`). Every process must see the same
+  checkpoints."""
   step = checkpoints.latest_step()
   if jax.process_count() > 1:
     seen = multihost_utils.process_allgather(np.int32(-1 if step is None else step)).tolist()
@@ -122,9 +188,16 @@ def restore_or_init(checkpoints, abstract, init, workdir: str):
           "bucket: gs://...).")
   if step is None:
     return 0, init()
-  state = restore_state(checkpoints, step, abstract, workdir)
-  logging.info("Resumed from the checkpoint of step %d in %s", step, workdir)
-  return step, state
+  for step in sorted(checkpoints.all_steps(), reverse=True):
+    state, why = damage(lambda s: restore_state(checkpoints, s, abstract, workdir), step)
+    if why is None:
+      logging.info("Resumed from the checkpoint of step %d in %s", step, workdir)
+      return step, state
+    logging.warning("checkpoint %d in %s %s: kept in %s; resuming from an older one", step,
+                    workdir, why, put_aside(checkpoints, step, workdir))
+  raise ConfigError(f"no checkpoint in {workdir!r} can be restored (each is in "
+                    f"{os.path.join(workdir, DAMAGED)}, the log says why); start again in a new "
+                    "--workdir.")
 
 
 # Keys that a resumed run may change: how it runs, not what it computes (the rest, what it

@@ -22,6 +22,7 @@ from .runs import (
   absolute,
   check_checkpoint_fits,
   checkpoint_manager,
+  damage,
   leaf_name,
   shapes,
 )
@@ -104,11 +105,21 @@ class Restored:
     if not available:
       raise ConfigError(f"workdir {workdir!r} holds no checkpoint yet; train first, or give "
                         "the --workdir of a run that saved one.")
-    self.step = available[-1] if step is None else step
-    if self.step not in available:
+    if step is not None and step not in available:
       raise ConfigError(f"--step={step}: workdir {workdir!r} holds the checkpoints of steps "
                         f"{', '.join(map(str, available))}.")
-    self.state = restore_model(checkpoints, self.step, abstract, workdir)
+    for self.step in [step] if step is not None else sorted(available, reverse=True):
+      self.state, why = damage(
+          lambda s: restore_model(checkpoints, s, abstract, workdir), self.step)
+      if why is None:
+        break
+      if step is not None:  # the one asked for
+        raise ConfigError(f"checkpoint {step} in {workdir!r} {why}; give another --step (the "
+                          f"checkpoints: {', '.join(map(str, available))}).")
+      logging.warning("checkpoint %d in %s %s; using an older one", self.step, workdir, why)
+    else:
+      raise ConfigError(f"no checkpoint in {workdir!r} can be restored (the warnings above say "
+                        "why).")
     checkpoints.close()
     self.summary = (f"model of step {self.step}: {sharding.bytes_per_device(self.state) / 1e6:.3g} "
                     f"MB a device ({self.config.parallelism}; a whole copy: {self.bytes / 1e6:.3g} "
@@ -159,8 +170,12 @@ def init_from(source: str, abstract, init):
       node[last] = target
       args[last] = ocp.ArrayRestoreArgs(sharding=target.sharding, global_shape=target.shape,
                                         dtype=target.dtype)
-    read = checkpoints.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        item, restore_args=restore_args, partial_restore=True)))["state"]
+    read, why = damage(lambda s: checkpoints.restore(s, args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(item, restore_args=restore_args, partial_restore=True))
+    )["state"], step)
+    if why is not None:
+      raise ConfigError(f"config.init_from={source!r}: its checkpoint {step} {why}; start from "
+                        "an intact run.")
 
     def take(path, x):
       name = leaf_name(path)
