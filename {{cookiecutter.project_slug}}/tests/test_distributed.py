@@ -11,7 +11,8 @@ from {{cookiecutter.project_slug}}.parallel import distributed
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER_VARIABLES = ("SLURM_", "OMPI_", "TPU_", "MEGASCALE_", "KUBERNETES_", "JAX_COORDINATOR",
-                     "CUDA_VISIBLE_DEVICES")
+                     "CUDA_VISIBLE_DEVICES", "PMI_", "MPI_LOCAL", "RANK", "WORLD_SIZE",
+                     "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_", "JOB_COMPLETION_INDEX")
 
 
 @pytest.fixture
@@ -108,9 +109,56 @@ def test_a_plain_machine_and_a_job_of_one_process_are_no_cluster(plain_machine, 
   assert distributed.cluster({**one, "SLURM_NTASKS": "2",
                               "SLURM_STEP_TASKS_PER_NODE": "1(x2)"}) is not None
   assert distributed.cluster({"OMPI_COMM_WORLD_SIZE": "1"}) is None
-  assert distributed.cluster({"OMPI_COMM_WORLD_SIZE": "4"}) == {}  # mpirun: JAX's detection
+  assert distributed.cluster({"OMPI_COMM_WORLD_SIZE": "4",  # Open MPI 4: JAX's detection
+                              "OMPI_MCA_orte_hnp_uri": "1234.0;tcp://10.0.0.1:5678"}) == {}
+  assert distributed.cluster({"RANK": "0", "WORLD_SIZE": "1"}) is None
+  assert distributed.cluster({"JOB_COMPLETION_INDEX": "0"}) is None  # (maybe a job of one)
   # a Kubernetes job (launch/gke-gpu-jobset.yaml): JAX reads the coordinator's address itself
   assert distributed.cluster({"JAX_COORDINATOR_ADDRESS": "job-0.job:1234"}) == {}
+
+
+OPEN_MPI_4 = {"OMPI_MCA_orte_hnp_uri": "1234.0;tcp://10.0.0.1:5678", "OMPI_COMM_WORLD_SIZE": "16"}
+
+
+@pytest.mark.parametrize("env, drives", [
+    # Open MPI 4, one process a node seeing its 8 GPUs: all 8 (JAX alone: GPU 0, 7 idle)
+    ({**OPEN_MPI_4, "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "1"},
+     list(range(8))),
+    # one a GPU: its own
+    ({**OPEN_MPI_4, "OMPI_COMM_WORLD_LOCAL_RANK": "5", "OMPI_COMM_WORLD_LOCAL_SIZE": "8"}, [5]),
+    # JAX_COORDINATOR_ADDRESS given to torchrun-style processes, 8 a node: GPU LOCAL_RANK each
+    ({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "RANK": "11", "WORLD_SIZE": "16",
+      "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8"}, [3]),
+    # ... or to MPICH's, 2 a node: 4 each
+    ({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "PMI_RANK": "3", "PMI_SIZE": "4",
+      "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}, [4, 5, 6, 7]),
+])
+def test_every_launcher_that_joins_drives_all_its_gpus(plain_machine, env, drives):
+  assert distributed.cluster({**env, "CUDA_VISIBLE_DEVICES": ALL_EIGHT}) == {
+      "local_device_ids": drives}
+
+
+@pytest.mark.parametrize("env, launcher, numbers", [
+    ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "2"},
+     "Open MPI 5 (no OMPI_MCA_orte_hnp_uri)",
+     "--process_id=$OMPI_COMM_WORLD_RANK --num_processes=$OMPI_COMM_WORLD_SIZE"),
+    ({"PMI_RANK": "1", "PMI_SIZE": "2"}, "MPICH or Intel MPI (PMI)",
+     "--process_id=$PMI_RANK --num_processes=$PMI_SIZE"),
+    ({"RANK": "3", "WORLD_SIZE": "8", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
+      "LOCAL_RANK": "3"}, "torchrun-style variables",
+     "--process_id=$RANK --num_processes=$WORLD_SIZE"),
+    ({"JOB_COMPLETION_INDEX": "1"}, "a Kubernetes Indexed Job",
+     "--process_id=$JOB_COMPLETION_INDEX --num_processes=N"),
+])
+def test_a_launcher_jax_does_not_find_is_refused_not_run_n_times(plain_machine, env, launcher,
+                                                                 numbers):
+  """Each process would otherwise start a run of its own, all on one workdir."""
+  with pytest.raises(ValueError) as e:
+    distributed.cluster(env)
+  assert str(e.value) == (
+      f"{launcher} started this process, and JAX does not find such a job by itself: set "
+      f"JAX_COORDINATOR_ADDRESS=<the first process's host>:<a free port> for every process and "
+      f"give {numbers} (or launch with SLURM or Open MPI 4).")
 
 
 def test_cpu_and_tpu_slurm_tasks_leave_the_devices_to_jax(plain_machine, monkeypatch):

@@ -4,9 +4,11 @@ export.py) joins JAX's distributed runtime first, with the same flags, then does
   python launch.py --num_processes=2 --devices_per_process=4 --script=evaluate.py -- \
       --workdir=/tmp/run   # this machine; adds the three flags below to each process
 
-Under SLURM, Open MPI and on Cloud TPU pods (GKE's too) JAX finds the job by itself (`cluster`
-decides which GPUs a SLURM task drives); elsewhere give each process --coordinator_address (or
-JAX_COORDINATOR_ADDRESS: clusters/gke-gpu-jobset.yaml), --num_processes and --process_id.
+Under SLURM, Open MPI 4 and on Cloud TPU pods (GKE's too) JAX finds the job by itself (`cluster`
+decides which GPUs a process drives); elsewhere give each process --coordinator_address (or
+JAX_COORDINATOR_ADDRESS: clusters/gke-gpu-jobset.yaml), --num_processes and --process_id. The
+launchers JAX does not find (Open MPI 5, MPICH, torchrun-style, a Kubernetes Indexed Job) are
+refused in one line until those are given, never started as N runs of one process.
 Whatever prints or writes a file does it on process 0 alone (`is_first`).
 """
 
@@ -80,6 +82,33 @@ def slurm_gpus(environ, gpus: int) -> list[int] | None:
       "task a node (--ntasks-per-node=1 --gpus-per-node=G).")
 
 
+# Launchers whose processes JAX does not find by itself: (what names them, the variables of the
+# process's rank and of the job's size).
+NOT_FOUND_BY_JAX = (
+    ("Open MPI 5 (no OMPI_MCA_orte_hnp_uri)", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("MPICH or Intel MPI (PMI)", "PMI_RANK", "PMI_SIZE"),
+    ("torchrun-style variables", "RANK", "WORLD_SIZE"),
+    ("a Kubernetes Indexed Job", "JOB_COMPLETION_INDEX", None),  # (its size: not told; pod 0
+)                                                              # alone may be a job of one)
+# Launchers' local rank and local size: a process's share of its node's GPUs.
+LOCAL_RANKS = (("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+               ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE"))
+
+
+def local_gpus(environ, gpus: int) -> list[int] | None:
+  """The GPUs (of the `gpus` it sees) that a process drives, from its launcher's local rank and
+  size: all of them for one process a node, an even share for several; None where no launcher
+  says (or no GPU: JAX's choice). Raises ValueError for an uneven split."""
+  for rank, size in LOCAL_RANKS:
+    if gpus and rank in environ and size in environ:
+      local, tasks = int(environ[rank]), int(environ[size])
+      if gpus % tasks:
+        raise ValueError(f"{tasks} processes on this node share its {gpus} GPUs unevenly "
+                         f"({rank}={local}); start one a GPU, or one a node.")
+      return list(range(local * gpus // tasks, (local + 1) * gpus // tasks))
+  return None
+
+
 def cluster(environ=os.environ) -> dict | None:
   """How this process joins a job of several processes whose launcher JAX detects: the arguments
   of jax.distributed.initialize() beyond what JAX reads from the environment itself, or None for
@@ -87,7 +116,8 @@ def cluster(environ=os.environ) -> dict | None:
   those JAX's own detectors read (SLURM, Open MPI, Cloud TPU on GKE; JAX_COORDINATOR_ADDRESS);
   on a Cloud TPU VM (libtpu and a TPU device file) JAX asks the VM's metadata server."""
   if "JAX_COORDINATOR_ADDRESS" in environ:
-    return {}
+    gpus = local_gpus(environ, visible_gpus(environ))
+    return {} if gpus is None else {"local_device_ids": gpus}
   slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
            "SLURM_LOCALID")
   if all(name in environ for name in slurm):  # srun's variables, as JAX's detection reads them
@@ -95,8 +125,17 @@ def cluster(environ=os.environ) -> dict | None:
       return None  # one task: JAX would restrict it to GPU 0
     gpus = slurm_gpus(environ, visible_gpus(environ))
     return {} if gpus is None else {"local_device_ids": gpus}
-  if int(environ.get("OMPI_COMM_WORLD_SIZE", 1)) > 1:  # mpirun's (Open MPI 5: with mpi4py)
-    return {}
+  if int(environ.get("OMPI_COMM_WORLD_SIZE", 1)) > 1 and "OMPI_MCA_orte_hnp_uri" in environ:
+    gpus = local_gpus(environ, visible_gpus(environ))  # (JAX alone: GPU LOCAL_RANK, one each)
+    return {} if gpus is None else {"local_device_ids": gpus}
+  for launcher, rank, size in NOT_FOUND_BY_JAX:  # N runs of one process each, on one workdir
+    if rank in environ and (int(environ.get(size, 1)) > 1 if size else int(environ[rank]) > 0):
+      numbers = (f"--process_id=${rank}" + (f" --num_processes=${size}" if size else
+                                             " --num_processes=N"))
+      raise ValueError(
+          f"{launcher} started this process, and JAX does not find such a job by itself: set "
+          f"JAX_COORDINATOR_ADDRESS=<the first process's host>:<a free port> for every process "
+          f"and give {numbers} (or launch with SLURM or Open MPI 4).")
   tpu_vm = importlib.util.find_spec("libtpu") is not None and bool(
       glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))
   hosts = environ.get("TPU_PROCESS_ADDRESSES") or environ.get("TPU_WORKER_HOSTNAMES")
