@@ -9,6 +9,9 @@ import subprocess
 import sys
 import time
 
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
 import portpicker
 import pytest
 from conftest import OWN_MODEL, RECIPE
@@ -232,6 +235,59 @@ def test_when_a_process_dies_the_other_stops_with_an_error(tmp_path, victim):
         f"{causes[:1]}")
   assert survivor.returncode != 0 and causes, stderr[-3000:]
   assert elapsed < 60
+
+
+@pytest.mark.slow
+def test_a_process_killed_after_a_checkpoint_then_the_same_command_resumes_exactly(tmp_path):
+  """SIGKILL to process 1 (a node lost) once checkpoint 10 is written: process 0 stops with an
+  error within 45 s (JAX's heartbeat, 10 s here; 100 s by default); the same 2-process command
+  then resumes from the last complete checkpoint and ends with the state and the final metrics
+  of a 2-process run never stopped."""
+  run = ["--config.num_epochs=2", "--config.checkpoint_every_steps=5",
+         "--config.max_checkpoints_to_keep=20", "--heartbeat_timeout_seconds=10"]
+  straight = train(tmp_path / "straight", 2, *run)
+  address = f"127.0.0.1:{portpicker.pick_unused_port()}"
+  processes = [subprocess.Popen(
+      [sys.executable, "train.py", "--config=configs/tiny.py", OWN_MODEL,
+       f"--workdir={tmp_path / 'run'}", *run, f"--coordinator_address={address}",
+       "--num_processes=2", f"--process_id={i}"], cwd=PROJECT, env=four_devices(),
+      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]
+  try:
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "run" / "checkpoints" / "10").is_dir():
+      assert time.monotonic() < deadline and all(p.poll() is None for p in processes)
+      time.sleep(0.05)
+    processes[1].kill()
+    killed_at = time.monotonic()
+    _, stderr = processes[0].communicate(timeout=120)
+    elapsed = time.monotonic() - killed_at
+  finally:
+    stop_all(processes)
+  print(f"process 0 stopped {elapsed:.1f} s after process 1 was killed (SIGKILL)")
+  assert processes[0].returncode != 0 and elapsed < 45, stderr[-3000:]
+  resumed = train(tmp_path / "run", 2, *run)
+  last = max(straight["eval_accuracy"])
+  for name in ("eval_accuracy", "eval_loss", "eval_examples"):
+    assert resumed[name][last] == straight[name][last], name
+  step, state = saved_arrays(tmp_path / "run")
+  straight_step, straight_state = saved_arrays(tmp_path / "straight")
+  assert step == straight_step and len(state) == len(straight_state)
+  for got, want in zip(state, straight_state, strict=True):
+    np.testing.assert_array_equal(got, want)
+
+
+def saved_arrays(workdir) -> tuple[int, list[np.ndarray]]:
+  """The latest checkpoint's step and leaves, read as NumPy arrays (whatever devices wrote it)."""
+  with ocp.CheckpointManager(workdir / "checkpoints") as checkpoints:
+    step = checkpoints.latest_step()
+  path = workdir / "checkpoints" / str(step) / "state"
+  checkpointer = ocp.PyTreeCheckpointer()
+  tree = checkpointer.metadata(path)
+  tree = getattr(tree, "item_metadata", None) or tree
+  as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
+                          getattr(tree, "tree", tree))
+  return step, jax.tree.leaves(checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+      restore_args=as_numpy)))
 
 
 def run_pair(workdirs, env=None, timeout=300):

@@ -165,15 +165,18 @@ def initialize() -> None:
                jax.process_count(), ", ".join(map(str, jax.local_devices())), jax.device_count())
   if jax.default_backend() == "cpu":
     if logging.get_verbosity() < logging.DEBUG:  # (--verbosity=1 keeps them)
-      drop_from_stdout(b"[Gloo] ")  # 8 lines a process: 'Rank 1 is connected to 1 peer ranks'
+      # Gloo's 'Rank 1 is connected to 1 peer ranks. Expected ...': a line a device and group,
+      # from as many threads at once, their pieces mixed.
+      drop_from_stdout((b"[Gloo]", b"peer ranks", b" is connected to "))
     connect_cpu_collectives()
   if jax.process_index() > 0:
     logging.set_verbosity(logging.WARNING)  # process 0 logs progress and metrics
 
 
-def drop_from_stdout(prefix: bytes) -> None:
-  """Leaves out of this process's standard output the lines that start with `prefix` (written
-  there by C++ libraries too, so filtered at the file descriptor, by a thread, until exit)."""
+def drop_from_stdout(marks: tuple[bytes, ...]) -> None:
+  """Leaves out of this process's standard output the lines that hold one of `marks`, or a bare
+  number (a piece of one of them; written there by C++ libraries too, so filtered at the file
+  descriptor, by a thread, until exit)."""
   original, (read, write) = os.dup(1), os.pipe()
   sys.stdout.flush()
   os.dup2(write, 1)
@@ -182,7 +185,7 @@ def drop_from_stdout(prefix: bytes) -> None:
   def forward():
     with os.fdopen(read, "rb") as lines, os.fdopen(os.dup(original), "wb", buffering=0) as out:
       for line in lines:
-        if not line.startswith(prefix):
+        if not (any(mark in line for mark in marks) or line.strip().isdigit()):
           out.write(line)
 
   thread = threading.Thread(target=forward, daemon=True)
