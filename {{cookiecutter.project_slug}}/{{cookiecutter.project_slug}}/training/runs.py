@@ -156,6 +156,17 @@ def damage(restore, step: int) -> tuple[object, str | None]:
   return state, why
 
 
+def newest_intact(steps, restore, damaged) -> tuple[int | None, object]:
+  """The first of `steps` (newest first) that `restore(step)` reads back intact, and its state;
+  `damaged(step, why)` is called for each one before it that is not. (None, None): none is."""
+  for step in steps:
+    state, why = damage(restore, step)
+    if why is None:
+      return step, state
+    damaged(step, why)
+  return None, None
+
+
 DAMAGED = "damaged_checkpoints"  # in the workdir: checkpoints that could not be restored
 
 
@@ -188,13 +199,14 @@ def restore_or_init(checkpoints, abstract, init, workdir: str):
           "bucket: gs://...).")
   if step is None:
     return 0, init()
-  for step in sorted(checkpoints.all_steps(), reverse=True):
-    state, why = damage(lambda s: restore_state(checkpoints, s, abstract, workdir), step)
-    if why is None:
-      logging.info("Resumed from the checkpoint of step %d in %s", step, workdir)
-      return step, state
-    logging.warning("checkpoint %d in %s %s: kept in %s; resuming from an older one", step,
-                    workdir, why, put_aside(checkpoints, step, workdir))
+  step, state = newest_intact(
+      sorted(checkpoints.all_steps(), reverse=True),
+      lambda s: restore_state(checkpoints, s, abstract, workdir),
+      lambda s, why: logging.warning("checkpoint %d in %s %s: kept in %s; resuming from an older "
+                                     "one", s, workdir, why, put_aside(checkpoints, s, workdir)))
+  if step is not None:
+    logging.info("Resumed from the checkpoint of step %d in %s", step, workdir)
+    return step, state
   raise ConfigError(f"no checkpoint in {workdir!r} can be restored (each is in "
                     f"{os.path.join(workdir, DAMAGED)}, the log says why); start again in a new "
                     "--workdir.")

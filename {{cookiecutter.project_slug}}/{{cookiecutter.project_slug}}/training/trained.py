@@ -24,6 +24,7 @@ from .runs import (
   checkpoint_manager,
   damage,
   leaf_name,
+  newest_intact,
   shapes,
 )
 
@@ -108,16 +109,16 @@ class Restored:
     if step is not None and step not in available:
       raise ConfigError(f"--step={step}: workdir {workdir!r} holds the checkpoints of steps "
                         f"{', '.join(map(str, available))}.")
-    for self.step in [step] if step is not None else sorted(available, reverse=True):
-      self.state, why = damage(
-          lambda s: restore_model(checkpoints, s, abstract, workdir), self.step)
-      if why is None:
-        break
+    def damaged(s, why):
       if step is not None:  # the one asked for
         raise ConfigError(f"checkpoint {step} in {workdir!r} {why}; give another --step (the "
                           f"checkpoints: {', '.join(map(str, available))}).")
-      logging.warning("checkpoint %d in %s %s; using an older one", self.step, workdir, why)
-    else:
+      logging.warning("checkpoint %d in %s %s; using an older one", s, workdir, why)
+
+    self.step, self.state = newest_intact(
+        [step] if step is not None else sorted(available, reverse=True),
+        lambda s: restore_model(checkpoints, s, abstract, workdir), damaged)
+    if self.step is None:
       raise ConfigError(f"no checkpoint in {workdir!r} can be restored (the warnings above say "
                         "why).")
     checkpoints.close()
