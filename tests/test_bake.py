@@ -390,10 +390,11 @@ USER_MODELS = TEMPLATE / "tests" / "user_models"
 
 
 @pytest.mark.baked_suite
-@pytest.mark.parametrize("model", ["residual_dropout", "mlp"])
+@pytest.mark.parametrize("model", ["residual_dropout", "mlp", "convnext"])
 def test_baked_fast_tier_passes_with_a_model_of_your_own(cookies, model):
   """model.py replaced by a user's (tests/user_models/: a residual CNN with the masked BatchNorm
-  and Dropout, written as the baked README says; an MLP without convolutions): the fast tier
+  and Dropout, written as the baked README says; an MLP without convolutions, with Dropout; a
+  ConvNeXt: depthwise convolutions, LayerNorm, a hand-written stochastic depth): the fast tier
   passes, the tests of the machinery on their own models, the your-model tier on this one; and
   the your-model tier's slow test: train.py stopped by Ctrl-C and resumed by the same command."""
   project = bake_ok(cookies)
@@ -405,3 +406,23 @@ def test_baked_fast_tier_passes_with_a_model_of_your_own(cookies, model):
   output = run_tier(project, "slow", "-rA", "tests/test_your_model.py")
   assert "PASSED tests/test_your_model.py::test_your_model_stops_on_ctrl_c" in output, output
   print(output.strip().splitlines()[-1])
+
+
+@pytest.mark.baked_suite
+def test_the_your_model_tier_names_the_path_and_leaf_of_a_model_that_differs(cookies):
+  """A test of the test: a model.py whose plain nnx.BatchNorm takes each device's statistics
+  under pmap, the whole batch's elsewhere (tests/user_models/differs.py), fails the your-model
+  tier's comparison, naming pmap and the leaves beyond their bounds, and no other path."""
+  project = bake_ok(cookies)
+  (project / "model.py").write_text((USER_MODELS / "differs.py").read_text())
+  env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  proc = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+              "tests/test_your_model.py", "-k", "takes_the_same_steps_on_every_path"],
+             cwd=project, timeout=900, env=env)
+  output = proc.stdout + proc.stderr
+  assert proc.returncode == 1 and "1 failed" in output, output[-3000:]
+  assert re.search(r"^E\s+pmap: 0/hidden/kernel differs by \S+ \(norm\), bound \S+ = 0.0001 x ",
+                   output, re.MULTILINE), output[-3000:]
+  assert re.search(r"^E\s+pmap: loss \S+, accuracy \S+ of 148 examples; one device: ", output,
+                   re.MULTILINE), output[-3000:]
+  assert not re.search(r"^E\s+(spmd|fsdp): ", output, re.MULTILINE), output[-3000:]

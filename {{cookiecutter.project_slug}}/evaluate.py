@@ -6,10 +6,13 @@
 
 Exact over padded batches, on every device, by training's own eval step. Prints the metrics
 (and the confusion matrix for up to 10 classes) and writes them, the matrix as an image, to
-TensorBoard in `workdir/evaluate/` at the checkpoint's step.
+TensorBoard in `workdir/evaluate/` at the checkpoint's step: the run's split under `eval_loss`,
+`eval_accuracy`, ..., other data under tags of their own (`image_folder_NAME_loss`,
+`data_dir_NAME_loss`, ...: NAME the folder's), never into the run's own evaluation curve.
 """
 
 import os
+import re
 import sys
 
 import jax
@@ -20,7 +23,7 @@ from flax import nnx
 from {{cookiecutter.project_slug}} import plan
 from {{cookiecutter.project_slug}}.data import image_files, input_pipeline
 from {{cookiecutter.project_slug}}.errors import BadData
-from {{cookiecutter.project_slug}}.parallel import distributed
+from {{cookiecutter.project_slug}}.parallel import distributed, sharding
 from {{cookiecutter.project_slug}}.training import metrics, steps, trained, writers
 
 FLAGS = flags.FLAGS
@@ -66,6 +69,16 @@ def confusion_image(counts: np.ndarray) -> np.ndarray:
   return np.repeat(pixels[None, :, :, None], 3, axis=-1)
 
 
+def confusion_text(names: list[str], counts: np.ndarray) -> str:
+  """The matrix as text: a row a true class, a column a predicted one, names apart."""
+  width = max(6, *map(len, names)) + 1  # (a space before each name)
+  lines = ["confusion matrix (rows: true class, columns: predicted):",
+           " " * width + "".join(n.rjust(width) for n in names)]
+  lines += [name.rjust(width) + "".join(str(c).rjust(width) for c in row)
+            for name, row in zip(names, counts, strict=True)]
+  return "\n".join(lines)
+
+
 def evaluate(run: trained.Restored, source) -> dict:
   """Loss, accuracy, examples, per-class accuracy and the confusion matrix of `source`."""
   config = run.config
@@ -74,7 +87,8 @@ def evaluate(run: trained.Restored, source) -> dict:
   graphdef, state = nnx.split((nnx.merge(run.graphdef, run.state),))  # eval_step's (model,)
   compiled = steps.make(graphdef, config, run.mesh)
   collection = metrics.with_confusion(run.info.num_classes)
-  batches = input_pipeline.eval_batches(source, config, **distributed.share())
+  batches = input_pipeline.eval_batches(source, config,
+                                         sharding.process_rows(run.mesh, config.batch_size))
   running = jax.device_get(steps.evaluate(compiled, state, batches, config, collection))
   counts = np.asarray(running.confusion.counts)
   with np.errstate(invalid="ignore"):
@@ -88,7 +102,8 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   distributed.initialize()
   try:
-    run = trained.Restored(FLAGS.workdir, FLAGS.step)
+    run = trained.Restored(FLAGS.workdir, FLAGS.step,
+                           current_model=FLAGS.use_current_model)
     if FLAGS.image_folder:
       source = image_folder_source(FLAGS.image_folder, run)
     else:
@@ -123,24 +138,33 @@ def main(argv):
                                    result["confusion"].sum(axis=1), strict=True):
     print(f"  {name}: accuracy {accuracy:.4f} ({count} examples)")
   if len(names) <= 10:
-    width = max(6, *map(len, names))
-    print("confusion matrix (rows: true class, columns: predicted):")
-    print(" " * width + "".join(n.rjust(width) for n in names))
-    for name, row in zip(names, result["confusion"], strict=True):
-      print(name.rjust(width) + "".join(str(c).rjust(width) for c in row))
+    print(confusion_text(names, result["confusion"]))
   writer = writers.create_writer(os.path.join(FLAGS.workdir, "evaluate"))
-  scalars = {"eval_loss": result["loss"], "eval_accuracy": result["accuracy"]}
+  prefix = tag_prefix(FLAGS.image_folder, FLAGS.data_dir)
+  scalars = {f"{prefix}_loss": result["loss"], f"{prefix}_accuracy": result["accuracy"]}
   for name, accuracy in zip(names, result["per_class_accuracy"], strict=True):
     if not np.isnan(accuracy):  # a class without examples has none
-      scalars[f"eval_accuracy/{name}"] = accuracy
+      scalars[f"{prefix}_accuracy/{name}"] = accuracy
   writer.write_scalars(run.step, scalars)
-  writer.write_images(run.step, {"confusion_matrix": confusion_image(result["confusion"])})
+  matrix = "confusion_matrix" if prefix == "eval" else f"{prefix}_confusion_matrix"
+  writer.write_images(run.step, {matrix: confusion_image(result["confusion"])})
   writer.close()
+
+
+def tag_prefix(image_folder: str | None, data_dir: str | None) -> str:
+  """The tags' prefix: 'eval' for the run's own split, else the data's kind and folder name."""
+  for kind, folder in (("image_folder", image_folder), ("data_dir", data_dir)):
+    if folder:
+      name = re.sub(r"[^A-Za-z0-9_.-]+", "_", os.path.basename(os.path.normpath(folder)))
+      return f"{kind}_{name}"
+  return "eval"
 
 
 if __name__ == "__main__":  # flags defined here: the functions above can be imported
   flags.DEFINE_string("workdir", None, "A training run's workdir.", required=True)
   flags.DEFINE_integer("step", None, "The checkpoint's step (default: the latest).")
+  flags.DEFINE_bool("use_current_model", False, "Build the model with model.py as it is now, "
+                    "not the run's own copy (workdir/model.py) where the two differ.")
   flags.DEFINE_string("data_dir", None, "Evaluate on this directory's eval split.")
   flags.DEFINE_string("image_folder", None, "Evaluate on these images: one "
                        "subfolder per class, named as the run's classes.")

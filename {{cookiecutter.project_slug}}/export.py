@@ -88,7 +88,8 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   distributed.initialize()
   try:
-    run = trained.Restored(FLAGS.workdir, FLAGS.step)
+    run = trained.Restored(FLAGS.workdir, FLAGS.step,
+                           current_model=FLAGS.use_current_model)
   except plan.ConfigError as e:
     raise SystemExit(f"error: {e}") from None
   if distributed.is_first():
@@ -110,4 +111,6 @@ if __name__ == "__main__":  # flags defined here: the functions above can be imp
   flags.DEFINE_string("workdir", None, "A training run's workdir.", required=True)
   flags.DEFINE_string("out", None, "The .npz file to write.", required=True)
   flags.DEFINE_integer("step", None, "The checkpoint's step (default: the latest).")
+  flags.DEFINE_bool("use_current_model", False, "Build the model with model.py as it is now, "
+                    "not the run's own copy (workdir/model.py) where the two differ.")
   app.run(main)

@@ -18,7 +18,8 @@ from {{cookiecutter.project_slug}} import layers
 
 
 class CNN(nnx.Module):
-  """Conv-ReLU-pool once per entry of `features`, then a dense classifier."""
+  """Conv-ReLU-pool once per entry of `features`, then a dense classifier (after Dropout of
+  `dropout`'s rate, when > 0)."""
 
   def __init__(
       self,
@@ -26,6 +27,7 @@ class CNN(nnx.Module):
       num_classes: int,
       *,
       features: tuple[int, ...] = (32, 64),
+      dropout: float = 0.0,
       dtype=jnp.float32,
       param_dtype=jnp.float32,
       rngs: nnx.Rngs,
@@ -37,6 +39,7 @@ class CNN(nnx.Module):
                            for i in range(len(features))])
     pooled = 2 ** len(features)  # one 2x2 pool per convolution, SAME: sizes rounded up
     flat_dim = -(-height // pooled) * -(-width // pooled) * features[-1]
+    self.dropout = nnx.Dropout(dropout, rngs=rngs) if dropout else None
     self.dense = nnx.Linear(flat_dim, num_classes, dtype=dtype, param_dtype=param_dtype,
                             rngs=rngs)
 
@@ -44,7 +47,8 @@ class CNN(nnx.Module):
     x = images_BHWC
     for conv in self.convs:
       x = nnx.max_pool(nnx.relu(conv(x)), window_shape=(2, 2), strides=(2, 2), padding="SAME")
-    return self.dense(x.reshape(x.shape[0], -1))
+    x_BD = x.reshape(x.shape[0], -1)
+    return self.dense(self.dropout(x_BD) if self.dropout else x_BD)
 
 
 class ResidualBlock(nnx.Module):
@@ -125,4 +129,5 @@ def create_model(config, image_shape, num_classes, rngs: nnx.Rngs) -> nnx.Module
   if config.model.name in RESNETS:
     return ResNet(image_shape, num_classes, **RESNETS[config.model.name],
                   width=config.model.width, **dtypes)
-  return CNN(image_shape, num_classes, features=tuple(config.model.features), **dtypes)
+  return CNN(image_shape, num_classes, features=tuple(config.model.features),
+             dropout=config.model.get("dropout", 0.0), **dtypes)

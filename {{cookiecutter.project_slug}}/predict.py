@@ -74,7 +74,8 @@ def main(argv):
     if not paths:
       raise plan.ConfigError("no image to classify: give image files (.jpg, .jpeg, .png) or "
                              "folders of them after the flags.")
-    run = trained.Restored(FLAGS.workdir, FLAGS.step)
+    run = trained.Restored(FLAGS.workdir, FLAGS.step,
+                           current_model=FLAGS.use_current_model)
     files = [p for p in paths if not p.lower().endswith(".npy")]
     if files and run.info.pixel_dtype != "uint8":
       raise plan.ConfigError(
@@ -109,6 +110,8 @@ def main(argv):
 if __name__ == "__main__":  # flags defined here: the functions above can be imported
   flags.DEFINE_string("workdir", None, "A training run's workdir.", required=True)
   flags.DEFINE_integer("step", None, "The checkpoint's step (default: the latest).")
+  flags.DEFINE_bool("use_current_model", False, "Build the model with model.py as it is now, "
+                    "not the run's own copy (workdir/model.py) where the two differ.")
   flags.DEFINE_integer("top_k", 1, "How many classes to report per image.")
   flags.DEFINE_bool("json", False, "One JSON object per line.")
   flags.DEFINE_integer("batch_size", 0, "Images per call (0: the run's batch size, "

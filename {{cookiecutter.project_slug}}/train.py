@@ -197,7 +197,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   """Trains, resuming from the latest checkpoint in `workdir`; returns the final eval metrics,
   or None when SIGTERM/SIGINT (or a preemption notice) stopped it after saving a checkpoint."""
   config, workdir = prepare(config, workdir)
-  process = distributed.share()
   splits, info = input_pipeline.get_datasets(config)
   num_train_steps = input_pipeline.num_batches(
       config.num_epochs * info.num_examples["train"], config.batch_size)
@@ -208,6 +207,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   schedule = jax.jit(optim.create_schedule(config, num_train_steps))
   schedule(0)
   mesh = sharding.make_mesh(config)
+  rows = sharding.process_rows(mesh, config.batch_size)  # this process's rows of each batch
   graphdef, abstract, init = optim.initial_state(config, info, mesh, num_train_steps)
   compiled = steps.make(graphdef, config, mesh, crop_on_device=not info.crops_on_host)
   if config.init_from:  # read before the workdir is touched: a mismatch stops here
@@ -221,9 +221,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   log_state(config, graphdef, state, speed, num_train_steps)
   state = compiled.put_state(state)
   train_iter = input_pipeline.as_iterator(
-      input_pipeline.train_batches(splits["train"], config, first_step, **process), config,
+      input_pipeline.train_batches(splits["train"], config, first_step, rows), config,
       put=compiled.put_batch)
-  eval_batches = input_pipeline.eval_batches(splits["eval"], config, **process)
+  eval_batches = input_pipeline.eval_batches(splits["eval"], config, rows)
   eval_iter = steps.eval_iterator(eval_batches, config)  # its workers start once
   if config.print_shardings:
     logging.info("%s", sharding.describe_run(compiled.get_state(state),

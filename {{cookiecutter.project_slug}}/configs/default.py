@@ -43,10 +43,11 @@ def get_config() -> ml_collections.ConfigDict:
   # yours; its create_model reads the keys below, and any you add).
   # name: model.py's 'cnn' (of one convolution per entry of `features`), 'resnet18' or
   # 'resnet50' (of `width` channels in its first stage). dtype: the computation's; param_dtype:
-  # the parameters' (bfloat16 compute with float32 parameters: mixed precision).
+  # the parameters' (bfloat16 compute with float32 parameters: mixed precision). dropout: the
+  # cnn's Dropout rate before its classifier (0: none).
   config.model = ml_collections.ConfigDict(
       dict(module="model", name="cnn", features=(32, 64), width=64, dtype="float32",
-           param_dtype="float32"))
+           param_dtype="float32", dropout=0.0))
   config.optimizer = "adam"  # 'adam', 'adamw' or 'sgd'
   config.learning_rate = 3e-3  # peak at `base_batch_size` (scaled by `lr_scaling`)
   # The global batch over the base one scales the peak: 'none', 'linear' (Goyal et al. 2017,

@@ -61,8 +61,9 @@ def test_every_example_once_padding_masked(n, batch_size, k):
 @pytest.mark.parametrize("n, batch_size, processes", [(1001, 64, 2), (77, 16, 4), (9, 4, 2)])
 def test_processes_split_each_global_batch(n, batch_size, processes):
   single = unstacked(eval_batches(numbered(n), batch_size, 3))
-  per_process = [unstacked(eval_batches(numbered(n), batch_size, 3, process_index=p,
-                                        process_count=processes)) for p in range(processes)]
+  per_process = [unstacked(eval_batches(numbered(n), batch_size, 3,
+                                        rows=block(p, processes, batch_size)))
+                 for p in range(processes)]
   assert {len(batches) for batches in per_process} == {len(single)}  # same step count everywhere
   for step, batch in enumerate(single):
     parts = [batches[step] for batches in per_process]
@@ -102,19 +103,33 @@ def test_resumed_stream_starts_at_the_batch_after_the_last_step(tiny_config, fir
       np.testing.assert_array_equal(a[key], b[key])
 
 
+def block(p: int, processes: int, batch_size: int) -> tuple[int, ...]:
+  """Process p's rows of each global batch, as `sharding.process_rows` gives them on a mesh whose
+  processes hold consecutive devices."""
+  local = batch_size // processes
+  return tuple(range(p * local, (p + 1) * local))
+
+
 def test_training_batches_do_not_depend_on_the_process_count(tiny_config):
   """Shuffle and stream positions (which key the augmentation, on the device) are functions of
-  the position in the stream: 2 processes together produce exactly the global batches of 1."""
+  the position in the stream: 2 processes together produce exactly the global batches of 1, row
+  for row (a model's random draws, keyed by row, fall on the same examples)."""
   tiny_config.batch_size = 64
   source = input_pipeline.ArraySource(
       np.random.default_rng(0).integers(0, 256, (100, 8, 8, 1), dtype=np.uint8), np.arange(100))
   single = list(input_pipeline.train_batches(source, tiny_config))
-  parts = [list(input_pipeline.train_batches(source, tiny_config, process_index=p,
-                                             process_count=2)) for p in range(2)]
+  parts = [list(input_pipeline.train_batches(source, tiny_config, rows=block(p, 2, 64)))
+           for p in range(2)]
   for step, element in enumerate(single):
     for key in element:
-      joined = np.stack([parts[0][step][key], parts[1][step][key]], axis=2)  # interleave
-      np.testing.assert_array_equal(joined.reshape(element[key].shape), element[key])
+      joined = np.concatenate([parts[0][step][key], parts[1][step][key]], axis=1)
+      np.testing.assert_array_equal(joined, element[key])
+  # Rows of another order (a mesh whose processes' devices alternate): read where they sit.
+  rows = tuple(r for r in range(64) if r // 8 % 2)
+  odd = list(input_pipeline.train_batches(source, tiny_config, rows=rows))
+  for step, element in enumerate(single):
+    for key in element:
+      np.testing.assert_array_equal(odd[step][key], element[key][:, list(rows)])
 
 
 @pytest.mark.parametrize("processes", [1, 2])
@@ -132,14 +147,14 @@ def test_a_worker_reads_one_devices_share_of_an_element(tiny_config, processes):
   for k in (1, 5):
     tiny_config.steps_per_dispatch = k
     for name, trim in (("train_batches", False), ("eval_batches", True)):
-      elements = getattr(input_pipeline, name)(source, tiny_config, process_index=processes - 1,
-                                               process_count=processes)
+      rows = block(processes - 1, processes, 64) if processes > 1 else None
+      elements = getattr(input_pipeline, name)(source, tiny_config, rows=rows)
       assert elements.shares == 8
       kept = min(k, -(-150 // 64)) if trim else k  # evaluation: the batches there are
       assert elements.units[0]["image"].shape == (kept, 64 // 8 // processes, 1, 1, 1)
       whole = input_pipeline.LoadUnit(  # an element a unit
           source, 64, 1 if trim else 2, None if trim else tiny_config.seed, k, trim=trim,
-          process_index=processes - 1, process_count=processes)
+          rows=rows)
       expected = input_pipeline.elements(whole)
       assert len(elements) == len(expected) == -(-(150 if trim else 300) // 64 // k)
       for got, want in zip(elements, expected, strict=True):

@@ -78,7 +78,11 @@ def test_two_processes_train_like_the_straight_spmd_run(straight_runs, tmp_path)
 @pytest.mark.parametrize("k", [1, 5])  # steps per dispatch
 @pytest.mark.parametrize("parallelism", ["spmd", "pmap"])
 def test_two_processes_train_like_one(tmp_path, parallelism, k):
-  overrides = f"--config.parallelism={parallelism}", f"--config.steps_per_dispatch={k}"
+  """With Dropout (the CNN's, before its classifier): a process reads the rows of the global
+  batch that its devices hold, so every example meets the same mask in both runs (on pmap too:
+  each device draws by its index, and holds the same rows)."""
+  overrides = (f"--config.parallelism={parallelism}", f"--config.steps_per_dispatch={k}",
+               "--config.model.dropout=0.3")
   single = train(tmp_path / "one", 1, *overrides)
   multi = train(tmp_path / "two", 2, *overrides)
   assert_same_run(multi, single)
@@ -274,6 +278,42 @@ def test_a_process_killed_after_a_checkpoint_then_the_same_command_resumes_exact
   assert step == straight_step and len(state) == len(straight_state)
   for got, want in zip(state, straight_state, strict=True):
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_damaged_in_one_process_files_is_put_aside_by_both(tmp_path):
+  """fsdp over the 2 processes' 8 devices: each process writes its own shards (ocdbt.process_0,
+  ocdbt.process_1) and reads them back. The newest checkpoint's process-1 files garbled: process
+  1 alone fails to read them, yet both give the same verdict, put it aside and resume from the
+  checkpoint before, ending with the state of the run never damaged, bitwise. (The default CNN's
+  width: shards of 1 KiB or less are kept inside the merged index, not in the processes' files.)"""
+  fsdp = ("--config.parallelism=fsdp", "--config.fsdp_min_size=0",
+          "--config.max_checkpoints_to_keep=10", "--config.model.features=(32,64)")
+  train(tmp_path / "straight", 2, *fsdp)
+  workdir = tmp_path / "run"
+  shutil.copytree(tmp_path / "straight", workdir)
+  last, want = saved_arrays(workdir)
+  process_1 = workdir / "checkpoints" / str(last) / "state" / "ocdbt.process_1" / "d"
+  files = sorted(process_1.iterdir(), key=lambda path: path.stat().st_size)
+  assert files, "process 1 wrote no data files"
+  with open(files[-1], "r+b") as f:
+    size = files[-1].stat().st_size
+    f.seek(size // 4)
+    f.write(b"\xff" * (size // 2))
+  done = subprocess.run(
+      [sys.executable, "launch.py", "--num_processes=2", "--devices_per_process=4",
+       "--timeout=400", "--", "--config=configs/tiny.py", OWN_MODEL, f"--workdir={workdir}",
+       *fsdp], cwd=PROJECT, capture_output=True, text=True, timeout=450)
+  assert done.returncode == 0, done.stderr[-4000:]
+  for said in (f"checkpoint {last} in {workdir} cannot be read on process 1: kept in "  # 0's
+               f"{workdir}/damaged_checkpoints/{last}; resuming from an older one",
+               f"checkpoint {last} in {workdir} cannot be read ("):  # process 1's, with its error
+    assert done.stderr.count(said) == 1, done.stderr[-4000:]
+  assert (workdir / "damaged_checkpoints" / str(last) / "state").is_dir()
+  step, got = saved_arrays(workdir)
+  assert step == last and len(got) == len(want)
+  for a, b in zip(got, want, strict=True):
+    np.testing.assert_array_equal(a, b)
 
 
 def saved_arrays(workdir) -> tuple[int, list[np.ndarray]]:

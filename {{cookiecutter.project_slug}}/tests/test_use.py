@@ -8,10 +8,12 @@ import functools
 import json
 import logging
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
 
+import conftest
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -328,6 +330,21 @@ def test_the_commands(folder_run, tmp_path):
   assert reader.Tags()["images"] == ["confusion_matrix"]
   assert "eval_accuracy/zero" in reader.Tags()["scalars"]
 
+  # Other images: their own tags beside the run's, not on its evaluation curve.
+  done = script("evaluate.py", f"--workdir={workdir}", f"--image_folder={root / 'pngs' / 'val'}")
+  assert done.returncode == 0, done.stderr
+  tags = {}
+  for name in os.listdir(os.path.join(workdir, "evaluate")):
+    reader = event_accumulator.EventAccumulator(os.path.join(workdir, "evaluate", name))
+    reader.Reload()
+    tags[name] = reader.Tags()
+  assert len(tags) == 2
+  assert any("eval_loss" in t["scalars"] and not any("image_folder" in s for s in t["scalars"])
+             for t in tags.values())
+  assert any({"image_folder_val_loss", "image_folder_val_accuracy/zero"} <= set(t["scalars"])
+             and "eval_loss" not in t["scalars"]
+             and t["images"] == ["image_folder_val_confusion_matrix"] for t in tags.values())
+
   done = script("export.py", f"--workdir={workdir}", f"--out={tmp_path / 'model.npz'}")
   assert done.returncode == 0, done.stderr
   assert json.loads((tmp_path / "model.json").read_text())["class_names"] == sorted(CLASSES)
@@ -381,3 +398,88 @@ def test_a_run_on_float_pixels_is_used_as_it_was_trained(tmp_path):
   done = script("export.py", f"--workdir={workdir}", f"--out={tmp_path / 'model.npz'}")
   assert done.returncode == 0, done.stderr
   assert json.loads((tmp_path / "model.json").read_text())["pixel_dtype"] == "float32"
+
+
+def test_the_confusion_matrix_keeps_class_names_apart_and_other_data_has_its_own_tags():
+  text = evaluate.confusion_text(["china", "flower"], np.array([[3, 1], [0, 4]]))
+  header, china, flower = text.splitlines()[1:]
+  assert header.split() == ["china", "flower"]
+  assert china.split() == ["china", "3", "1"] and flower.split() == ["flower", "0", "4"]
+  assert evaluate.tag_prefix(None, None) == "eval"
+  assert evaluate.tag_prefix("/photos/test set/", None) == "image_folder_test_set"
+  assert evaluate.tag_prefix(None, "data/other") == "data_dir_other"
+
+
+CHANGED_MODEL = '''
+from flax import nnx
+
+
+class MLP(nnx.Module):
+  def __init__(self, image_shape, num_classes, *, rngs):
+    self.dense = nnx.Linear(image_shape[0] * image_shape[1] * image_shape[2], num_classes,
+                            rngs=rngs)
+
+  def __call__(self, images_BHWC):
+    return self.dense(images_BHWC.reshape(images_BHWC.shape[0], -1))
+
+
+def create_model(config, image_shape, num_classes, rngs):
+  return MLP(image_shape, num_classes, rngs=rngs)
+'''
+
+
+def test_a_run_keeps_its_model_and_is_used_with_it_after_model_py_changes(straight_runs,
+                                                                          tmp_path, monkeypatch):
+  """The workdir holds the model's source as trained; once the module it names (here: written
+  anew, an MLP in place of the CNN) differs, evaluation, predict and export rebuild the run's
+  own model from the copy, and say so; today's model (`current_model`) is refused, naming the
+  leaf that differs."""
+  original, metrics = straight_runs["spmd"]
+  assert (original / runs.MODEL_FILE).read_text() == (
+      pathlib.Path(conftest.TESTS) / f"{conftest.SHIPPED_MODEL}.py").read_text()
+  workdir = tmp_path / "run"
+  shutil.copytree(original, workdir)
+  config = json.loads((workdir / runs.CONFIG_FILE).read_text())
+  config["model"]["module"] = "changed_model"  # the module the run names, rewritten since
+  (workdir / runs.CONFIG_FILE).write_text(json.dumps(config))
+  (tmp_path / "code").mkdir()
+  (tmp_path / "code" / "changed_model.py").write_text(CHANGED_MODEL)
+  monkeypatch.syspath_prepend(str(tmp_path / "code"))
+
+  assert "as the run trained it" in trained.Restored(str(original)).summary
+  run = trained.Restored(str(workdir))
+  assert f"model: the run's own, {workdir / runs.MODEL_FILE} (changed_model.py has changed" in (
+      run.summary)
+  result = evaluate.evaluate(run, input_pipeline.get_datasets(run.config)[0]["eval"])
+  assert result["examples"] == 360 and result["accuracy"] == metrics["accuracy"]
+  with pytest.raises(plan.ConfigError, match=r"of a different model: 0/convs/0/bias/value is "
+                     r"\(8,\) there and absent in this config and model"):
+    trained.Restored(str(workdir), current_model=True)
+
+
+@pytest.mark.slow
+def test_train_replace_model_py_then_evaluate_predict_and_export_the_old_run(tmp_path):
+  """As a user does it, in a copy of the project: train on model.py's CNN, replace model.py by an
+  MLP, then the commands on the old workdir work, each saying that it used the run's own copy;
+  with --use_current_model, one line naming the leaf that differs."""
+  project = tmp_path / "project"
+  shutil.copytree(PROJECT, project, ignore=shutil.ignore_patterns(
+      ".*", "__pycache__", "runs", "*.egg-info"))
+  workdir = tmp_path / "run"
+  command = lambda *args: subprocess.run(  # noqa: E731
+      [sys.executable, *args], cwd=project, capture_output=True, text=True, timeout=300)
+  done = command("train.py", "--config=configs/tiny.py", f"--workdir={workdir}")
+  assert done.returncode == 0, done.stderr[-3000:]
+  (project / "model.py").write_text(CHANGED_MODEL)
+  image = tmp_path / "digit.png"
+  Image.fromarray(input_pipeline.get_datasets(default.get_config())[0]["eval"].images[0, ..., 0]
+                  ).save(image)
+  said = f"model: the run's own, {workdir / runs.MODEL_FILE} (model.py has changed since"
+  for args in (["evaluate.py"], ["predict.py", str(image)],
+               ["export.py", f"--out={tmp_path / 'model.npz'}"]):
+    done = command(*args, f"--workdir={workdir}")
+    assert done.returncode == 0 and said in done.stderr, done.stderr[-3000:]
+  done = command("evaluate.py", f"--workdir={workdir}", "--use_current_model")
+  assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].startswith(
+      f"error: workdir {str(workdir)!r} holds a checkpoint (step 23) of a different model: "
+      "0/convs/0/bias/value is (8,) there and absent"), done.stderr[-3000:]

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from PIL import Image
-from test_parallel import assert_trees_close, batches, run
+from test_parallel import as_numpy, batches, run
 from test_preemption import final_state
 
 import evaluate
@@ -63,40 +63,100 @@ def test_your_model_maps_images_to_logits():
   assert steps.mask_warning(model) is None, steps.mask_warning(model)
 
 
-def without_dropout(graphdef, state):
-  """The same model with its Dropout layers' rates at 0 (the steps' train mode would turn
-  `deterministic` back off): pmap draws each device's own dropout, another mask than one
-  device's, so pmap is compared with the others without it."""
-  model = nnx.merge(graphdef, state)
-  for _, node in nnx.iter_graph(model):
-    if isinstance(node, nnx.Dropout):
-      node.rate = 0.0
-  return nnx.split(model)
+# The paths are compared with plain SGD at the config's learning rate: its update is the gradient,
+# so what is compared is what the model computes (gradients, batch statistics, random draws).
+# Adam-like optimizers divide each entry by its size, which turns the rounding noise of a
+# gradient that is zero in exact arithmetic (a bias before a normalisation) into full steps; the
+# optimizers' own code is the same on every path (tests/test_parallel.py runs the recipe's).
+# Differences are measured against the update: 1e-4 of a leaf's own change, or of its share of
+# the whole state's change (float32 rounding, reduced in another order: ~1e-6 of it).
+RTOL = 1e-4
 
 
-def takes_the_same_steps_on_every_path(batch_norm_devices: int, paths=("spmd", "fsdp"),
-                                       without_dropout_paths=("spmd", "pmap", "fsdp")):
-  """Three steps (a padded batch among them) from the same state: one device (its batch split
-  into 8 groups for BatchNorm's statistics with `batch_norm_devices`=1) and `paths` give the
-  same state and metrics, dropout included; `without_dropout_paths` too, with Dropout off."""
-  config = config_as_shipped()
+def comparable(config):
+  config.optimizer, config.momentum, config.weight_decay = "sgd", 0.0, 0.0
+  config.grad_clip_norm, config.ema_decay, config.warmup_steps = 0.0, 0.0, 0
+  config.warmup_epochs, config.schedule = 0.0, "constant"
+  return config
+
+
+def differences(got, want, start) -> list[str]:
+  """Each leaf of `got` that differs from `want` beyond its bound, said with the bound; integer
+  leaves (counts, RNG keys) must be equal. Names as the checkpoint's: 0/ the model's leaves."""
+  leaves = lambda tree: {runs.leaf_name(p).removesuffix("/value"): as_numpy(x)  # noqa: E731
+                         for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+  got, want, start = leaves(got), leaves(want), leaves(start)
+  floats = [n for n, x in want.items() if np.issubdtype(x.dtype, np.floating)]
+  change = {n: float(np.linalg.norm((want[n] - start[n]).astype(np.float64))) for n in floats}
+  total, size = np.sqrt(sum(c * c for c in change.values())), sum(want[n].size for n in floats)
+  wrong = []
+  for name, x in got.items():
+    if name not in change:
+      if not np.array_equal(x, want[name]):
+        wrong.append(f"{name} differs (integers: {np.sum(x != want[name])} entries)")
+      continue
+    scale = max(change[name], total * np.sqrt(want[name].size / size))
+    diff = float(np.linalg.norm((x - want[name]).astype(np.float64)))
+    if not diff <= RTOL * scale:
+      wrong.append(f"{name} differs by {diff:.3g} (norm), bound {RTOL * scale:.3g} = {RTOL:g} x "
+                   f"{scale:.3g} (its update's norm, or its share of the state's)")
+  return wrong
+
+
+def with_randomness_off(graphdef, state):
+  """The same state, its modules' `deterministic` on (what model.eval() sets: nnx.Dropout's, and
+  any random layer's of yours that honours it), BatchNorm still on batch statistics."""
+  objects = nnx.merge(graphdef, state)
+  objects[0].set_attributes(deterministic=True, raise_if_not_found=False)
+  return nnx.split(objects)
+
+
+def draws_randomness(graphdef, state, images) -> bool:
+  """Whether the model (in the mode of `graphdef`) gives other outputs with other RNG keys."""
+  def forward(rekey: bool):
+    model = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))[0]
+    if rekey:
+      keys = nnx.state(model, nnx.RngKey)
+      nnx.update(model, jax.tree.map(lambda k: jax.random.fold_in(k, 1), keys))
+    return np.asarray(steps.call_model(model, images, jnp.ones(len(images), bool)))
+
+  return not np.array_equal(forward(False), forward(True))
+
+
+def takes_the_same_steps_on_every_path(batch_norm_devices: int, paths=("spmd", "fsdp", "pmap")):
+  """Three SGD steps (a padded batch among them) from the same state: each path gives one
+  device's state (its batch split into 8 groups for BatchNorm's statistics with
+  `batch_norm_devices`=1) and metrics. Random layers draw by row of the global batch on spmd and
+  fsdp, as on one device; pmap draws each device's own, so pmap is compared with them off."""
+  config = comparable(config_as_shipped())
   config.fsdp_min_size = 0  # split every leaf that divides over 8
   config.batch_norm_devices = batch_norm_devices
-  _, info = input_pipeline.get_datasets(config)
+  sources, info = input_pipeline.get_datasets(config)
   assert info.image_shape == (8, 8, 1)  # (test_parallel.batches: digits-shaped)
   graphdef, state = nnx.split(optim.build_state(config, info.image_shape, info.num_classes, 3))
+  images = jnp.asarray(sources["eval"].images[:16], jnp.float32) / 255
+  quiet = with_randomness_off(graphdef, state)
+  assert not draws_randomness(*quiet, images), (
+      "your model draws random numbers with `deterministic=True` (what model.eval() sets): "
+      "evaluation would be random too; give each random layer a `deterministic` attribute and "
+      "draw nothing when it is True, as nnx.Dropout does")
   data = batches([64, 20, 64])
   copy = lambda state: jax.tree.map(jnp.copy, state)  # (the steps donate it)  # noqa: E731
-  for graph, start, chosen in ((graphdef, state, paths),
-                               (*without_dropout(graphdef, state), without_dropout_paths)):
-    if not chosen:
-      continue
-    single, single_metrics = run(config, "single", data, graph, copy(start))
-    for parallelism in chosen:
-      got, metrics = run(config, parallelism, data, graph, copy(start))
-      assert_trees_close(got, single, atol=1e-5)
-      assert metrics["examples"] == 148 and metrics["accuracy"] == single_metrics["accuracy"]
-      assert metrics["loss"] == pytest.approx(single_metrics["loss"], rel=1e-5), parallelism
+  reference = {}
+  wrong = []
+  for parallelism in paths:
+    graph, start = quiet if parallelism == "pmap" else (graphdef, state)
+    if graph not in reference:
+      reference[graph] = run(config, "single", data, graph, copy(start))
+    single, single_metrics = reference[graph]
+    got, metrics = run(config, parallelism, data, graph, copy(start))
+    wrong += [f"{parallelism}: {line}" for line in differences(got, single, start)]
+    if (metrics["examples"] != 148 or metrics["accuracy"] != single_metrics["accuracy"]
+        or metrics["loss"] != pytest.approx(single_metrics["loss"], rel=1e-5)):
+      wrong.append(f"{parallelism}: loss {metrics['loss']:.7g}, accuracy {metrics['accuracy']:.7g}"
+                   f" of {metrics['examples']} examples; one device: {single_metrics['loss']:.7g}"
+                   f", {single_metrics['accuracy']:.7g} of 148")
+  assert not wrong, "a path takes another step than one device:\n" + "\n".join(wrong)
 
 
 def test_your_model_takes_the_same_steps_on_every_path():
@@ -107,18 +167,23 @@ def test_your_model_takes_the_same_steps_on_every_path():
 def test_your_model_takes_the_same_steps_with_each_devices_own_statistics():
   """config.batch_norm_devices=1 (configs/imagenet.py's): each device's BatchNorm statistics,
   spmd alone (test_parallel holds fsdp and pmap on the tests' own BatchNorm model)."""
-  takes_the_same_steps_on_every_path(batch_norm_devices=1, paths=("spmd",),
-                                     without_dropout_paths=())
+  takes_the_same_steps_on_every_path(batch_norm_devices=1, paths=("spmd",))
 
 
-def test_your_model_resumes_bit_for_bit(straight, tmp_path):
+def test_your_model_resumes_bit_for_bit(straight, tmp_path, caplog):
   """Stopped after its step-10 checkpoint and started again in the same workdir: the same final
-  metrics and the same bits (parameters, optimizer, batch statistics, RNG keys and counts)."""
+  metrics and the same bits (parameters, optimizer, batch statistics, RNG keys and counts). Its
+  copy of model.py edited since (a comment: the same leaves): said, and the copy renewed."""
   workdir, expected = straight
   shutil.copytree(workdir / "checkpoints" / "10", tmp_path / "checkpoints" / "10")
   for name in (runs.CONFIG_FILE, runs.DATA_FILE):
     shutil.copy(workdir / name, tmp_path / name)
+  source = (workdir / runs.MODEL_FILE).read_text()
+  assert source == open(os.path.join(PROJECT, "model.py")).read()
+  (tmp_path / runs.MODEL_FILE).write_text(source + "# an edit since\n")
   assert train.train_and_evaluate(config_as_shipped(), str(tmp_path)) == expected
+  assert "model.py has changed since this run last started" in caplog.text
+  assert (tmp_path / runs.MODEL_FILE).read_text() == source
   step, state = final_state(tmp_path)
   wanted_step, wanted = final_state(workdir)
   assert step == wanted_step and state.keys() == wanted.keys()

@@ -4,8 +4,10 @@ Each element is k = `config.steps_per_dispatch` batches stacked, each this proce
 global batch (NumPy): image [k, B, H, W, C] as stored, label, mask (False on padding), position
 (the example's place in the stream). Every process cuts a split into ceil(examples /
 global_batch) batches, so no example is dropped or counted twice. Batch b holds stream positions
-[b * global_batch, (b + 1) * global_batch) (`num_epochs` seeded permutations); process p takes
-positions p, p + P, ...: the global batch is the same for any number of processes. A worker
+[b * global_batch, (b + 1) * global_batch) (`num_epochs` seeded permutations), position
+b * global_batch + r in row r: a process reads the rows its devices hold
+(`sharding.process_rows`), so the global batch is the same, row for row, for any number of
+processes (and so are the random draws of a model that keys them by row: Dropout). A worker
 gathers a device's share of an element at a time with NumPy (Grain's per-example path costs more
 than a small step) and hands it over in shared memory: the main process places each share on its
 own device as it is (`sharding.global_batch`), touching no pixel."""
@@ -229,14 +231,13 @@ class LoadUnit:
   shuffle_seed: int | None = None  # None: the source's order
   steps_per_element: int = 1  # k
   first_batch: int = 0
-  process_index: int = 0
-  process_count: int = 1
+  rows: tuple[int, ...] | None = None  # the global batch's rows this process reads; None: all
   trim: bool = False
   shares: int = 1  # units an element
 
   @property
   def local_batch_size(self) -> int:
-    return self.global_batch_size // self.process_count
+    return len(self.rows) if self.rows else self.global_batch_size
 
   def __len__(self) -> int:  # whole elements of k batches
     return -(-self.num_batches // self.steps_per_element) * self.shares
@@ -254,8 +255,8 @@ class LoadUnit:
     k, per_share = self.steps_per_element, self.local_batch_size // self.shares
     batch_S = np.repeat(element * k + np.arange(k), per_share)
     slot_S = np.tile(share * per_share + np.arange(per_share), k)
-    positions_S = (batch_S * self.global_batch_size + self.process_index
-                   + self.process_count * slot_S)
+    positions_S = batch_S * self.global_batch_size + (np.asarray(self.rows)[slot_S]
+                                                      if self.rows else slot_S)
     mask_S = (positions_S < self.num_epochs * len(self.source)) & (batch_S >= self.first_batch)
     read_S = mask_S | (np.arange(len(mask_S)) == 0)  # one example at least: the shapes
     epoch, indices = np.divmod(positions_S[read_S] * mask_S[read_S], len(self.source))
@@ -358,20 +359,21 @@ def elements(load: LoadUnit, first_element: int = 0) -> Elements:
   return Elements(units, load.shares)
 
 
-def train_batches(source, config, first_step: int = 0, **process) -> Elements:
+def train_batches(source, config, first_step: int = 0, rows=None) -> Elements:
   """`num_epochs` passes over `source`, reshuffled each epoch, as one stream of batches, from the
-  element holding batch `first_step` on; only the very last batch can be partial."""
-  k, local = config.steps_per_dispatch, config.batch_size // process.get("process_count", 1)
+  element holding batch `first_step` on; only the very last batch can be partial. `rows`: this
+  process's rows of each global batch (`sharding.process_rows`; None: one process)."""
+  k, local = config.steps_per_dispatch, len(rows) if rows else config.batch_size
   load = LoadUnit(source, config.batch_size, config.num_epochs, config.seed, k, first_step,
-                  **process, shares=shares(config, local))
+                  rows=rows, shares=shares(config, local))
   return elements(load, first_step // k)
 
 
-def eval_batches(source, config, **process) -> Elements:
+def eval_batches(source, config, rows=None) -> Elements:
   """The split once, in its order, k batches an element, the last one only those left."""
-  local = config.batch_size // process.get("process_count", 1)
+  local = len(rows) if rows else config.batch_size
   return elements(LoadUnit(source, config.batch_size, steps_per_element=config.steps_per_dispatch,
-                           trim=True, **process, shares=shares(config, local)))
+                           trim=True, rows=rows, shares=shares(config, local)))
 
 
 def available_cpus() -> int:

@@ -216,8 +216,3 @@ def connect_cpu_collectives() -> None:
 def is_first() -> bool:
   """Whether this is process 0: the one that prints, logs and writes files."""
   return jax.process_index() == 0
-
-
-def share() -> dict[str, int]:
-  """This process's share of a stream of batches (`input_pipeline.LoadUnit`'s arguments)."""
-  return dict(process_index=jax.process_index(), process_count=jax.process_count())

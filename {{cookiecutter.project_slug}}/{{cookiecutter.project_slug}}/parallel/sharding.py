@@ -134,6 +134,16 @@ def _shares(sharding: NamedSharding, shape: tuple[int, int]):
   return list(indices), {d: starts.index(index[1].start or 0) for d, index in indices.items()}
 
 
+def process_rows(mesh: Mesh, batch_size: int) -> tuple[int, ...] | None:
+  """The rows of a global batch that this process's devices hold, in the order of its local batch
+  (as `jax.make_array_from_process_local_data` fills them); None with one process."""
+  if jax.process_count() == 1:
+    return None
+  indices = data_sharded(mesh).addressable_devices_indices_map((1, batch_size))
+  return tuple(sorted({row for index in indices.values()
+                       for row in range(*index[1].indices(batch_size))}))
+
+
 def describe_run(state, batches) -> str:
   """Where the state and a placed batch live (`config.print_shardings`)."""
   return describe(state, "state") + "\n" + describe(batches, "batches (the first eval call's)")

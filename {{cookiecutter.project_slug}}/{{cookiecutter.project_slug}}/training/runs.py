@@ -22,6 +22,7 @@ from ..data import input_pipeline
 from ..errors import ConfigError
 
 CONFIG_FILE, DATA_FILE = "config.json", "data.json"
+MODEL_FILE = "model.py"  # the source of the run's model module (config.model.module), as trained
 
 
 def array_handlers():
@@ -71,8 +72,9 @@ def check_checkpoint_fits(checkpoints, step: int, abstract_state, workdir: str) 
     if saved.get(name) != wanted.get(name):
       raise ConfigError(
           f"workdir {workdir!r} holds a checkpoint (step {step}) of a different model: {name} is "
-          f"{saved.get(name, 'absent')} there and {wanted.get(name, 'absent')} in this config; "
-          "use a new --workdir, or the config that wrote it.")
+          f"{saved.get(name, 'absent')} there and {wanted.get(name, 'absent')} in this config and "
+          f"model; use a new --workdir, or the config and model that wrote it ({MODEL_FILE} in the "
+          "workdir is a copy of the run's model).")
 
 
 def restore_state(checkpoints, step: int, abstract, workdir: str):
@@ -83,7 +85,8 @@ def restore_state(checkpoints, step: int, abstract, workdir: str):
 
 
 def write_description(workdir: str, config, info: input_pipeline.DatasetInfo) -> None:
-  """config.json and data.json (process 0): what `restore` needs besides a checkpoint."""
+  """config.json, data.json and a copy of the model's source, `MODEL_FILE` (process 0): what
+  `trained.Restored` needs besides a checkpoint, whatever model.py comes to hold."""
   if jax.process_index() != 0:
     return
   names = info.class_names or tuple(str(i) for i in range(info.num_classes))
@@ -93,6 +96,12 @@ def write_description(workdir: str, config, info: input_pipeline.DatasetInfo) ->
               crops_on_host=info.crops_on_host)
   (epath.Path(workdir) / CONFIG_FILE).write_text(config.to_json(indent=2))
   (epath.Path(workdir) / DATA_FILE).write_text(json.dumps(data, indent=2))
+  module = sys.modules[config.model.get("module", "model")]  # (imported: the model is built)
+  source, copy = epath.Path(module.__file__).read_text(), epath.Path(workdir) / MODEL_FILE
+  if copy.exists() and copy.read_text() != source:  # a resume, its leaves the same
+    logging.warning("%s has changed since this run last started; it goes on with it as it is "
+                    "now (its leaves are the same), and %s now holds it", module.__file__, copy)
+  copy.write_text(source)
 
 
 def saved_config(workdir: str) -> dict | None:
@@ -131,18 +140,26 @@ def unreadable(error: Exception) -> str:
   return f"cannot be read ({type(error).__name__}: {str(error).strip().splitlines()[0][:300]})"
 
 
+# The barrier that ends Orbax's restore on every process (Checkpointer.restore's, named with the
+# AsyncCheckpointer's empty prefix): a process whose read failed has skipped it while the others
+# wait there, so it joins them before anything else (pinned by tests/test_multiprocess.py).
+ORBAX_RESTORE_BARRIER = "_Checkpointer:restore"
+
+
 def damage(restore, step: int) -> tuple[object, str | None]:
   """`restore(step)`, and what is wrong with checkpoint `step` (None: nothing) on any process: it
-  cannot be read, or it holds non-finite values. A model that does not fit raises, as before."""
+  cannot be read, or it holds non-finite values. A model that does not fit raises, as before.
+  Every process takes the same collectives: first whether each could read its part, then, all
+  having read, whether a value is non-finite."""
   state, why = None, None
   try:
     state = restore(step)
-    if (leaf := nonfinite_leaf(state)) is not None:
-      why = f"restores to non-finite values ({leaf.removesuffix('/value')})"
   except ConfigError:
     raise
   except Exception as e:  # noqa: BLE001  (anything that stops a read: named, then an older one)
     why = unreadable(e)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(ORBAX_RESTORE_BARRIER)
   if state is None:  # the read's other coroutines, abandoned with their errors: ended silently
     hook, sys.unraisablehook = sys.unraisablehook, lambda unraisable: None
     try:
@@ -153,6 +170,8 @@ def damage(restore, step: int) -> tuple[object, str | None]:
   if jax.process_count() > 1:  # the same verdict everywhere: damaged if any process found it
     whys = multihost_utils.process_allgather(np.int32(why is not None)).tolist()
     why = why or (f"cannot be read on process {whys.index(1)}" if any(whys) else None)
+  if why is None and (leaf := nonfinite_leaf(state)) is not None:
+    why = f"restores to non-finite values ({leaf.removesuffix('/value')})"
   return state, why
 
 

@@ -93,7 +93,10 @@ def summed_gradients(model, batch, num_micro_batches: int = 1, label_smoothing: 
                      axis_name=None):
   """Gradient of the summed loss, and metrics, over `batch` in `num_micro_batches` pieces run in
   one loop (gradient accumulation). A piece without a real example (over all devices under pmap)
-  adds nothing and leaves the model's state (BatchNorm statistics, RNG counters) as it was."""
+  adds nothing and leaves the model's state (BatchNorm statistics, RNG counters) as it was. Under
+  pmap (`axis_name`) each piece's sums are summed over the devices before they are added up: the
+  order in which XLA sums spmd's, so the two agree to the bit (summed after, they part by
+  rounding, which training amplifies)."""
   grad_fn = nnx.grad(functools.partial(loss_and_metrics, collection=TrainLoss,
                                        label_smoothing=label_smoothing), has_aux=True)
   if num_micro_batches == 1:
@@ -109,8 +112,8 @@ def summed_gradients(model, batch, num_micro_batches: int = 1, label_smoothing: 
     model = nnx.merge(graphdef, params, changing, copy=True)  # `changing` stays as it was
     grads_and_metrics = grad_fn(model, micro_batch)
     real = jnp.sum(micro_batch["mask"], dtype=jnp.int32)
-    if axis_name is not None:
-      real = jax.lax.psum(real, axis_name)
+    if axis_name is not None:  # summed over the devices micro-batch by micro-batch, as spmd's
+      real, grads_and_metrics = jax.lax.psum((real, grads_and_metrics), axis_name)
     keep = lambda new, old: jnp.where(real > 0, new, old)  # noqa: E731
     sums = jax.tree.map(lambda total, x: total + keep(x, jnp.zeros_like(x)), sums,
                         grads_and_metrics)
@@ -160,10 +163,13 @@ def train_step(graphdef, state, running, batch, *, grad_accum_steps=1, max_shift
   under `lax.cond` ('cond'); the norms are taken from the state after the choice
   (`norms_of='kept'`) or before it ('updated'); `STEP_FORMS` chooses per backend. With a moving
   average (state (model, optimizer, average)) its `AVERAGED` variables move by 1 - `ema_decay`, or
-  with `ema_warmup` by 1 - min(`ema_decay`, (1 + n) / (10 + n)) at update n (as TensorFlow's)."""
+  with `ema_warmup` by 1 - min(`ema_decay`, (1 + n) / (10 + n)) at update n (as TensorFlow's).
+  The model trains in the mode it was built in (NNX's default: Dropout on, BatchNorm on batch
+  statistics; a layer built with `deterministic=True` stays so); evaluation calls model.eval().
+  Random layers draw one mask over the global batch, by row, on spmd and fsdp (the same for one
+  device or many, one process or several); on pmap each device its own (`fold_in_device_index`)."""
   old_state = jax.tree.map(lambda x: x, state)  # kept for a step that changes nothing
-  model, optimizer, *average = nnx.merge(graphdef, state)
-  model.train()
+  model, optimizer, *average = nnx.merge(graphdef, state)  # in the mode it was built in
   batch = dict(batch, image=prepare_images(batch, max_shift, seed, flip, crop))
   if axis_name is not None:
     from ..parallel import pmap  # (the pmap path alone)
@@ -174,7 +180,8 @@ def train_step(graphdef, state, running, batch, *, grad_accum_steps=1, max_shift
                                            axis_name)
   if axis_name is not None:
     restore_keys()
-    grads, step_metrics = jax.lax.psum((grads, step_metrics), axis_name)
+    if grad_accum_steps == 1:  # (micro-batches: summed over the devices each)
+      grads, step_metrics = jax.lax.psum((grads, step_metrics), axis_name)
   count = step_metrics.loss.count
   # One reduction for both: the squared norm of the summed gradient (for the metrics), which
   # is not finite when an entry is not (nor when it overflows float32: a gradient beyond 1e19).

@@ -1,8 +1,11 @@
 """A trained run, read back from its workdir: its model for predict.py, evaluate.py and export.py
 (`Restored`), and as the start of a fine-tuning (`init_from`: config.init_from)."""
 
+import hashlib
 import json
 import math
+import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +22,7 @@ from . import optim
 from .runs import (
   CONFIG_FILE,
   DATA_FILE,
+  MODEL_FILE,
   absolute,
   check_checkpoint_fits,
   checkpoint_manager,
@@ -42,6 +46,33 @@ def read_description(workdir: str):
                                     data.get("pixel_dtype", "uint8"),  # (older runs: uint8)
                                     data.get("crops_on_host", False))
   return config, info
+
+
+def use_runs_model(workdir: str, config, current: bool = False) -> str:
+  """Which code builds the run's model, in a phrase. When today's `config.model.module` (model.py)
+  differs from the copy the run kept (`MODEL_FILE`), the copy: loaded as a module of its own, named
+  in `config.model.module`; with `current`, today's."""
+  name = config.model.get("module", "model")
+  saved = epath.Path(workdir) / MODEL_FILE
+  if not saved.exists():
+    return f"{name}.py as it is now (the run kept no copy of its own)"
+  kept = saved.read_text()
+  try:
+    today = epath.Path(optim.model_module(config).__file__).read_text()
+  except Exception:  # (today's does not import: any error of its code)  # noqa: BLE001
+    today = None
+  if today == kept:
+    return f"{name}.py, as the run trained it"
+  if current:
+    return f"{name}.py as it is now (--use_current_model; the run trained {saved})"
+  module = types.ModuleType(f"{name}_of_a_run_{hashlib.sha1(kept.encode()).hexdigest()[:12]}")
+  if module.__name__ not in sys.modules:
+    module.__file__ = str(saved)
+    sys.modules[module.__name__] = module
+    exec(compile(kept, str(saved), "exec"), module.__dict__)  # noqa: S102 (the run's own code)
+  config.model.module = module.__name__
+  return (f"the run's own, {saved} ({name}.py has changed since; --use_current_model takes it "
+          "instead)")
 
 
 def center_ratio(run) -> float:
@@ -90,10 +121,13 @@ def check_fits_devices(abstract_model, mesh, config, workdir: str) -> None:
 class Restored:
   """A workdir's checkpoint: the config and data it was trained with, and its model alone
   (`graphdef`, `state`; the moving average when the run kept one), placed on `mesh` (default: every
-  device) as the run placed it (split by fsdp, else whole on each)."""
+  device) as the run placed it (split by fsdp, else whole on each), built by the run's own copy of
+  its model's code where model.py has changed since (`use_runs_model`; `current_model`: today's)."""
 
-  def __init__(self, workdir: str, step: int | None = None, mesh=None):
+  def __init__(self, workdir: str, step: int | None = None, mesh=None,
+               current_model: bool = False):
     self.config, self.info = read_description(workdir)
+    self.model_code = use_runs_model(workdir, self.config, current_model)
     if self.config.parallelism == "pmap":  # the same parameters: placed as spmd places them
       self.config.parallelism = "spmd"
     self.mesh = mesh or sharding.make_mesh(self.config)
@@ -124,7 +158,7 @@ class Restored:
     checkpoints.close()
     self.summary = (f"model of step {self.step}: {sharding.bytes_per_device(self.state) / 1e6:.3g} "
                     f"MB a device ({self.config.parallelism}; a whole copy: {self.bytes / 1e6:.3g} "
-                    "MB)")  # as train.py logs the state's
+                    f"MB); model: {self.model_code}")  # as train.py logs the state's
     self.graphdef = nnx.graphdef(nnx.merge(graphdef, abstract)[-1 if len(abstract) > 2 else 0])
 
 
