@@ -363,3 +363,54 @@ def test_workers_follow_the_cores_this_process_may_use(tiny_config, monkeypatch)
   finally:
     os.sched_setaffinity(0, allowed)
   assert os.sched_getaffinity(0) == allowed
+
+
+NPZ_SOURCE = '''
+"""A data source of one's own: arrays in an .npz file (config.data_dir), held in memory."""
+import numpy as np
+
+from {{cookiecutter.project_slug}}.data.input_pipeline import ArraySource, Loaded
+
+READS_DATA_DIR = True
+
+
+def load(config):
+  arrays = np.load(config.data_dir)
+  return Loaded({"train": ArraySource(arrays["x_train"], arrays["y_train"]),
+                 "eval": ArraySource(arrays["x_test"], arrays["y_test"])},
+                arrays["x_train"].shape[1:], int(arrays["y_train"].max()) + 1)
+
+
+def describe(config):
+  return None  # (known once loaded)
+
+
+def check(config):
+  if not config.data_dir.endswith(".npz"):
+    return f"config.data_dir={config.data_dir!r} is not an .npz file."
+  return None
+'''
+
+
+def test_a_new_data_source_is_a_module_and_one_line(tiny_config, tmp_path, monkeypatch):
+  """An .npz source: its module (load, describe, check) and its line in SOURCES; the config is
+  checked by it, the data described by reading it, and batched as any other."""
+  from {{cookiecutter.project_slug}} import plan
+
+  (tmp_path / "npz_source.py").write_text(NPZ_SOURCE)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.setitem(input_pipeline.SOURCES, "npz", "npz_source")  # the one line
+  digits, _ = input_pipeline.get_datasets(tiny_config)
+  np.savez(tmp_path / "digits.npz", x_train=digits["train"].images, y_train=digits["train"].labels,
+           x_test=digits["eval"].images, y_test=digits["eval"].labels)
+  tiny_config.dataset, tiny_config.data_dir = "npz", str(tmp_path / "digits.npz")
+  plan.validate_config(tiny_config)
+  sources, info = input_pipeline.get_datasets(tiny_config)
+  assert (info.image_shape, info.num_classes, info.num_examples) == ((8, 8, 1), 10, {
+      "train": 1437, "eval": 360})
+  assert input_pipeline.describe(tiny_config) == info
+  batches = input_pipeline.eval_batches(sources["eval"], tiny_config)
+  assert sum(int(element["mask"].sum()) for element in batches) == 360
+  tiny_config.data_dir = str(tmp_path)
+  with pytest.raises(plan.ConfigError, match=r"config.data_dir='.*' is not an .npz file."):
+    plan.validate_config(tiny_config)

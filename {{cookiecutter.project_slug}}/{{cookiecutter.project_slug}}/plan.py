@@ -63,16 +63,12 @@ def _floating(v) -> bool:
     return False
 
 
-def _shape(v) -> bool:
-  return isinstance(v, (tuple, list)) and len(v) == 3 and all(map(_int(1), v))
-
-
 _ABSENT = object()  # a key that your own config (or model.py's part of it) dropped: not checked
 # One rule per key: (keys, the test of a value, what the value must be). The message reads
 # "config.KEY=VALUE <what>".
 VALUE_RULES = (
-    (("dataset",), lambda v: v in input_pipeline.DATASETS,
-     f"is unknown; use one of {input_pipeline.DATASETS}."),
+    (("dataset",), lambda v: v in input_pipeline.SOURCES,
+     f"is unknown; use one of {tuple(input_pipeline.SOURCES)}."),
     (("parallelism",), lambda v: v in steps.PARALLELISMS,
      f"is unknown; use one of {steps.PARALLELISMS}."),
     (("optimizer",), lambda v: v in OPTIMIZERS, f"is unknown; use one of {OPTIMIZERS}."),
@@ -134,10 +130,12 @@ class Target:
 # The rules of several keys, of the devices and of the workdir: each returns what is wrong, or
 # None. Each reads only keys that VALUE_RULES have passed.
 def _data_dir_read(config, target):
-  if config.data_dir and config.dataset not in ("arrayrecord", "huggingface", "tfds"):
-    return (f"config.data_dir={config.data_dir!r} is read only by config.dataset='arrayrecord', "
-            f"'huggingface' or 'tfds', not {config.dataset!r}; add --config.dataset=arrayrecord "
-            "(or leave data_dir empty).")
+  readers = [name for name in input_pipeline.SOURCES
+             if getattr(input_pipeline.source(name), "READS_DATA_DIR", False)]
+  if config.data_dir and config.dataset not in readers:
+    return (f"config.data_dir={config.data_dir!r} is read only by config.dataset="
+            f"{', '.join(map(repr, readers[:-1]))} or {readers[-1]!r}, not {config.dataset!r}; "
+            "add --config.dataset=arrayrecord (or leave data_dir empty).")
 
 
 def _warmup(config, target):
@@ -225,66 +223,19 @@ def _batch_divides(config, target):
           f"{max(1, round(batch_size / parts)) * parts}.")
 
 
-def _synthetic(config, target):
-  if config.dataset != "synthetic":
-    return None
-  spec = config.synthetic
-  if not (len(spec.image_shape) == 3 and all(map(_int(1), spec.image_shape))):
-    return f"config.synthetic.image_shape={spec.image_shape!r} must be (height, width, channels)."
-  for key in ("num_classes", "num_train", "num_eval"):
-    if not _int(1)(spec[key]):
-      return f"config.synthetic.{key}={spec[key]!r} must be a positive integer."
-
-
-def _arrayrecord(config, target):
-  if config.dataset != "arrayrecord":
-    return None
-  written = "write_arrayrecord.py wrote"
-  if not config.data_dir:
-    return f"config.data_dir is empty; give the directory that {written}: --config.data_dir=DIR."
-  if not os.path.isdir(config.data_dir):
-    return (f"config.data_dir={config.data_dir!r} " + ("is not a directory" if os.path.exists(
-        config.data_dir) else "does not exist") + f"; give the directory that {written}.")
-  for split in ("train", "eval"):
-    if not input_pipeline.arrayrecord_paths(config.data_dir, split):
-      return (f"config.data_dir={config.data_dir!r} holds no {split}-*.array_record files; "
-              "write them with write_arrayrecord.py.")
-  if not os.path.isfile(os.path.join(config.data_dir, "metadata.json")):
-    return (f"config.data_dir={config.data_dir!r} has no metadata.json; write the data with "
-            "write_arrayrecord.py.")
-
-
-def _hub_dataset(config, target):
-  if config.dataset not in ("huggingface", "tfds"):
-    return None
-  package, extra = {"huggingface": ("datasets", "huggingface"),
-                    "tfds": ("tensorflow_datasets", "tfds")}[config.dataset]
-  if not _installed(package):
-    return (f"config.dataset={config.dataset!r} needs the `{package}` package: pip install -e "
-            f"'.[{extra}]'.")
-  if config.image_size and not _shape(config.image_size):
-    return (f"config.image_size={config.image_size!r} must be (height, width, channels), e.g. "
-            "--config.image_size='(224,224,3)'.")
-  if config.dataset == "tfds" and not config.tfds_name:
-    return ("config.dataset='tfds' needs config.tfds_name: the dataset's TFDS name, e.g. "
-            "--config.tfds_name=imagenet2012.")
-  from .data import huggingface, tfds_data
-
-  try:  # the data's folder, splits, image and label
-    huggingface.splits(config) if config.dataset == "huggingface" else tfds_data.builder(config)
-  except ValueError as e:
-    return str(e)
+def _dataset(config, target):  # the data source's own check (its module's `check`)
+  return input_pipeline.source(config.dataset).check(config)
 
 
 def _input_memory(config, target):
   """The input alone would not fit this host (aot.py's topologies are not here: not checked)."""
-  if target.devices[0] not in jax.devices() or (
-      config.dataset in ("huggingface", "tfds") and not config.image_size):
-    return None  # (a Hugging Face or TFDS image's shape is known once it is read)
-  if config.dataset in ("huggingface", "tfds"):  # decoded to image_size: nothing to read
+  if target.devices[0] not in jax.devices():
+    return None
+  info = input_pipeline.source(config.dataset).describe(config)
+  if info is None:  # known once read (Hugging Face, TFDS): unless decoded to image_size
+    if not config.get("image_size"):
+      return None
     info = input_pipeline.DatasetInfo(tuple(config.image_size), 0, {})
-  else:
-    info = input_pipeline.describe(config)
   resolved = config.copy_and_resolve_references()
   resolved.steps_per_dispatch, resolved.batch_size = target.k, global_batch_size(
       config, target.num_devices)
@@ -345,7 +296,7 @@ def _local_workdir(config, target):
 
 
 RULES = (_model, _data_dir_read, _warmup, _fsdp_devices, _batch_norm_devices, _xla_options,
-         _intervals, _nesterov, _batch_divides, _synthetic, _arrayrecord, _hub_dataset,
+         _intervals, _nesterov, _batch_divides, _dataset,
          _input_memory, _wandb, _init_from, _remote_workdir, _local_workdir)
 
 

@@ -17,11 +17,13 @@ import os
 import numpy as np
 
 from . import image_files
+from .input_pipeline import Loaded, host_crops
 
+READS_DATA_DIR = True  # (plan.py: config.data_dir is this source's)
 EVAL_SPLITS = ("validation", "test")
 
 
-def load(config) -> dict:
+def read(config) -> dict:
   """The dataset's splits: {name: datasets.Dataset}. Raises ValueError saying what is wrong."""
   import datasets
 
@@ -65,7 +67,7 @@ def columns(dataset, spec) -> tuple[str, str]:
 
 def splits(config) -> tuple[dict, str, str]:
   """({'train': dataset, 'eval': dataset}, image column, label column). Raises ValueError."""
-  loaded, spec = load(config), config.huggingface
+  loaded, spec = read(config), config.huggingface
   eval_split = spec.eval_split or None
   if eval_split is None:
     present = [name for name in EVAL_SPLITS if name in loaded]
@@ -131,3 +133,20 @@ def sources(config, crops: dict) -> tuple[dict[str, Source], tuple[int, int, int
   where = config.huggingface.name or config.data_dir
   return ({split: Source(ds, image, label, shape, crops.get(split), f"huggingface {where} {split}")
            for split, ds in loaded.items()}, shape, names)
+
+
+def load(config) -> Loaded:
+  """The data source's interface (input_pipeline.SOURCES): photos of any size, cut from the
+  whole photo on the host when the run crops."""
+  crops_on_host = config.augment_crop
+  found, shape, names = sources(config, host_crops(config) if crops_on_host else {})
+  return Loaded(found, shape, len(names), names, crops_on_host)
+
+
+def describe(config) -> None:
+  """None: the shape and classes are known once the data is opened (`load`)."""
+  return None
+
+
+def check(config) -> str | None:
+  return image_files.check_hub(config, "datasets", "huggingface", splits)

@@ -14,6 +14,32 @@ from PIL import Image, ImageOps
 from ..errors import ConfigError
 
 
+def check_hub(config, package: str, extra: str, probe, more=lambda config: None) -> str | None:
+  """A Hugging Face or TFDS source's check (their `check`): its package installed, image_size a
+  shape, `more(config)`, then the data opened by `probe(config)` (its ValueError said)."""
+  import importlib.util
+
+  try:
+    installed = importlib.util.find_spec(package) is not None
+  except ModuleNotFoundError:  # its parent package is missing
+    installed = False
+  if not installed:
+    return (f"config.dataset={config.dataset!r} needs the `{package}` package: pip install -e "
+            f"'.[{extra}]'.")
+  size = config.image_size
+  if size and not (isinstance(size, (tuple, list)) and len(size) == 3 and all(
+      isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in size)):
+    return (f"config.image_size={size!r} must be (height, width, channels), e.g. "
+            "--config.image_size='(224,224,3)'.")
+  if wrong := more(config):
+    return wrong
+  try:  # the data's folder, splits, image and label
+    probe(config)
+  except ValueError as e:
+    return str(e)
+  return None
+
+
 def decode_image(data: bytes, image_shape: tuple[int, int, int]) -> np.ndarray:
   """An encoded image (JPEG, PNG, ...) as uint8 [H, W, C] of `image_shape`: gray (C = 1) or
   RGB (C = 3), scaled until it covers H x W and center-cropped (unchanged if already H x W)."""

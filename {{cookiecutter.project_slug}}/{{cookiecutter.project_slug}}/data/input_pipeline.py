@@ -16,12 +16,12 @@ import collections
 import dataclasses
 import functools
 import glob
-import json
+import importlib
 import math
 import os
 import signal
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import grain
 import jax
@@ -35,7 +35,16 @@ from . import shm
 if TYPE_CHECKING:  # (image_files is imported where images are decoded or cropped)
   from .image_files import Crops
 
-DATASETS = ("digits", "arrayrecord", "huggingface", "tfds", "synthetic")
+# The data, by `config.dataset`: the module that loads, describes and checks each (a name that
+# starts with '.': a module of this folder). A new source is a module with `load(config)`,
+# `describe(config)` and `check(config)` (digits.py: the simplest) and a line here.
+SOURCES = {"digits": ".digits", "arrayrecord": ".arrayrecord", "huggingface": ".huggingface",
+           "tfds": ".tfds_data", "synthetic": ".synthetic"}
+
+
+def source(name: str):
+  """The module of the data source `name` (`SOURCES`)."""
+  return importlib.import_module(SOURCES[name], __package__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +57,16 @@ class DatasetInfo:
   pixel_dtype: str = "uint8"
   # Photos stored whole (write_arrayrecord --resize_shorter), cropped to `image_shape` here.
   crops_on_host: bool = False
+
+
+class Loaded(NamedTuple):
+  """What a source's `load(config)` returns."""
+
+  sources: dict  # 'train' and 'eval': each with len() and take(indices) (ArraySource's kind)
+  image_shape: tuple[int, int, int]
+  num_classes: int
+  class_names: tuple[str, ...] = ()
+  crops_on_host: bool = False  # photos kept whole, cropped to image_shape by the reading workers
 
 
 def model_input(pixel_dtype: str) -> str:
@@ -111,31 +130,6 @@ class RecordSource:
             "failed": failed | unread}
 
 
-def _digits(config) -> dict[str, ArraySource]:
-  """The UCI handwritten digits that scikit-learn ships on disk (1797 images, 8x8, 10 classes)."""
-  from sklearn.datasets import load_digits
-  from sklearn.model_selection import train_test_split
-
-  digits = load_digits()
-  images = np.round(digits.images * (255 / 16)).astype(np.uint8)[..., None]  # 0..16 -> 0..255
-  labels = digits.target.astype(np.int32)
-  train_x, eval_x, train_y, eval_y = train_test_split(
-      images, labels, test_size=config.eval_fraction, random_state=0, stratify=labels)
-  return {"train": ArraySource(train_x, train_y), "eval": ArraySource(eval_x, eval_y)}
-
-
-def _synthetic(config) -> dict[str, ArraySource]:
-  """Random images and labels of any shape: for benchmarks and tests, not for learning."""
-  spec = config.synthetic
-  rng = np.random.default_rng(0)
-
-  def split(n):
-    images = rng.integers(0, 256, (n, *spec.image_shape), dtype=np.uint8)
-    return ArraySource(images, rng.integers(0, spec.num_classes, n, dtype=np.int32))
-
-  return {"train": split(spec.num_train), "eval": split(spec.num_eval)}
-
-
 def arrayrecord_paths(data_dir: str, split: str) -> list[str]:
   return sorted(glob.glob(os.path.join(data_dir, f"{split}-*.array_record")))
 
@@ -153,63 +147,21 @@ def host_crops(config) -> "dict[str, Crops]":
 
 
 def get_datasets(config) -> tuple[dict[str, ArraySource | RecordSource], DatasetInfo]:
-  """The 'train' and 'eval' sources, and what the model needs to know about them."""
-  crops_on_host = False
-  if config.dataset == "arrayrecord":
-    with open(os.path.join(config.data_dir, "metadata.json")) as f:
-      meta = json.load(f)
-    image_shape, num_classes = meta["image_shape"], meta["num_classes"]
-    crops_on_host = bool(meta.get("resize_shorter"))
-    crops = host_crops(config) if crops_on_host else {}
-    sources = {split: RecordSource(arrayrecord_paths(config.data_dir, split), image_shape,
-                                   crops.get(split), f"arrayrecord {config.data_dir} {split}",
-                                   meta.get("pixel_dtype", "uint8"))
-               for split in ("train", "eval")}
-    class_names = meta.get("class_names", ())
-  elif config.dataset in ("huggingface", "tfds"):
-    if config.dataset == "huggingface":  # (the `huggingface` extra)
-      from . import huggingface as reader
-    else:  # (the `tfds` extra)
-      from . import tfds_data as reader
-    crops_on_host = config.augment_crop  # photos of any size: cropped from the whole photo
-    sources, image_shape, class_names = reader.sources(
-        config, host_crops(config) if crops_on_host else {})
-    num_classes = len(class_names)
-  elif config.dataset == "synthetic":
-    sources, class_names = _synthetic(config), ()
-    image_shape, num_classes = config.synthetic.image_shape, config.synthetic.num_classes
-  else:
-    sources, class_names = _digits(config), ()
-    image_shape = sources["train"].images.shape[1:]
-    num_classes = int(sources["train"].labels.max()) + 1
-  first = sources["train"].take(np.zeros(1, np.int64))["image"] if len(sources["train"]) else None
-  info = DatasetInfo(tuple(image_shape), int(num_classes),
-                     {split: len(source) for split, source in sources.items()}, tuple(class_names),
-                     "uint8" if first is None else first.dtype.name, crops_on_host)
-  return sources, info
-
-
-DIGITS_SHAPE, DIGITS_CLASSES, DIGITS_EXAMPLES = (8, 8, 1), 10, 1797  # load_digits()
+  """The 'train' and 'eval' sources of `config.dataset`, and what the model needs to know."""
+  loaded = source(config.dataset).load(config)
+  train = loaded.sources["train"]
+  first = train.take(np.zeros(1, np.int64))["image"] if len(train) else None
+  info = DatasetInfo(tuple(loaded.image_shape), int(loaded.num_classes),
+                     {split: len(data) for split, data in loaded.sources.items()},
+                     tuple(loaded.class_names), "uint8" if first is None else first.dtype.name,
+                     loaded.crops_on_host)
+  return loaded.sources, info
 
 
 def describe(config) -> DatasetInfo:
-  """What `get_datasets(config)` would say of the data, without reading it (for aot.py): the
-  digits' figures, the synthetic config, or an ArrayRecord directory's metadata.json."""
-  if config.dataset == "arrayrecord":
-    with open(os.path.join(config.data_dir, "metadata.json")) as f:
-      meta = json.load(f)
-    return DatasetInfo(tuple(meta["image_shape"]), int(meta["num_classes"]),
-                       dict(meta["num_examples"]), tuple(meta.get("class_names", ())),
-                       meta.get("pixel_dtype", "uint8"), bool(meta.get("resize_shorter")))
-  if config.dataset in ("huggingface", "tfds"):  # their metadata and one image
-    return get_datasets(config)[1]
-  if config.dataset == "synthetic":
-    spec = config.synthetic
-    return DatasetInfo(tuple(spec.image_shape), spec.num_classes,
-                       {"train": spec.num_train, "eval": spec.num_eval})
-  num_eval = math.ceil(config.eval_fraction * DIGITS_EXAMPLES)  # train_test_split's rounding
-  return DatasetInfo(DIGITS_SHAPE, DIGITS_CLASSES,
-                     {"train": DIGITS_EXAMPLES - num_eval, "eval": num_eval})
+  """What `get_datasets(config)` would say of the data, without reading it where the source can
+  (its `describe`: aot.py), else read."""
+  return source(config.dataset).describe(config) or get_datasets(config)[1]
 
 
 def num_batches(num_examples: int, global_batch_size: int) -> int:

@@ -15,7 +15,9 @@ files (`image_files.decode_image`).
 import numpy as np
 
 from . import image_files
+from .input_pipeline import Loaded, host_crops
 
+READS_DATA_DIR = True  # (plan.py: config.data_dir is this source's)
 EVAL_SPLITS = ("validation", "test")
 
 
@@ -91,3 +93,26 @@ def sources(config, crops: dict) -> tuple[dict[str, Source], tuple[int, int, int
   return ({split: Source(d, image, label, shape, crops.get(split),
                          f"tfds {config.tfds_name} {split}") for split, d in data.items()},
           shape, tuple(found.info.features[label].names))
+
+
+def load(config) -> Loaded:
+  """The data source's interface (input_pipeline.SOURCES): photos of any size, cut from the
+  whole photo on the host when the run crops."""
+  crops_on_host = config.augment_crop
+  found, shape, names = sources(config, host_crops(config) if crops_on_host else {})
+  return Loaded(found, shape, len(names), names, crops_on_host)
+
+
+def describe(config) -> None:
+  """None: the shape and classes are known once the data is opened (`load`)."""
+  return None
+
+
+def check(config) -> str | None:
+  def named(config):
+    if not config.tfds_name:
+      return ("config.dataset='tfds' needs config.tfds_name: the dataset's TFDS name, e.g. "
+              "--config.tfds_name=imagenet2012.")
+    return None
+
+  return image_files.check_hub(config, "tensorflow_datasets", "tfds", builder, named)
