@@ -68,6 +68,7 @@ EXPECTED_FILES = [
     "nnx_data_parallel/training/optim.py",
     "nnx_data_parallel/training/runs.py",
     "nnx_data_parallel/training/steps.py",
+    "nnx_data_parallel/training/stopping.py",
     "nnx_data_parallel/training/trained.py",
     "nnx_data_parallel/training/wandb_writer.py",
     "nnx_data_parallel/training/writers.py",

@@ -21,7 +21,7 @@ from absl import app, flags, logging
 from flax import nnx
 
 from {{cookiecutter.project_slug}} import plan
-from {{cookiecutter.project_slug}}.data import image_files, input_pipeline
+from {{cookiecutter.project_slug}}.data import arrayrecord, image_files, input_pipeline
 from {{cookiecutter.project_slug}}.errors import BadData
 from {{cookiecutter.project_slug}}.parallel import distributed, sharding
 from {{cookiecutter.project_slug}}.training import metrics, steps, trained, writers
@@ -110,7 +110,7 @@ def main(argv):
       config = run.config.copy_and_resolve_references()
       if FLAGS.data_dir:
         config.dataset, config.data_dir = "arrayrecord", FLAGS.data_dir
-        if not input_pipeline.arrayrecord_paths(config.data_dir, "eval"):
+        if not arrayrecord.arrayrecord_paths(config.data_dir, "eval"):
           raise plan.ConfigError(f"--data_dir={config.data_dir!r} holds no "
                                  "eval-*.array_record files; write them with "
                                  "write_arrayrecord.py.")

@@ -8,25 +8,21 @@ The logic is in `train_and_evaluate(config, workdir)`; the absl entry point is a
 import contextlib
 import os
 import platform
-import signal
-import threading
 import time
 
 import flax
 import jax
 import ml_collections
-import numpy as np
 import orbax.checkpoint as ocp
 from absl import app, flags, logging
 from flax import nnx
-from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
 from {{cookiecutter.project_slug}} import plan
 from {{cookiecutter.project_slug}}.data import input_pipeline
 from {{cookiecutter.project_slug}}.errors import BadData, ConfigError
 from {{cookiecutter.project_slug}}.parallel import distributed, sharding
-from {{cookiecutter.project_slug}}.training import flops, metrics, optim, runs, steps, writers
+from {{cookiecutter.project_slug}}.training import flops, metrics, optim, runs, steps, stopping, writers
 
 
 def evaluate(compiled: steps.Steps, state, eval_batches, config, iterator=None) -> dict[str, float]:
@@ -36,51 +32,6 @@ def evaluate(compiled: steps.Steps, state, eval_batches, config, iterator=None) 
 
 class NonFiniteLoss(FloatingPointError):
   """A training step had a non-finite loss or gradient (its update was not applied)."""
-
-
-def preemption_service() -> bool:
-  """Whether JAX's preemption service takes SIGTERM: on JAX's distributed runtime, it tells every
-  process, and Orbax's `reached_preemption` names the step at which all of them stop."""
-  return jax.distributed.is_initialized() and jax.config.jax_enable_preemption_service
-
-
-@contextlib.contextmanager
-def stop_signals():
-  """Collects SIGTERM and SIGINT instead of dying, so the loop can stop after a step and save.
-  When JAX's preemption service takes SIGTERM (`preemption_service()`), SIGINT (Ctrl-C) is
-  passed on to it as SIGTERM: every process then stops at the step it names, and saves."""
-  received, service = [], preemption_service()
-
-  def collect(signum, frame):
-    received.append(signum)
-    if service:
-      os.kill(os.getpid(), signal.SIGTERM)
-
-  mine = threading.current_thread() is threading.main_thread()
-  previous = {sig: signal.signal(sig, collect) for sig in (
-      (signal.SIGINT,) if service else (signal.SIGTERM, signal.SIGINT))} if mine else {}
-  try:
-    yield received
-  finally:
-    for sig, handler in previous.items():
-      signal.signal(sig, handler)
-
-
-def stop_now(received: list, checkpoints, dispatch: int, can_agree: bool):
-  """What stops the loop after this call (a signal number or a name), or None. Processes stop
-  together: on JAX's preemption service at the step that it names; else, with several processes
-  (which the platform connects without that service), at a step where they can agree
-  (`can_agree`: one where the loop waits for results anyway), through a collective."""
-  if preemption_service():
-    if not checkpoints.reached_preemption(dispatch):
-      return None
-    return received[0] if received else "a preemption notice"
-  if jax.process_count() == 1:
-    return received[0] if received else None
-  if not can_agree:
-    return None
-  signals = multihost_utils.process_allgather(np.int32(received[0] if received else 0))
-  return int(np.max(signals)) or None
 
 
 class Profiler:
@@ -194,8 +145,9 @@ def train_summary(fetched, step: int, since: int, lap: writers.Lap, speed, sched
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float] | None:
-  """Trains, resuming from the latest checkpoint in `workdir`; returns the final eval metrics,
-  or None when SIGTERM/SIGINT (or a preemption notice) stopped it after saving a checkpoint."""
+  """Trains, resuming from the latest checkpoint in `workdir`; returns the final eval metrics.
+  Raises `stopping.Stopped` when SIGTERM/SIGINT (or a preemption notice) stopped it, after saving
+  a checkpoint."""
   config, workdir = prepare(config, workdir)
   splits, info = input_pipeline.get_datasets(config)
   num_train_steps = input_pipeline.num_batches(
@@ -238,7 +190,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   running, since = compiled.empty(metrics.TrainMetrics), first_step + 1
   step, eval_metrics, stopped_by, every = first_step, None, None, steps.sync_every(config)
   # Closed at the end, however it ends: the workers stopped, the progress bar cleared.
-  with (stop_signals() as received, contextlib.closing(train_iter), contextlib.closing(eval_iter),
+  with (stopping.stop_signals() as received, contextlib.closing(train_iter),
+        contextlib.closing(eval_iter),
         contextlib.closing(progress)):
     while step < num_train_steps:
       done = min((step // k + 1) * k, num_train_steps)  # `done` counts finished updates
@@ -257,8 +210,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         progress.log("first calls (compiling, or loading from the cache): train %.2f s, eval "
                      "%.2f s", clock.start(step), eval_compile_s)
       is_last = step == num_train_steps
-      stopped_by = stop_now(received, checkpoints, -(-step // k),  # (the dispatch number)
-                            can_agree=step % config.log_every_steps == 0)
+      stopped_by = stopping.stop_now(received, checkpoints, -(-step // k),  # (its dispatch)
+                                     can_agree=step % config.log_every_steps == 0)
       log_now = step % config.log_every_steps == 0 or is_last
       if log_now or step % config.checkpoint_every_steps == 0 or stopped_by:
         fetched = jax.device_get(running)  # one transfer, for the check and the summary
@@ -286,13 +239,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         break
   checkpoints.close()  # waits for the last asynchronous save
   if stopped_by:
-    global last_stop
-    last_stop = stopped_by
-    name = signal.Signals(stopped_by).name if isinstance(stopped_by, int) else stopped_by
-    logging.warning("Stopped by %s after step %d of %d; saved checkpoint %d in %s. Run the same "
-                    "command again to resume.", name, step, num_train_steps, step, workdir)
     writer.close()
-    return None
+    stopped = stopping.Stopped(stopped_by, step, num_train_steps, workdir)
+    logging.warning("%s", stopped)
+    raise stopped
   if loop := clock.whole_loop(num_train_steps, config.batch_size):
     writer.write_scalars(num_train_steps, loop)
   if eval_metrics is None:  # nothing left to train: report the restored state
@@ -303,7 +253,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   return eval_metrics
 
 
-last_stop = None  # what stopped the last train_and_evaluate that stopped early (main's exit code)
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
 flags.mark_flag_as_required("config")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints and metrics go.", required=True)
@@ -334,11 +283,11 @@ def main(argv):
   use_compilation_cache(_CONFIG.value)
   distributed.initialize()
   try:
-    result = train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except (BadData, ConfigError, NonFiniteLoss) as e:
     raise SystemExit(f"error: {e}") from None
-  if result is None:  # stopped after saving: 128 + the signal, as shells expect (130: Ctrl-C)
-    raise SystemExit(128 + (last_stop if isinstance(last_stop, int) else signal.SIGTERM))
+  except stopping.Stopped as e:  # saved, and said
+    raise SystemExit(e.exit_code) from None
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from test_train import OWN_MODEL, run_cli, run_in_process
 import write_arrayrecord
 from configs import default, tiny
 
-from {{cookiecutter.project_slug}}.data import input_pipeline
+from {{cookiecutter.project_slug}}.data import arrayrecord, input_pipeline
 from {{cookiecutter.project_slug}}.errors import BadData
 
 BAD = {5: "truncated", 17: "garbage", 30: "garbage"}  # eval rows and what is wrong with them
@@ -172,7 +172,7 @@ def test_with_workers_a_bad_record_is_named_and_too_many_stop_in_one_line(tmp_pa
 def test_a_record_that_is_not_msgpack_is_read_around(tmp_path):
   """A garbled record among good ones: the good ones of its batch are read all the same."""
   root = write_arrayrecord_digits(tmp_path / "data", {}, garbled_records={3})
-  source = input_pipeline.RecordSource(input_pipeline.arrayrecord_paths(root, "eval"), (8, 8, 1))
+  source = arrayrecord.RecordSource(arrayrecord.arrayrecord_paths(root, "eval"), (8, 8, 1))
   taken = source.take(np.arange(8))
   assert list(taken["failed"]) == [3]
   assert not taken["image"][3].any() and taken["image"][[0, 1, 2, 4]].any(axis=(1, 2, 3)).all()

@@ -22,7 +22,7 @@ import train
 import write_arrayrecord
 from configs import default
 
-from {{cookiecutter.project_slug}}.data import image_files, input_pipeline
+from {{cookiecutter.project_slug}}.data import arrayrecord, image_files, input_pipeline
 from {{cookiecutter.project_slug}}.training import runs, steps
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,7 +51,7 @@ def read_all(data_dir: str, split: str) -> dict[str, np.ndarray]:
   """Every example of a split, in order, by the pipeline's own reader."""
   with open(os.path.join(data_dir, "metadata.json")) as f:
     image_shape = json.load(f)["image_shape"]
-  source = input_pipeline.RecordSource(input_pipeline.arrayrecord_paths(data_dir, split),
+  source = arrayrecord.RecordSource(arrayrecord.arrayrecord_paths(data_dir, split),
                                        image_shape)
   return source.take(np.arange(len(source)))
 
@@ -115,7 +115,7 @@ def test_images_kept_encoded_are_decoded_by_grain_as_when_written(tmp_path, num_
     assert done.returncode == 0, done.stderr
     assert "wrote train: 9, eval: 3 images of 16x12x3 in 3 classes" in done.stdout
   records = grain.sources.ArrayRecordDataSource(
-      input_pipeline.arrayrecord_paths(str(tmp_path / "encoded"), "train"))
+      arrayrecord.arrayrecord_paths(str(tmp_path / "encoded"), "train"))
   assert all(isinstance(serialization.msgpack_restore(records[i])["image"], bytes)
              for i in range(len(records)))  # the files' bytes, not pixels
 
@@ -192,7 +192,7 @@ def test_photos_kept_whole_are_cropped_from_all_of_them(tmp_path):
     meta = json.load(f)
   assert meta["image_shape"] == [32, 32, 3] and meta["resize_shorter"] == 60
   records = grain.sources.ArrayRecordDataSource(
-      input_pipeline.arrayrecord_paths(str(tmp_path / "data"), "train"))
+      arrayrecord.arrayrecord_paths(str(tmp_path / "data"), "train"))
   sizes = {Image.open(io.BytesIO(serialization.msgpack_restore(records[i])["image"])).size
            for i in range(len(records))}
   assert sizes <= {(120, 60), (80, 40)} and (120, 60) in sizes

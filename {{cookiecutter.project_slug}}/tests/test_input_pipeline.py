@@ -13,7 +13,7 @@ import train
 import write_arrayrecord
 from write_arrayrecord import write_dataset
 
-from {{cookiecutter.project_slug}}.data import input_pipeline, shm
+from {{cookiecutter.project_slug}}.data import arrayrecord, input_pipeline, shm
 from {{cookiecutter.project_slug}}.parallel import pmap, sharding
 
 
@@ -253,7 +253,7 @@ def test_arrayrecord_round_trip(tmp_path, tiny_config):
                     rng.integers(0, 4, n).astype(np.int32)) for split, n in
             (("train", 53), ("eval", 11))}
   write_dataset(str(tmp_path), arrays, num_shards=3)
-  assert len(input_pipeline.arrayrecord_paths(str(tmp_path), "train")) == 3
+  assert len(arrayrecord.arrayrecord_paths(str(tmp_path), "train")) == 3
   tiny_config.dataset, tiny_config.data_dir = "arrayrecord", str(tmp_path)
   splits, info = input_pipeline.get_datasets(tiny_config)
   assert info.image_shape == (6, 5, 3)

@@ -21,7 +21,7 @@ import train
 from write_arrayrecord import write_dataset
 
 from {{cookiecutter.project_slug}}.data import input_pipeline
-from {{cookiecutter.project_slug}}.training import metrics, runs, writers
+from {{cookiecutter.project_slug}}.training import metrics, runs, stopping, writers
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ)  # 8 CPU devices (conftest.py)
@@ -52,9 +52,12 @@ def recorded(self, u):  # (in memory, without workers: a unit is an element, [k,
       print(u * self.steps_per_element + i, digest.hexdigest(), file=record, flush=True)
   return unit
 input_pipeline.LoadUnit.__call__ = recorded
-result = train.train_and_evaluate(config, workdir)
+from {{cookiecutter.project_slug}}.training import stopping
+try:
+  result = train.train_and_evaluate(config, workdir)
+except stopping.Stopped as stopped:
+  sys.exit(stopped.exit_code)
 print("RESULT", json.dumps(result))
-sys.exit(0 if result is not None else 143)
 """
 
 
@@ -219,7 +222,8 @@ def test_a_stop_signal_on_an_eval_step_saves_first_and_leaves_the_evaluation(
 
   monkeypatch.setattr(train, "evaluate", recording_evaluate)
   monkeypatch.setattr(writers.Progress, "update", update_then_signal)
-  assert train.train_and_evaluate(tiny_config, str(tmp_path / "run")) is None
+  with pytest.raises(stopping.Stopped, match="Stopped by SIGTERM after step 10 of 23"):
+    train.train_and_evaluate(tiny_config, str(tmp_path / "run"))
   assert evaluated == [] and final_state(tmp_path / "run")[0] == 10
   monkeypatch.setattr(writers.Progress, "update", update)
   result = train.train_and_evaluate(tiny_config, str(tmp_path / "run"))

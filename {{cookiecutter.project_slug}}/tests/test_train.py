@@ -26,7 +26,7 @@ from test_preemption import final_state
 import train
 
 from {{cookiecutter.project_slug}} import plan
-from {{cookiecutter.project_slug}}.training import optim, runs, writers
+from {{cookiecutter.project_slug}}.training import optim, runs, stopping, writers
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -419,7 +419,9 @@ def test_a_run_stopped_on_8_devices_resumes_on_4_as_the_same_run(tiny_config, tm
       os.kill(os.getpid(), signal.SIGTERM)
 
   monkeypatch.setattr(writers.Progress, "update", update_then_signal)
-  assert train.train_and_evaluate(tiny_config, str(tmp_path / "moved")) is None
+  with pytest.raises(stopping.Stopped) as stopped:
+    train.train_and_evaluate(tiny_config, str(tmp_path / "moved"))
+  assert (stopped.value.step, stopped.value.exit_code) == (15, 143)
   out, _ = run_cli(tmp_path / "moved", "--config.per_device_batch_size=16",
                    "--config.num_epochs=3", "--config.lr_scaling=linear",
                    "--config.warmup_steps=5",
@@ -800,8 +802,8 @@ def test_signals_are_caught_when_no_preemption_service_takes_them(monkeypatch):
   """Several processes without JAX's distributed runtime (a TPU pod that libtpu joins by itself)
   have no preemption service: SIGTERM must still stop the loop and save, not kill."""
   monkeypatch.setattr(jax, "process_count", lambda: 2)
-  assert not train.preemption_service()
-  with train.stop_signals():
+  assert not stopping.preemption_service()
+  with stopping.stop_signals():
     assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None)
   assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 

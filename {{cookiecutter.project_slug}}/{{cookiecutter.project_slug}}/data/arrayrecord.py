@@ -3,12 +3,68 @@
 dtype, and `resize_shorter` for photos stored whole, which the host then crops). A data source:
 `load`, `describe`, `check` (input_pipeline.SOURCES)."""
 
+import glob
 import json
 import os
+from typing import TYPE_CHECKING
 
-from .input_pipeline import DatasetInfo, Loaded, RecordSource, arrayrecord_paths, host_crops
+import grain
+import numpy as np
+from flax import serialization
+
+from .input_pipeline import DatasetInfo, Loaded, host_crops
+
+if TYPE_CHECKING:  # (image_files is imported where images are decoded or cropped)
+  from .image_files import Crops
 
 READS_DATA_DIR = True  # (plan.py: config.data_dir is this source's)
+
+
+class RecordSource:
+  """Examples in ArrayRecord files (msgpack, one a record). Images stored encoded are decoded
+  here, in the reading workers; photos stored whole are cropped by `crops`, by stream position.
+  `take` also says which records could not be read, and why (`failed`)."""
+
+  def __init__(self, paths: list[str], image_shape: tuple[int, int, int],
+               crops: "Crops | None" = None, name: str = "arrayrecord",
+               pixel_dtype: str = "uint8"):
+    self.records = grain.sources.ArrayRecordDataSource(paths)
+    self.image_shape, self.pixel_dtype = tuple(image_shape), pixel_dtype
+    self.crops, self.name = crops, name
+
+  def __len__(self) -> int:
+    return len(self.records)
+
+  def read(self, indices: list[int]) -> list:
+    """The records, each decoded from msgpack, or why it could not be read (a str)."""
+    from .image_files import read_rows, why
+
+    records = read_rows(self.records.__getitems__, self.records.__getitem__, indices)  # parallel
+    examples = []
+    for record in records:
+      try:
+        examples.append(record if isinstance(record, str) else
+                        serialization.msgpack_restore(record))
+      except Exception as e:  # noqa: BLE001
+        examples.append(why(e))
+    return examples
+
+  def take(self, indices: np.ndarray, positions: np.ndarray | None = None
+           ) -> dict[str, np.ndarray]:
+    from .image_files import decode_batch
+
+    examples = self.read([int(i) for i in indices])
+    unread = {i: why for i, why in enumerate(examples) if isinstance(why, str)}
+    blank = {"image": np.zeros(self.image_shape, self.pixel_dtype), "label": 0}  # masked later
+    examples = [blank if isinstance(ex, str) else ex for ex in examples]
+    images, failed = decode_batch([ex["image"] for ex in examples], self.image_shape,
+                                  self.crops, positions)
+    return {"image": images, "label": np.array([ex["label"] for ex in examples], np.int32),
+            "failed": failed | unread}
+
+
+def arrayrecord_paths(data_dir: str, split: str) -> list[str]:
+  return sorted(glob.glob(os.path.join(data_dir, f"{split}-*.array_record")))
 
 
 def metadata(data_dir: str) -> dict:

@@ -15,7 +15,6 @@ own device as it is (`sharding.global_batch`), touching no pixel."""
 import collections
 import dataclasses
 import functools
-import glob
 import importlib
 import math
 import os
@@ -27,7 +26,6 @@ import grain
 import jax
 import numpy as np
 from absl import logging
-from flax import serialization
 
 from ..errors import BadData
 from . import shm
@@ -87,53 +85,6 @@ class ArraySource:
     return {"image": self.images[indices], "label": self.labels[indices]}
 
 
-class RecordSource:
-  """Examples in ArrayRecord files (msgpack, one a record). Images stored encoded are decoded
-  here, in the reading workers; photos stored whole are cropped by `crops`, by stream position.
-  `take` also says which records could not be read, and why (`failed`)."""
-
-  def __init__(self, paths: list[str], image_shape: tuple[int, int, int],
-               crops: "Crops | None" = None, name: str = "arrayrecord",
-               pixel_dtype: str = "uint8"):
-    self.records = grain.sources.ArrayRecordDataSource(paths)
-    self.image_shape, self.pixel_dtype = tuple(image_shape), pixel_dtype
-    self.crops, self.name = crops, name
-
-  def __len__(self) -> int:
-    return len(self.records)
-
-  def read(self, indices: list[int]) -> list:
-    """The records, each decoded from msgpack, or why it could not be read (a str)."""
-    from .image_files import read_rows, why
-
-    records = read_rows(self.records.__getitems__, self.records.__getitem__, indices)  # parallel
-    examples = []
-    for record in records:
-      try:
-        examples.append(record if isinstance(record, str) else
-                        serialization.msgpack_restore(record))
-      except Exception as e:  # noqa: BLE001
-        examples.append(why(e))
-    return examples
-
-  def take(self, indices: np.ndarray, positions: np.ndarray | None = None
-           ) -> dict[str, np.ndarray]:
-    from .image_files import decode_batch
-
-    examples = self.read([int(i) for i in indices])
-    unread = {i: why for i, why in enumerate(examples) if isinstance(why, str)}
-    blank = {"image": np.zeros(self.image_shape, self.pixel_dtype), "label": 0}  # masked later
-    examples = [blank if isinstance(ex, str) else ex for ex in examples]
-    images, failed = decode_batch([ex["image"] for ex in examples], self.image_shape,
-                                  self.crops, positions)
-    return {"image": images, "label": np.array([ex["label"] for ex in examples], np.int32),
-            "failed": failed | unread}
-
-
-def arrayrecord_paths(data_dir: str, split: str) -> list[str]:
-  return sorted(glob.glob(os.path.join(data_dir, f"{split}-*.array_record")))
-
-
 def host_crops(config) -> "dict[str, Crops]":
   """How the host cuts photos kept whole (stored whole by write_arrayrecord.py --resize_shorter,
   or in a Hugging Face or TFDS dataset when the run crops): training's random-resized crop
@@ -146,7 +97,7 @@ def host_crops(config) -> "dict[str, Crops]":
                          config.eval_crop_ratio)}
 
 
-def get_datasets(config) -> tuple[dict[str, ArraySource | RecordSource], DatasetInfo]:
+def get_datasets(config) -> tuple[dict, DatasetInfo]:
   """The 'train' and 'eval' sources of `config.dataset`, and what the model needs to know."""
   loaded = source(config.dataset).load(config)
   train = loaded.sources["train"]
@@ -177,7 +128,7 @@ class LoadUnit:
   cut into whole elements of k batches from its start, and with `trim` (evaluation) the last
   element holds only the batches left."""
 
-  source: ArraySource | RecordSource
+  source: ArraySource  # or any source of len() and take(indices): arrayrecord.RecordSource, ...
   global_batch_size: int
   num_epochs: int = 1
   shuffle_seed: int | None = None  # None: the source's order

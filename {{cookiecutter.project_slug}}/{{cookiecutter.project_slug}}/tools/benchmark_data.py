@@ -26,7 +26,7 @@ from PIL import Image
 import write_arrayrecord
 
 from .. import plan
-from ..data import image_files, input_pipeline
+from ..data import arrayrecord, image_files, input_pipeline
 from ..parallel import sharding
 from ..training import steps
 
@@ -244,7 +244,7 @@ def measure_data(config, seconds: float, rate: float, image_folder: str | None =
   if image_folder:
     paths = image_files.images_under(image_folder)
     encoded = lambda i: open(paths[i % len(paths)], "rb").read()  # noqa: E731, SIM115
-  elif isinstance(source, input_pipeline.RecordSource) and isinstance(
+  elif isinstance(source, arrayrecord.RecordSource) and isinstance(
       serialization.msgpack_restore(source.records[0])["image"], bytes):
     encoded = lambda i: serialization.msgpack_restore(  # noqa: E731
         source.records[i % len(source)])["image"]

@@ -1,0 +1,75 @@
+"""Stopping a run early, on every process after the same step, having saved: SIGTERM (a
+preemption, a scheduler's notice) and SIGINT (Ctrl-C) are collected instead of ending the process
+(`stop_signals`); after each call the loop asks `stop_now`, saves, and `train_and_evaluate` raises
+`Stopped`. JAX's preemption service, where it runs, names the step for every process; else the
+processes agree through a collective, at a step where the loop waits for results anyway."""
+
+import contextlib
+import os
+import signal
+import threading
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+
+class Stopped(Exception):  # noqa: N818 (a stop, not an error)
+  """The run stopped early, after saving the checkpoint of its last step; the same command
+  resumes it. `by`: the signal's number, or what else stopped it."""
+
+  def __init__(self, by: int | str, step: int, num_steps: int, workdir: str):
+    self.by, self.step = by, step
+    name = signal.Signals(by).name if isinstance(by, int) else by
+    super().__init__(f"Stopped by {name} after step {step} of {num_steps}; saved checkpoint "
+                     f"{step} in {workdir}. Run the same command again to resume.")
+
+  @property
+  def exit_code(self) -> int:
+    """128 + the signal, as shells expect (130: Ctrl-C; a preemption notice: SIGTERM's 143)."""
+    return 128 + (self.by if isinstance(self.by, int) else signal.SIGTERM)
+
+
+def preemption_service() -> bool:
+  """Whether JAX's preemption service takes SIGTERM: on JAX's distributed runtime, it tells every
+  process, and Orbax's `reached_preemption` names the step at which all of them stop."""
+  return jax.distributed.is_initialized() and jax.config.jax_enable_preemption_service
+
+
+@contextlib.contextmanager
+def stop_signals():
+  """Collects SIGTERM and SIGINT instead of dying, so the loop can stop after a step and save.
+  When JAX's preemption service takes SIGTERM (`preemption_service()`), SIGINT (Ctrl-C) is
+  passed on to it as SIGTERM: every process then stops at the step it names, and saves."""
+  received, service = [], preemption_service()
+
+  def collect(signum, frame):
+    received.append(signum)
+    if service:
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  mine = threading.current_thread() is threading.main_thread()
+  previous = {sig: signal.signal(sig, collect) for sig in (
+      (signal.SIGINT,) if service else (signal.SIGTERM, signal.SIGINT))} if mine else {}
+  try:
+    yield received
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
+
+
+def stop_now(received: list, checkpoints, dispatch: int, can_agree: bool):
+  """What stops the loop after this call (a signal number or a name), or None. Processes stop
+  together: on JAX's preemption service at the step that it names; else, with several processes
+  (which the platform connects without that service), at a step where they can agree
+  (`can_agree`: one where the loop waits for results anyway), through a collective."""
+  if preemption_service():
+    if not checkpoints.reached_preemption(dispatch):
+      return None
+    return received[0] if received else "a preemption notice"
+  if jax.process_count() == 1:
+    return received[0] if received else None
+  if not can_agree:
+    return None
+  signals = multihost_utils.process_allgather(np.int32(received[0] if received else 0))
+  return int(np.max(signals)) or None
