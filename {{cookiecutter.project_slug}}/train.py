@@ -240,9 +240,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   checkpoints.close()  # waits for the last asynchronous save
   if stopped_by:
     writer.close()
-    stopped = stopping.Stopped(stopped_by, step, num_train_steps, workdir)
-    logging.warning("%s", stopped)
-    raise stopped
+    logging.warning("%s", stopping.Stopped(stopped_by, step, num_train_steps, workdir))
+    raise stopping.Stopped(stopped_by, step, num_train_steps, workdir)  # (no local: no cycle)
   if loop := clock.whole_loop(num_train_steps, config.batch_size):
     writer.write_scalars(num_train_steps, loop)
   if eval_metrics is None:  # nothing left to train: report the restored state
