@@ -135,16 +135,19 @@ def sources(config, crops: dict) -> tuple[dict[str, Source], tuple[int, int, int
            for split, ds in loaded.items()}, shape, names)
 
 
-def load(config) -> Loaded:
-  """The data source's interface (input_pipeline.SOURCES): photos of any size, cut from the
-  whole photo on the host when the run crops."""
+def load(config) -> Loaded:  # (the data source's interface: input_pipeline.SOURCES)
+  return read_in_place(config, sources)
+
+
+def read_in_place(config, sources) -> Loaded:
+  """A source read in place's `load` (this one's, tfds_data's): photos of any size, cut from the
+  whole photo on the host when the run crops. `sources(config, crops)`: splits, shape, names."""
   crops_on_host = config.augment_crop
   found, shape, names = sources(config, host_crops(config) if crops_on_host else {})
   return Loaded(found, shape, len(names), names, crops_on_host)
 
 
-def describe(config) -> None:
-  """None: the shape and classes are known once the data is opened (`load`)."""
+def describe(config) -> None:  # the shape and classes are known once the data is opened
   return None
 
 

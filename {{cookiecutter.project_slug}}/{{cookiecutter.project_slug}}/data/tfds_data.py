@@ -15,7 +15,8 @@ files (`image_files.decode_image`).
 import numpy as np
 
 from . import image_files
-from .input_pipeline import Loaded, host_crops
+from .huggingface import read_in_place
+from .input_pipeline import Loaded
 
 READS_DATA_DIR = True  # (plan.py: config.data_dir is this source's)
 EVAL_SPLITS = ("validation", "test")
@@ -95,16 +96,11 @@ def sources(config, crops: dict) -> tuple[dict[str, Source], tuple[int, int, int
           shape, tuple(found.info.features[label].names))
 
 
-def load(config) -> Loaded:
-  """The data source's interface (input_pipeline.SOURCES): photos of any size, cut from the
-  whole photo on the host when the run crops."""
-  crops_on_host = config.augment_crop
-  found, shape, names = sources(config, host_crops(config) if crops_on_host else {})
-  return Loaded(found, shape, len(names), names, crops_on_host)
+def load(config) -> Loaded:  # (the data source's interface: input_pipeline.SOURCES)
+  return read_in_place(config, sources)
 
 
-def describe(config) -> None:
-  """None: the shape and classes are known once the data is opened (`load`)."""
+def describe(config) -> None:  # the shape and classes are known once the data is opened
   return None
 
 

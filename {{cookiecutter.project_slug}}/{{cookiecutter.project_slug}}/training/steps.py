@@ -94,13 +94,14 @@ def summed_gradients(model, batch, num_micro_batches: int = 1, label_smoothing: 
   """Gradient of the summed loss, and metrics, over `batch` in `num_micro_batches` pieces run in
   one loop (gradient accumulation). A piece without a real example (over all devices under pmap)
   adds nothing and leaves the model's state (BatchNorm statistics, RNG counters) as it was. Under
-  pmap (`axis_name`) each piece's sums are summed over the devices before they are added up: the
-  order in which XLA sums spmd's, so the two agree to the bit (summed after, they part by
-  rounding, which training amplifies)."""
+  pmap (`axis_name`) the sums are those of every device: each piece's summed over the devices
+  before the pieces are added up, the order in which XLA sums spmd's, so the two agree to the bit
+  (summed after, they part by rounding, which training amplifies)."""
   grad_fn = nnx.grad(functools.partial(loss_and_metrics, collection=TrainLoss,
                                        label_smoothing=label_smoothing), has_aux=True)
   if num_micro_batches == 1:
-    return grad_fn(model, batch)
+    sums = grad_fn(model, batch)
+    return sums if axis_name is None else jax.lax.psum(sums, axis_name)
   micro = micro_batches(batch, num_micro_batches)
   # A forward pass changes BatchNorm's statistics and the RNG counters, never the parameters:
   # only that part of the model is carried from micro-batch to micro-batch.
@@ -180,8 +181,6 @@ def train_step(graphdef, state, running, batch, *, grad_accum_steps=1, max_shift
                                            axis_name)
   if axis_name is not None:
     restore_keys()
-    if grad_accum_steps == 1:  # (micro-batches: summed over the devices each)
-      grads, step_metrics = jax.lax.psum((grads, step_metrics), axis_name)
   count = step_metrics.loss.count
   # One reduction for both: the squared norm of the summed gradient (for the metrics), which
   # is not finite when an entry is not (nor when it overflows float32: a gradient beyond 1e19).
