@@ -28,6 +28,7 @@ EXPECTED_FILES = [
     "README.md",
     "aot.py",
     "benchmark.py",
+    "benchmark_torch.py",
     "clusters/gke-gpu-jobset.yaml",
     "clusters/gke-tpu-jobset.yaml",
     "clusters/slurm.sbatch",
@@ -74,8 +75,10 @@ EXPECTED_FILES = [
     "nnx_data_parallel/training/writers.py",
     "predict.py",
     "pyproject.toml",
+    "recipe.py",
     "tests/conftest.py",
     "tests/shipped_model.py",
+    "tests/shipped_recipe.py",
     "tests/test_accelerator.py",
     "tests/test_aot.py",
     "tests/test_bad_records.py",
@@ -238,8 +241,9 @@ def test_bake_layout_commands_at_the_top_machinery_in_one_package_no_import_cycl
   inside functions included)."""
   project = bake_ok(cookies)
   top = sorted(p.name for p in project.glob("*.py"))
-  assert top == ["aot.py", "benchmark.py", "evaluate.py", "export.py", "launch.py", "model.py",
-                 "predict.py", "train.py", "write_arrayrecord.py"], top
+  assert top == ["aot.py", "benchmark.py", "benchmark_torch.py", "evaluate.py", "export.py",
+                 "launch.py", "model.py", "predict.py", "recipe.py", "train.py",
+                 "write_arrayrecord.py"], top
   graph = project_imports(project)
   assert {"nnx_data_parallel.training.steps", "nnx_data_parallel.plan"} <= graph["train"]
 

@@ -34,7 +34,7 @@ from absl import app, flags  # noqa: E402
 from absl.flags import FLAGS  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from {{cookiecutter.project_slug}} import plan  # noqa: E402
+from {{cookiecutter.project_slug}} import errors, plan  # noqa: E402
 from {{cookiecutter.project_slug}}.data import input_pipeline  # noqa: E402
 from {{cookiecutter.project_slug}}.parallel import chips, sharding  # noqa: E402
 from {{cookiecutter.project_slug}}.tools import topologies  # noqa: E402
@@ -158,8 +158,8 @@ def _analyze(config, devices) -> dict:
   batches = abstract_batches(config, info, num_devices, mesh, pmap)
   where = None if pmap else sharding.replicated(mesh)
   train_args = (abstract(state, leading=num_devices) if pmap else compiled_steps.put_state(state),
-                abstract(metrics.TrainMetrics.empty(), where), batches)
-  eval_args = (train_args[0], abstract(metrics.Metrics.empty(), where), batches)
+                abstract(metrics.of(config).train.empty(), where), batches)
+  eval_args = (train_args[0], abstract(metrics.of(config).eval.empty(), where), batches)
 
   state_bytes = bytes_per_device(state) if not pmap else bytes_per_device(
       abstract(state, sharding.replicated(mesh)))
@@ -275,4 +275,4 @@ if __name__ == "__main__":  # flags defined here: the functions above can be imp
                       required=True)
   flags.DEFINE_integer("num_slices", 1, "TPU slices (multi-slice).")
   flags.DEFINE_string("json", None, "Also write the figures to this JSON file.")
-  app.run(main, flags_parser=plan.parse_flags)
+  app.run(main, flags_parser=errors.parse_flags)

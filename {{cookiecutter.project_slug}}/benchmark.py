@@ -20,7 +20,7 @@ Prints its tables and writes them to --out (JSON) and --markdown (BENCHMARKS.md)
   the bare compiled single step's, run back to back as many steps as the loop, waiting as often;
   each pair in fresh processes, one right after the other, their order alternating; the
   efficiency is the median of the pairs' ratios (above 1 where k steps a call beat one). The
-  loop runs an accelerator's k (`steps.ACCELERATOR_STEPS_PER_DISPATCH`) even on the CPU. Also
+  loop runs an accelerator's k (`plan.ACCELERATOR_STEPS_PER_DISPATCH`) even on the CPU. Also
   ResNet-50 training (configs/imagenet.py, synthetic images: `resnet_config`): images/s a
   device and MFU (where the chip's peak is known), the loop against the bare step.
 - Input (benchmark_data.py): the Grain iterator alone, JPEG files decoded by its workers, and
@@ -59,7 +59,7 @@ from tensorboard.backend.event_processing import event_accumulator
 
 from configs import default, imagenet, tiny
 
-from {{cookiecutter.project_slug}} import plan
+from {{cookiecutter.project_slug}} import errors, plan
 from {{cookiecutter.project_slug}}.data import input_pipeline
 from {{cookiecutter.project_slug}}.parallel import sharding
 from {{cookiecutter.project_slug}}.tools import benchmark_data, benchmark_report
@@ -99,7 +99,7 @@ def get_config(model: str, is_tiny: bool) -> ml_collections.ConfigDict:
   config = (tiny if is_tiny else default).get_config()
   config.rounds, config.turn_steps = (1, 3) if is_tiny else (10, 20)
   # The loop as a GPU or TPU runs it (on the CPU, runs choose k = 1: see measure_default_run).
-  config.steps_per_dispatch = 5 if is_tiny else steps.ACCELERATOR_STEPS_PER_DISPATCH
+  config.steps_per_dispatch = 5 if is_tiny else plan.ACCELERATOR_STEPS_PER_DISPATCH
   if model == "large":
     accelerator = jax.default_backend() != "cpu"
     config.dataset = "synthetic"
@@ -117,15 +117,16 @@ def get_config(model: str, is_tiny: bool) -> ml_collections.ConfigDict:
 
 def resnet_config(is_tiny: bool) -> ml_collections.ConfigDict:
   """configs/imagenet.py (ResNet-50, bfloat16) on synthetic ImageNet-shaped images, at the
-  recipe's size (224 x 224, 128 a device) where an accelerator is present; on the CPU the
-  ResNet-50 at 64 x 64, 8 a device, in float32; with --tiny the ResNet-18 at 32 x 32."""
+  recipe's image size, 256 a device (benchmark_torch.py's batch) where an accelerator is present;
+  on the CPU the ResNet-50 at 64 x 64, 8 a device, in float32; with --tiny the ResNet-18 at
+  32 x 32."""
   config = imagenet.get_config()
   accelerator = jax.default_backend() != "cpu"
-  size, per_device = (224, 128) if accelerator else (32, 2) if is_tiny else (64, 8)
+  size, per_device = (224, 256) if accelerator else (32, 2) if is_tiny else (64, 8)
   config.dataset, config.model.name = "synthetic", "resnet18" if is_tiny else "resnet50"
   config.model.dtype = "bfloat16" if accelerator else "float32"
   config.batch_size = per_device * jax.device_count()
-  config.steps_per_dispatch = 1 if is_tiny else steps.ACCELERATOR_STEPS_PER_DISPATCH
+  config.steps_per_dispatch = 1 if is_tiny else plan.ACCELERATOR_STEPS_PER_DISPATCH
   loop_steps = 4 if is_tiny else 100 if accelerator else 20
   config.synthetic.update(image_shape=(size, size, 3), num_classes=1000,
                           num_train=loop_steps * config.batch_size, num_eval=config.batch_size)
@@ -149,12 +150,12 @@ def step_state_batch(config, path: str):
     step = jax.jit(functools.partial(steps.train_step, graphdef, **steps.step_options(config)),
                    donate_argnums=(0, 1))
     one_batch = jax.tree.map(lambda x: x[0], batch)
-    return step, *jax.device_put((state, metrics.TrainMetrics.empty(), one_batch), device)
+    return step, *jax.device_put((state, metrics.of(config).train.empty(), one_batch), device)
   config.parallelism = path
   mesh = sharding.make_mesh(config)
   compiled = steps.make(graphdef, config, mesh)
   state = compiled.put_state(sharding.place_state(state, mesh, config.fsdp_min_size))
-  return compiled.train, state, compiled.empty(metrics.TrainMetrics), compiled.put_batch(batch)
+  return compiled.train, state, compiled.empty(metrics.of(config).train), compiled.put_batch(batch)
 
 
 def peak_host_mb() -> float:
@@ -301,7 +302,7 @@ def measure_dispatch(is_tiny: bool, calls: int = 200) -> dict:
   {} when model.py (yours) has no such ResNet."""
   config = imagenet.get_config()
   config.model.name = "resnet18" if is_tiny else "resnet50"
-  if config.model.name not in getattr(optim.model_module(config), "MODELS", ()):
+  if config.model.name not in getattr(plan.model_module(config), "MODELS", ()):
     return {}
   fn = jax.jit(lambda tree: tree, donate_argnums=0)  # every array handed over and back, in place
   result = dict(model=config.model.name)
@@ -463,4 +464,4 @@ def main(argv):
 if __name__ == "__main__":
   _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py",
                                             "--data_dir: the training config.")
-  app.run(main, flags_parser=plan.parse_flags)
+  app.run(main, flags_parser=errors.parse_flags)

@@ -86,7 +86,7 @@ def evaluate(run: trained.Restored, source) -> dict:
   config.batch_size = -(-config.batch_size // run.mesh.size) * run.mesh.size
   graphdef, state = nnx.split((nnx.merge(run.graphdef, run.state),))  # eval_step's (model,)
   compiled = steps.make(graphdef, config, run.mesh)
-  collection = metrics.with_confusion(run.info.num_classes)
+  collection = metrics.with_confusion(config, run.info.num_classes)
   batches = input_pipeline.eval_batches(source, config,
                                          sharding.process_rows(run.mesh, config.batch_size))
   running = jax.device_get(steps.evaluate(compiled, state, batches, config, collection))

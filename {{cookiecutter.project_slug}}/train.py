@@ -18,7 +18,7 @@ from absl import app, flags, logging
 from flax import nnx
 from ml_collections import config_flags
 
-from {{cookiecutter.project_slug}} import plan
+from {{cookiecutter.project_slug}} import errors, plan
 from {{cookiecutter.project_slug}}.data import input_pipeline
 from {{cookiecutter.project_slug}}.errors import BadData, ConfigError
 from {{cookiecutter.project_slug}}.parallel import distributed, sharding
@@ -99,12 +99,13 @@ def log_run(config, info, num_train_steps: int, workdir: str) -> None:
   memory = input_pipeline.host_memory(config, info, jax.process_count())
   logging.info("input: %d worker%s a process (and as many for evaluation), ~%.3g GiB of host "
                "memory", memory.workers, "s" * (memory.workers != 1), memory.bytes / 2**30)
+  recipe = plan.recipe_module(config)
   logging.info("global batch %d%s; peak learning rate %.4g%s, %d warmup steps, %s decay",
                config.batch_size, f" ({config.per_device_batch_size} x {devices} devices)"
-               if config.per_device_batch_size else "", optim.peak_learning_rate(config),
+               if config.per_device_batch_size else "", recipe.peak_learning_rate(config),
                "" if config.lr_scaling == "none" else f" ({config.lr_scaling} scaling of "
                f"{config.learning_rate:g} at batch {config.base_batch_size})",
-               optim.warmup_steps(config, num_train_steps), config.schedule)
+               recipe.warmup_steps(config, num_train_steps), config.schedule)
 
 
 def log_state(config, graphdef, state, speed: flops.Speed, num_train_steps: int) -> None:
@@ -122,12 +123,12 @@ def log_state(config, graphdef, state, speed: flops.Speed, num_train_steps: int)
     logging.warning("%s", warning)
 
 
-def compile_eval(compiled: steps.Steps, state, eval_batches) -> float:
+def compile_eval(compiled: steps.Steps, state, eval_batches, config) -> float:
   """Compiles the eval step now, not mid-training, for the first and the last (shorter) element;
   returns the seconds it took (a call returns once compiled and dispatched)."""
   start = time.perf_counter()
   for element in {len(e["mask"]): e for e in (eval_batches[0], eval_batches[-1])}.values():
-    compiled.eval(state, compiled.empty(metrics.Metrics), compiled.put_batch(element))
+    compiled.eval(state, compiled.empty(metrics.of(config).eval), compiled.put_batch(element))
   return time.perf_counter() - start
 
 
@@ -156,7 +157,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   log_run(config, info, num_train_steps, workdir)
   # Compiled now, as one program: op by op, it would compile at the first log, inside the first
   # timed interval (a GPU: ~1 s of a ResNet-50 run's second interval).
-  schedule = jax.jit(optim.create_schedule(config, num_train_steps))
+  schedule = jax.jit(plan.recipe_module(config).schedule(config, num_train_steps))
   schedule(0)
   mesh = sharding.make_mesh(config)
   rows = sharding.process_rows(mesh, config.batch_size)  # this process's rows of each batch
@@ -166,7 +167,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     from {{cookiecutter.project_slug}}.training import trained
 
     init = trained.init_from(config.init_from, abstract, init)
-  checkpoints = runs.checkpoint_manager(workdir, config.max_checkpoints_to_keep)
+  checkpoints = runs.checkpoint_manager(workdir, config)
   first_step, state = runs.restore_or_init(checkpoints, abstract, init, workdir)
   runs.write_description(workdir, config, info)  # what predict.py, export.py, ... read
   speed = flops.Speed(graphdef, state, info.image_shape, config)
@@ -182,12 +183,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                                              compiled.put_batch(eval_batches[0])))
   writer = writers.create_writer(workdir, write=is_main, config=config, new_run=first_step == 0)
   clock = writers.Clock()
-  progress = writers.Progress(num_train_steps, writer, clock, show=is_main)
-  eval_compile_s, profiler = compile_eval(compiled, state, eval_batches), Profiler(config, workdir)
+  progress = writers.Progress(num_train_steps, writer, clock, show=is_main,
+                              metrics=tuple(plan.recipe_module(config).METRICS))
+  eval_compile_s, profiler = (compile_eval(compiled, state, eval_batches, config),
+                              Profiler(config, workdir))
 
   # `running` merges the metrics of the training steps from `since` on, on the devices. Each
   # dispatch runs the steps of one element: up to the next multiple of k (or the end).
-  running, since = compiled.empty(metrics.TrainMetrics), first_step + 1
+  running, since = compiled.empty(metrics.of(config).train), first_step + 1
   step, eval_metrics, stopped_by, every = first_step, None, None, steps.sync_every(config)
   # Closed at the end, however it ends: the workers stopped, the progress bar cleared.
   with (stopping.stop_signals() as received, contextlib.closing(train_iter),
@@ -221,7 +224,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           summary = train_summary(fetched, step, since, lap, speed, schedule)
           writer.write_scalars(step, {f"train_{name}": v for name, v in summary.items()})
           progress.report(step, since, summary, lap)
-          running, since = compiled.empty(metrics.TrainMetrics), step + 1
+          running, since = compiled.empty(metrics.of(config).train), step + 1
       # On a stop signal: save, and leave the evaluation (the grace period is for saving).
       evaluate_now = (step % config.eval_every_steps == 0 or is_last) and not stopped_by
       save_now = step % config.checkpoint_every_steps == 0 or is_last or stopped_by
@@ -290,4 +293,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=plan.parse_flags)
+  app.run(main, flags_parser=errors.parse_flags)

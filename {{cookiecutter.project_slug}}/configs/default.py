@@ -48,7 +48,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.model = ml_collections.ConfigDict(
       dict(module="model", name="cnn", features=(32, 64), width=64, dtype="float32",
            param_dtype="float32", dropout=0.0))
-  config.optimizer = "adam"  # 'adam', 'adamw' or 'sgd'
+  # The recipe (recipe.py: the loss, augmentation, metrics, optimizer and schedule): its module.
+  # The keys below are its options; a key you add is read there as config.KEY.
+  config.recipe = "recipe"
+  config.optimizer = "adam"  # 'adam', 'adamw' or 'sgd' (recipe.optimizer)
   config.learning_rate = 3e-3  # peak at `base_batch_size` (scaled by `lr_scaling`)
   # The global batch over the base one scales the peak: 'none', 'linear' (Goyal et al. 2017,
   # "Accurate, Large Minibatch SGD") or 'sqrt'.

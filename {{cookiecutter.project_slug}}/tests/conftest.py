@@ -32,13 +32,15 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
-# The tests' own models, whatever model.py holds: shipped_model.py (the hook's copy of model.py
-# as the template shipped it), named by `owned` configs and `OWN_MODEL`, importable by every
-# process that the tests start. tests/test_your_model.py tests model.py itself.
+# The tests' own models and recipe, whatever model.py and recipe.py hold: shipped_model.py and
+# shipped_recipe.py (the hook's copies of them as the template shipped them), named by `owned`
+# configs and `OWN`, importable by every process that the tests start.
+# tests/test_your_model.py tests model.py and recipe.py themselves.
 TESTS = os.path.join(PROJECT, "tests")
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (TESTS, os.environ.get("PYTHONPATH"))))
-SHIPPED_MODEL = "shipped_model"
-OWN_MODEL = f"--config.model.module={SHIPPED_MODEL}"  # the same, on a command line
+SHIPPED_MODEL, SHIPPED_RECIPE = "shipped_model", "shipped_recipe"
+# The same, on a command line.
+OWN = (f"--config.model.module={SHIPPED_MODEL}", f"--config.recipe={SHIPPED_RECIPE}")
 
 import pytest  # noqa: E402
 from absl import flags  # noqa: E402
@@ -49,9 +51,31 @@ flags.FLAGS.mark_as_parsed()  # absl flags are parsed by app.run in train.py, no
 
 
 def owned(config):
-  """`config` (changed in place, and returned) on the tests' own models (shipped_model.py)."""
-  config.model.module = SHIPPED_MODEL
+  """`config` (changed in place, and returned) on the tests' own models and recipe
+  (shipped_model.py, shipped_recipe.py)."""
+  config.model.module, config.recipe = SHIPPED_MODEL, SHIPPED_RECIPE
   return config
+
+
+# The train step's options off: no augmentation, label smoothing, accumulation or average.
+PLAIN = dict(augment_max_shift=0, augment_flip=False, augment_crop=False, label_smoothing=0.0,
+             grad_accum_steps=1, ema_decay=0.0, ema_warmup=False, seed=0)
+
+
+def plain(config=None, **changes):
+  """A copy of `config` (default: tiny.py's, `owned`) with `PLAIN` and then `changes`."""
+  from configs import tiny
+
+  config = (config or owned(tiny.get_config())).copy_and_resolve_references()
+  config.update(dict(PLAIN, **changes))
+  return config
+
+
+def plain_options(config=None, **changes):
+  """`steps.train_step`'s options (`steps.step_options`) of `plain(config, **changes)`."""
+  from {{cookiecutter.project_slug}}.training import steps
+
+  return steps.step_options(plain(config, **changes))
 
 
 # The recipe's options, all on (off in configs/default.py): the runs of `two_epochs` check that
@@ -187,8 +211,8 @@ def tiny_config():
   train_and_evaluate chooses them (1 here)."""
   from configs import tiny
 
-  from {{cookiecutter.project_slug}}.training import steps
+  from {{cookiecutter.project_slug}} import plan
 
   config = owned(tiny.get_config())
-  config.steps_per_dispatch = steps.steps_per_dispatch(config)
+  config.steps_per_dispatch = plan.steps_per_dispatch(config)
   return config

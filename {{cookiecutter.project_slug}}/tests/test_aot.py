@@ -19,7 +19,7 @@ import sys
 import types
 
 import pytest
-from conftest import OWN_MODEL, owned
+from conftest import OWN, owned
 from flax import nnx
 
 import aot
@@ -80,7 +80,7 @@ def analyze(config, topology, num_slices=1) -> dict:
 
 def run_aot(*args, timeout=600) -> subprocess.CompletedProcess:
   """`python aot.py ARGS` as a user runs it (a real process)."""
-  return subprocess.run([sys.executable, "aot.py", *args[:1], OWN_MODEL, *args[1:]], cwd=PROJECT,
+  return subprocess.run([sys.executable, "aot.py", *args[:1], *OWN, *args[1:]], cwd=PROJECT,
                         capture_output=True, text=True, timeout=timeout)
 
 
@@ -106,14 +106,14 @@ def test_xla_options_reach_the_compiler(tiny_config):
   from {{cookiecutter.project_slug}}.training import steps
 
   tiny_config.xla_options = "xla_cpu_enable_fast_math=false, xla_no_such_option=1"
-  assert steps.xla_options(tiny_config) == {"xla_cpu_enable_fast_math": False,
+  assert plan.xla_options(tiny_config) == {"xla_cpu_enable_fast_math": False,
                                             "xla_no_such_option": 1}
   info = input_pipeline.describe(tiny_config)
   mesh = sharding.make_mesh(tiny_config)
   graphdef, state, _ = optim.initial_state(tiny_config, info, mesh, 10)
   batches = aot.abstract_batches(tiny_config, info, 8, mesh, pmap=False)
   compiled = steps.make(graphdef, tiny_config, mesh)
-  running = aot.abstract(metrics.Metrics.empty(), sharding.replicated(mesh))
+  running = aot.abstract(metrics.of(tiny_config).eval.empty(), sharding.replicated(mesh))
   with pytest.raises(Exception, match="xla_no_such_option"):
     compiled.eval.lower(state, running, batches).compile()
   tiny_config.xla_options = "xla_cpu_enable_fast_math=false"

@@ -13,7 +13,7 @@ import tensorflow_datasets as tfds
 from conftest import DIGIT_NAMES, owned
 from flax import serialization
 from PIL import Image
-from test_train import OWN_MODEL, run_cli, run_in_process
+from test_train import OWN, run_cli, run_in_process
 
 import write_arrayrecord
 from configs import default, tiny
@@ -145,7 +145,7 @@ def test_more_than_a_small_share_bad_stops_in_one_line(tmp_path):
     config.steps_per_dispatch = 1
     splits, _ = input_pipeline.get_datasets(config)
     list(input_pipeline.eval_batches(splits["eval"], config))
-  error = run_in_process("--config=configs/tiny.py", OWN_MODEL, f"--workdir={tmp_path / 'run'}",
+  error = run_in_process("--config=configs/tiny.py", *OWN, f"--workdir={tmp_path / 'run'}",
                          "--config.dataset=arrayrecord", f"--config.data_dir={tmp_path / 'data'}",
                          "--config.num_workers=0")
   assert error.startswith("error: ") and "\n" not in error, error

@@ -12,7 +12,7 @@ import time
 import portpicker
 import pytest
 import yaml
-from conftest import OWN_MODEL
+from conftest import OWN
 from test_distributed import plain_machine, task  # noqa: F401  (a fixture)
 from test_multiprocess import assert_same_run, four_devices, stop_all, train
 from test_train import read_scalars
@@ -21,7 +21,7 @@ from {{cookiecutter.project_slug}}.parallel import distributed
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTERS = os.path.join(PROJECT, "clusters")
-RUN = ("--config=configs/tiny.py", OWN_MODEL, "--config.num_epochs=6")
+RUN = ("--config=configs/tiny.py", *OWN, "--config.num_epochs=6")
 
 
 def sbatch_options() -> dict[str, str]:

@@ -322,7 +322,7 @@ def test_the_imagenet_recipe_trains_on_a_photo_folder(tmp_path):
                 eval_every_steps=2, checkpoint_every_steps=2, num_workers=0)
   result = train.train_and_evaluate(config, str(tmp_path / "run"))
   assert result["examples"] == 6 and np.isfinite(result["loss"])
-  assert runs.checkpoint_manager(str(tmp_path / "run"), 1).latest_step() == 2  # ceil(12 / 8)
+  assert runs.checkpoint_manager(str(tmp_path / "run")).latest_step() == 2  # ceil(12 / 8)
 
 
 def seconds_after_last_line(command: list[str]) -> tuple[subprocess.CompletedProcess, float]:

@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from conftest import plain, plain_options
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -58,7 +59,7 @@ def test_padded_gradient_equals_unpadded_gradient(tiny_config):
   @jax.jit
   def masked_grad(state, batch):
     grads, metrics = nnx.grad(steps.loss_and_metrics, has_aux=True)(
-        nnx.merge(graphdef, state), batch)
+        nnx.merge(graphdef, state), batch, plain(tiny_config))
     return jax.tree.map(lambda g: g / metrics.loss.count, grads), metrics
 
   grads, metrics = masked_grad(jax.device_put(state, sharding.replicated(mesh)),
@@ -74,13 +75,14 @@ def test_train_step_on_padded_batch_equals_step_on_real_examples(tiny_config):
   real = {k: v[:77] for k, v in padded.items()}
   graphdef, state = nnx.split(model_and_optimizer(tiny_config))
 
-  one_device = jax.jit(functools.partial(steps.train_step, graphdef, max_shift=1, seed=0))
-  expected, expected_metrics = one_device(state, metrics.TrainMetrics.empty(), real)
+  one_device = jax.jit(functools.partial(steps.train_step, graphdef,
+                                         **plain_options(tiny_config, augment_max_shift=1)))
+  expected, expected_metrics = one_device(state, metrics.of(tiny_config).train.empty(), real)
 
   tiny_config.augment_max_shift, tiny_config.seed = 1, 0  # shifts keyed by position: the same
   compiled = steps.make(graphdef, tiny_config, sharding.make_mesh())
   placed = compiled.put_state(state)
-  new_state, running = compiled.train(placed, compiled.empty(metrics.TrainMetrics),
+  new_state, running = compiled.train(placed, compiled.empty(metrics.of(tiny_config).train),
                                       compiled.put_batch(jax.tree.map(lambda x: x[None], padded)))
   assert max_abs_diff(compiled.get_state(new_state), expected) < 1e-6
   assert int(running.loss.count) == int(expected_metrics.loss.count) == 77

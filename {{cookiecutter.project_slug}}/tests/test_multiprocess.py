@@ -14,7 +14,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import portpicker
 import pytest
-from conftest import OWN_MODEL, RECIPE
+from conftest import OWN, RECIPE
 from test_train import read_scalars
 
 from {{cookiecutter.project_slug}}.training import trained
@@ -24,7 +24,7 @@ PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def train(workdir, processes: int, *overrides: str) -> dict[str, dict[int, float]]:
   """Runs train.py on 8 CPU devices in all (1 x 8 or 2 x 4); returns its scalars."""
-  args = ["--config=configs/tiny.py", OWN_MODEL, f"--workdir={workdir}", *overrides]
+  args = ["--config=configs/tiny.py", *OWN, f"--workdir={workdir}", *overrides]
   if processes == 1:
     command = [sys.executable, "train.py", *args]
     env = dict(os.environ)  # 8 devices (conftest.py)
@@ -158,7 +158,7 @@ def start_pair(workdir, **env):
   env = four_devices(**env)
   address = f"127.0.0.1:{portpicker.pick_unused_port()}"
   processes = [subprocess.Popen(
-      [sys.executable, "train.py", "--config=configs/tiny.py", OWN_MODEL, f"--workdir={workdir}",
+      [sys.executable, "train.py", "--config=configs/tiny.py", *OWN, f"--workdir={workdir}",
        "--config.num_epochs=500", f"--coordinator_address={address}", "--num_processes=2",
        f"--process_id={i}", "--heartbeat_timeout_seconds=10"],
       cwd=PROJECT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -252,7 +252,7 @@ def test_a_process_killed_after_a_checkpoint_then_the_same_command_resumes_exact
   straight = train(tmp_path / "straight", 2, *run)
   address = f"127.0.0.1:{portpicker.pick_unused_port()}"
   processes = [subprocess.Popen(
-      [sys.executable, "train.py", "--config=configs/tiny.py", OWN_MODEL,
+      [sys.executable, "train.py", "--config=configs/tiny.py", *OWN,
        f"--workdir={tmp_path / 'run'}", *run, f"--coordinator_address={address}",
        "--num_processes=2", f"--process_id={i}"], cwd=PROJECT, env=four_devices(),
       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]
@@ -302,7 +302,7 @@ def test_a_checkpoint_damaged_in_one_process_files_is_put_aside_by_both(tmp_path
     f.write(b"\xff" * (size // 2))
   done = subprocess.run(
       [sys.executable, "launch.py", "--num_processes=2", "--devices_per_process=4",
-       "--timeout=400", "--", "--config=configs/tiny.py", OWN_MODEL, f"--workdir={workdir}",
+       "--timeout=400", "--", "--config=configs/tiny.py", *OWN, f"--workdir={workdir}",
        *fsdp], cwd=PROJECT, capture_output=True, text=True, timeout=450)
   assert done.returncode == 0, done.stderr[-4000:]
   for said in (f"checkpoint {last} in {workdir} cannot be read on process 1: kept in "  # 0's
@@ -337,7 +337,7 @@ def run_pair(workdirs, env=None, timeout=300):
   flags = lambda i: [] if env else [f"--coordinator_address={address}",  # noqa: E731
                                     "--num_processes=2", f"--process_id={i}"]
   processes = [subprocess.Popen(
-      [sys.executable, "train.py", "--config=configs/tiny.py", OWN_MODEL,
+      [sys.executable, "train.py", "--config=configs/tiny.py", *OWN,
        f"--workdir={workdirs[i]}", *flags(i)], cwd=PROJECT, stdout=subprocess.DEVNULL,
       stderr=subprocess.PIPE, text=True,
       env=four_devices(**(env(i) if env else {}))) for i in range(2)]

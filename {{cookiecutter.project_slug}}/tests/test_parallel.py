@@ -89,7 +89,7 @@ def steps_for(config, parallelism, graphdef, k=1, unroll=None):
                                      "fsdp_min_size", "augment_flip", "augment_crop",
                                      "augment_crop_scale", "augment_crop_ratio",
                                      "label_smoothing", "ema_decay", "ema_warmup",
-                                     "batch_norm_devices")), unroll)
+                                     "batch_norm_devices", "recipe")), unroll)
 
 
 def run(config, parallelism, batch_list, graphdef=None, state=None, k=1, unroll=None):
@@ -100,13 +100,13 @@ def run(config, parallelism, batch_list, graphdef=None, state=None, k=1, unroll=
     graphdef, state = initial_state(config)
   if parallelism == "single":
     step = single_step(config, graphdef)
-    state, running = jax.device_put((state, metrics.TrainMetrics.empty()), jax.devices()[0])
+    state, running = jax.device_put((state, metrics.of(config).train.empty()), jax.devices()[0])
     for batch in batch_list:
       state, running = step(state, running, batch)
     return state, steps.summarize(running)
   compiled, mesh = steps_for(config, parallelism, graphdef, k, unroll)
   state = compiled.put_state(sharding.place_state(state, mesh, config.fsdp_min_size))
-  running = compiled.empty(metrics.TrainMetrics)
+  running = compiled.empty(metrics.of(config).train)
   for group in stacked(batch_list, k):
     state, running = compiled.train(state, running, compiled.put_batch(group))
     jax.block_until_ready(state)  # as the training loop does on the CPU: never queue collectives
@@ -319,7 +319,7 @@ def test_dropout_gives_the_same_numbers_on_spmd_fsdp_and_one_device_not_pmap(tin
 
   graphdef, state = fresh()
   compiled, _ = steps_for(tiny_config, "pmap", graphdef)
-  replicated, running = compiled.put_state(state), compiled.empty(metrics.TrainMetrics)
+  replicated, running = compiled.put_state(state), compiled.empty(metrics.of(tiny_config).train)
   for group in stacked(data, 1):
     replicated, running = compiled.train(replicated, running, compiled.put_batch(group))
   for leaf in jax.tree.leaves(replicated):
@@ -440,7 +440,8 @@ def test_batchnorm_over_groups_of_devices_is_the_same_on_every_path(tiny_config,
   step = jitted_single_step(graphdef, tuple(dict(
       steps.step_options(tiny_config), batch_norm_groups=NUM_DEVICES // batch_norm_devices
   ).items()))
-  expected, running = jax.device_put((state, metrics.TrainMetrics.empty()), jax.devices()[0])
+  expected, running = jax.device_put((state, metrics.of(tiny_config).train.empty()),
+                                     jax.devices()[0])
   for batch in data:
     expected, running = step(expected, running, batch)
   for parallelism in ("spmd", "fsdp", "pmap"):
@@ -482,7 +483,8 @@ def test_a_devices_own_statistics_add_no_all_reduce_a_layer(tiny_config):
     compiled, mesh = steps_for(tiny_config, "spmd", graphdef)
     program = compiled.train.lower(
         compiled.put_state(sharding.place_state(state, mesh, tiny_config.fsdp_min_size)),
-        compiled.empty(metrics.TrainMetrics), compiled.put_batch(stacked(batches([64]), 1)[0]))
+        compiled.empty(metrics.of(tiny_config).train),
+        compiled.put_batch(stacked(batches([64]), 1)[0]))
     counts[devices, depth] = aot.count_collectives(program.compile().as_text())["all-reduce"]
   assert counts[0, 3] >= counts[0, 1] + 4, counts  # 2 more layers: 2 all-reduces each at least
   assert counts[1, 3] == counts[1, 1] < counts[0, 1], counts
@@ -562,7 +564,7 @@ def test_rolled_loop_equals_single_calls(tiny_config, parallelism):
   mesh = sharding.make_mesh(tiny_config)
   compiled = steps.make(graphdef, tiny_config, mesh, unroll=False)
   placed = compiled.put_state(sharding.place_state(state, mesh))
-  lowered = compiled.train.lower(placed, compiled.empty(metrics.TrainMetrics),
+  lowered = compiled.train.lower(placed, compiled.empty(metrics.of(tiny_config).train),
                                  compiled.put_batch(stacked(data, 3)[0]))
   assert "stablehlo.while" in lowered.as_text()  # a loop, not k copies of the step
   got, got_metrics = run(tiny_config, parallelism, data, graphdef, state, k=3, unroll=False)

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import OWN_MODEL, two_epochs
+from conftest import OWN, two_epochs
 
 import train
 from write_arrayrecord import write_dataset
@@ -361,7 +361,7 @@ def test_the_tools_take_the_newest_intact_checkpoint_and_refuse_a_damaged_one(
     else:
       assert f"checkpoint {last + 5} in {workdir} restores to non-finite values" in out.stderr
       assert f"step {last}: loss {metrics['loss']:.4f}" in out.stdout, out.stdout
-  out = subprocess.run([sys.executable, "train.py", "--config=configs/tiny.py", OWN_MODEL,
+  out = subprocess.run([sys.executable, "train.py", "--config=configs/tiny.py", *OWN,
                         f"--workdir={tmp_path / 'fine'}", f"--config.init_from={workdir}"],
                        cwd=PROJECT, env=ENV, capture_output=True, text=True, timeout=300)
   assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == (

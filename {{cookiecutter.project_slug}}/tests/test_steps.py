@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import owned
+from conftest import owned, plain, plain_options
 from flax import nnx
 from shipped_model import create_model
 
@@ -53,7 +53,7 @@ def test_flops_of_the_default_cnn_step_equal_the_analytic_count():
   graphdef, state = nnx.split((model, optimizer))
   element = input_pipeline.train_batches(splits["train"], config)[0]
   batch = jax.tree.map(lambda x: x[0], element)
-  step = functools.partial(steps.train_step, graphdef, max_shift=1)
+  step = functools.partial(steps.train_step, graphdef, **plain_options(config, augment_max_shift=1))
 
   b, (c1, c2), classes = config.batch_size, config.model.features, info.num_classes
   assert (b, c1, c2, classes) == (128, 32, 64, 10) and info.image_shape == (8, 8, 1)
@@ -64,14 +64,16 @@ def test_flops_of_the_default_cnn_step_equal_the_analytic_count():
   # too, except the first layer's (the images need no gradient).
   expected = 2 * conv1 + 3 * conv2 + 3 * dense
   assert expected == 237_895_680
-  assert flops.model_flops(step, state, metrics.TrainMetrics.empty(), batch) == expected
+  assert flops.model_flops(step, state, metrics.of(config).train.empty(), batch) == expected
 
   # Gradient accumulation splits the batch, not the work; k steps cost k times one.
-  accumulated = functools.partial(step, grad_accum_steps=4)
-  assert flops.model_flops(accumulated, state, metrics.TrainMetrics.empty(), batch) == expected
+  accumulated = functools.partial(steps.train_step, graphdef, **plain_options(
+      config, augment_max_shift=1, grad_accum_steps=4))
+  assert flops.model_flops(accumulated, state, metrics.of(config).train.empty(), batch) == expected
   k_steps = steps.scanned(step)
   stacked = jax.tree.map(lambda x: jnp.stack([x] * 3), batch)
-  assert flops.model_flops(k_steps, state, metrics.TrainMetrics.empty(), stacked) == 3 * expected
+  running = metrics.of(config).train.empty()
+  assert flops.model_flops(k_steps, state, running, stacked) == 3 * expected
 
 
 def test_flops_counted_under_pmap_for_a_model_that_reduces_over_its_axis(tiny_config):
@@ -99,8 +101,9 @@ def test_the_train_step_shifts_each_example_as_its_stream_position_says(tiny_con
   shifted = augment.prepare_images(batch, max_shift=1, seed=0)  # float pixels: kept as they are
 
   def step(batch, max_shift):
-    return jax.jit(functools.partial(steps.train_step, graphdef, max_shift=max_shift, seed=0))(
-        state, metrics.TrainMetrics.empty(), batch)[0]
+    return jax.jit(functools.partial(steps.train_step, graphdef, **plain_options(
+        tiny_config, augment_max_shift=max_shift)))(state, metrics.of(tiny_config).train.empty(),
+                                                    batch)[0]
 
   assert_trees_close(step(batch, 1), step(dict(batch, image=shifted), 0), atol=1e-6)
   assert not np.array_equal(np.asarray(shifted), batch["image"] / 255)  # the shifts moved pixels
@@ -112,11 +115,11 @@ def test_a_skipped_step_leaves_the_whole_state_bitwise_unchanged(tiny_config):
   from test_parallel import DropoutCNN, batches, initial_state
 
   graphdef, state = initial_state(tiny_config, DropoutCNN(nnx.Rngs(0)))
-  step = jax.jit(functools.partial(steps.train_step, graphdef))
+  step = jax.jit(functools.partial(steps.train_step, graphdef, **plain_options(tiny_config)))
   good, padding = batches([64, 0])
   nan = dict(good, image=good["image"].astype(np.float32))
   nan["image"][5, 2, 2] = np.nan
-  running = metrics.TrainMetrics.empty()
+  running = metrics.of(tiny_config).train.empty()
   for batch in (nan, padding):
     after, running = step(state, running, batch)
     for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(after), strict=True):
@@ -143,7 +146,7 @@ def test_skipping_by_selection_equals_skipping_under_cond(tiny_config):
     graphdef, state = initial_state(tiny_config, DropoutCNN(nnx.Rngs(0)))
     step = jax.jit(functools.partial(steps.train_step, graphdef, **steps.step_options(tiny_config),
                                      skip_by=skip_by, norms_of=norms_of))
-    running = metrics.TrainMetrics.empty()
+    running = metrics.of(tiny_config).train.empty()
     for batch in data:
       state, running = step(state, running, batch)
     results[skip_by, norms_of] = ([as_numpy(x) for x in jax.tree.leaves(state)],
@@ -173,12 +176,14 @@ def test_skipping_a_step_keeps_no_second_copy_of_the_state(tiny_config, parallel
   placed = sharding.place_state(state, mesh, tiny_config.fsdp_min_size)
   compiled = steps.make(graphdef, tiny_config, mesh)
   batch = compiled.put_batch(stacked(batches([64]), 1)[0])
-  step = compiled.train.lower(placed, compiled.empty(metrics.TrainMetrics), batch).compile()
+  running = compiled.empty(metrics.of(tiny_config).train)
+  step = compiled.train.lower(placed, running, batch).compile()
 
   def bare_update(state, batch):  # the gradient, the update and their norms, nothing else
     model, optimizer = nnx.merge(graphdef, state)
     batch = jax.tree.map(lambda x: x[0], batch)
-    grads, _ = steps.summed_gradients(model, dict(batch, image=augment.prepare_images(batch)))
+    grads, _ = steps.summed_gradients(model, dict(batch, image=augment.prepare_images(batch)),
+                                      plain(tiny_config))
     updates = optimizer.update(model, grads)
     norms = [optax.tree.norm(tree) for tree in (grads, nnx.state(model, nnx.Param), updates)]
     return nnx.state((model, optimizer)), norms
@@ -264,21 +269,24 @@ def test_evaluation_uses_the_moving_average(tiny_config):
   tiny_config.ema_decay = 0.5
   graphdef, state = nnx.split(optim.build_state(tiny_config, (8, 8, 1), 10, 10))
   batch = batches([64])[0]
-  state, _ = jax.jit(functools.partial(steps.train_step, graphdef, ema_decay=0.5))(
-      state, metrics.TrainMetrics.empty(), batch)
+  state, _ = jax.jit(functools.partial(steps.train_step, graphdef,
+                                       **plain_options(tiny_config, ema_decay=0.5)))(
+      state, metrics.of(tiny_config).train.empty(), batch)
   model, average = state[0], state[2]
   # One step from equal values: the average moved halfway to the parameters.
   start = nnx.split(optim.build_state(tiny_config, (8, 8, 1), 10, 10))[1][0]
   for p, a, s in zip(jax.tree.leaves(model), jax.tree.leaves(average), jax.tree.leaves(start),
                      strict=True):
     np.testing.assert_allclose(a, 0.5 * s + 0.5 * p, rtol=1e-6, atol=1e-7)
-  evaluate = jax.jit(functools.partial(steps.eval_step, graphdef))
-  got = evaluate(state, metrics.Metrics.empty(), batch).compute()
+  evaluate = jax.jit(functools.partial(steps.eval_step, graphdef,
+                                       **steps.step_options(tiny_config)))
+  got = evaluate(state, metrics.of(tiny_config).eval.empty(), batch).compute()
   as_average = nnx.State(dict(state))
   as_average[0] = average
-  expected = evaluate(as_average, metrics.Metrics.empty(), batch).compute()
+  expected = evaluate(as_average, metrics.of(tiny_config).eval.empty(), batch).compute()
   plain = dict(state)
-  no_average = evaluate(nnx.State({**plain, 2: model}), metrics.Metrics.empty(), batch).compute()
+  no_average = evaluate(nnx.State({**plain, 2: model}), metrics.of(tiny_config).eval.empty(),
+                        batch).compute()
   assert float(got["loss"]) == float(expected["loss"])
   assert float(got["loss"]) != float(no_average["loss"])
 
@@ -306,7 +314,7 @@ def test_the_moving_average_warms_up_and_is_kept_in_float32(tiny_config):
 
   tiny_config.ema_decay = 0.9999
   graphdef, state = nnx.split(optim.build_state(tiny_config, (8, 8, 1), 10, 10))
-  running = metrics.TrainMetrics.empty()
+  running = metrics.of(tiny_config).train.empty()
   check_steps([0.1, 2 / 11, 3 / 12])
   tiny_config.ema_warmup, tiny_config.model.param_dtype = False, "bfloat16"
   graphdef, state = nnx.split(optim.build_state(tiny_config, (8, 8, 1), 10, 10))
@@ -327,10 +335,11 @@ def test_training_logs_the_plain_cross_entropy_beside_the_smoothed_loss(tiny_con
     graphdef, state = nnx.split(optim.build_state(tiny_config, (8, 8, 1), 10, 10))
     step = jax.jit(functools.partial(steps.train_step, graphdef,
                                      **steps.step_options(tiny_config)))
-    _, running = step(state, metrics.TrainMetrics.empty(), batch)
+    _, running = step(state, metrics.of(tiny_config).train.empty(), batch)
     results[smoothing] = steps.summarize(running)
-  evaluated = jax.jit(functools.partial(steps.eval_step, graphdef))(
-      state, metrics.Metrics.empty(), batch).compute()  # the same start: the same logits
+  evaluated = jax.jit(functools.partial(steps.eval_step, graphdef,
+                                        **steps.step_options(tiny_config)))(
+      state, metrics.of(tiny_config).eval.empty(), batch).compute()  # the same start: logits
   for summary in results.values():
     assert summary["cross_entropy"] == pytest.approx(float(evaluated["loss"]), rel=1e-6)
   assert results[0.0]["loss"] == results[0.0]["cross_entropy"]
@@ -347,9 +356,9 @@ def test_label_smoothing_is_the_cross_entropy_of_the_smoothed_targets_of_real_ex
 
   batch = {"image": jnp.zeros((3, 1, 1, 1)), "label": jnp.array([0, 3, 2]),
            "mask": jnp.array([True, True, False])}
-  loss_sum, _ = steps.loss_and_metrics(Fixed(), batch, label_smoothing=0.1)
+  loss_sum, _ = steps.loss_and_metrics(Fixed(), batch, plain(label_smoothing=0.1))
   log_p = np.log(np.exp([2.0, 0.0, -1.0, 0.5]) / np.exp([2.0, 0.0, -1.0, 0.5]).sum())
   expected = sum(-(np.full(4, 0.1 / 4) + 0.9 * np.eye(4)[label]) @ log_p for label in (0, 3))
   assert float(loss_sum) == pytest.approx(expected, rel=1e-6)
-  plain, _ = steps.loss_and_metrics(Fixed(), batch)
-  assert float(plain) == pytest.approx(-log_p[0] - log_p[3], rel=1e-6)
+  unsmoothed, _ = steps.loss_and_metrics(Fixed(), batch, plain())
+  assert float(unsmoothed) == pytest.approx(-log_p[0] - log_p[3], rel=1e-6)

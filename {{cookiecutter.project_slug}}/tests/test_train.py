@@ -19,13 +19,13 @@ import orbax.checkpoint as ocp
 import portpicker
 import pytest
 from absl import flags
-from conftest import OWN_MODEL, owned, two_epochs
+from conftest import OWN, owned, two_epochs
 from tensorboard.backend.event_processing import event_accumulator
 from test_preemption import final_state
 
 import train
 
-from {{cookiecutter.project_slug}} import plan
+from {{cookiecutter.project_slug}} import errors, plan
 from {{cookiecutter.project_slug}}.training import optim, runs, stopping, writers
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -122,8 +122,9 @@ def test_the_schedule_follows_the_batch_the_warmup_and_the_decay(tiny_config, sc
   tiny_config.lr_scaling, tiny_config.warmup_steps, tiny_config.schedule = scaling, warmup, decay
   tiny_config.learning_rate, tiny_config.base_batch_size = 0.1, 16  # the batch is 64: 4 x
   peak = 0.1 * {"none": 1, "linear": 4, "sqrt": 2}[scaling]
-  assert optim.peak_learning_rate(tiny_config) == pytest.approx(peak, rel=1e-12)
-  schedule = optim.create_schedule(tiny_config, 30)
+  recipe = plan.recipe_module(tiny_config)
+  assert recipe.peak_learning_rate(tiny_config) == pytest.approx(peak, rel=1e-12)
+  schedule = recipe.schedule(tiny_config, 30)
   for n in range(35):  # beyond the end too; (optax computes in float32: a few ulps of the peak)
     assert float(schedule(n)) == pytest.approx(expected_learning_rate(n, peak, warmup, decay, 30),
                                                rel=0, abs=4 * FLOAT32_EPS * peak), n
@@ -132,9 +133,9 @@ def test_the_schedule_follows_the_batch_the_warmup_and_the_decay(tiny_config, sc
 def test_a_warmup_in_epochs_is_that_share_of_the_runs_steps(tiny_config):
   """warmup_epochs=0.5 of a 2-epoch run of 46 steps: 12 warmup steps (23 x 0.5, rounded)."""
   tiny_config.warmup_epochs, tiny_config.num_epochs, tiny_config.schedule = 0.5, 2, "constant"
-  assert optim.warmup_steps(tiny_config, 46) == 12
-  schedule = optim.create_schedule(tiny_config, 46)
-  peak = optim.peak_learning_rate(tiny_config)
+  assert plan.recipe_module(tiny_config).warmup_steps(tiny_config, 46) == 12
+  schedule = plan.recipe_module(tiny_config).schedule(tiny_config, 46)
+  peak = plan.recipe_module(tiny_config).peak_learning_rate(tiny_config)
   assert [float(schedule(n)) for n in (6, 12)] == pytest.approx([peak / 2, peak], rel=1e-6)
 
 
@@ -186,7 +187,8 @@ def test_adamw_decays_the_weights_only(tiny_config):
 
   tiny_config.optimizer, tiny_config.weight_decay, tiny_config.learning_rate = "adamw", 0.1, 0.5
   model = BatchNormCNN(nnx.Rngs(0))
-  optimizer = nnx.Optimizer(model, optim.create_optimizer(tiny_config, 10), wrt=nnx.Param)
+  optimizer = nnx.Optimizer(model, plan.recipe_module(tiny_config).optimizer(tiny_config, 10),
+                            wrt=nnx.Param)
   before = {jax.tree_util.keystr(p): np.asarray(x)
             for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(model))}
   optimizer.update(model, jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param)))
@@ -209,9 +211,9 @@ def test_weight_decay_of_adam_and_sgd_is_l2_on_the_weights(tiny_config, optimize
   tiny_config.optimizer, tiny_config.learning_rate = optimizer, 0.5
   tiny_config.schedule = "constant"
   start = {"kernel": jnp.array([[1.0, -2.0], [0.5, 3.0]]), "bias": jnp.array([1.0, -1.0])}
-  plain = optim.create_optimizer(tiny_config, 10)
+  plain = plan.recipe_module(tiny_config).optimizer(tiny_config, 10)
   tiny_config.weight_decay = 0.1
-  decayed = optim.create_optimizer(tiny_config, 10)
+  decayed = plan.recipe_module(tiny_config).optimizer(tiny_config, 10)
   params, plain_state, decayed_state = start, plain.init(start), decayed.init(start)
   for scale in (1.0, -2.0):
     grads = {"kernel": jnp.array([[0.1, 0.2], [-0.3, 0.0]]) * scale, "bias": jnp.ones(2) * scale}
@@ -231,7 +233,7 @@ def test_sgd_momentum_and_nesterov(tiny_config):
   grads = [{"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, 4.0])}]
   for nesterov in (False, True):
     tiny_config.nesterov = nesterov
-    sgd = optim.create_optimizer(tiny_config, 10)
+    sgd = plan.recipe_module(tiny_config).optimizer(tiny_config, 10)
     state, velocity = sgd.init(params), np.zeros(2)
     for g in grads:
       updates, state = sgd.update(g, state, params)
@@ -244,7 +246,7 @@ def test_clipping_scales_a_gradient_over_the_norm_to_the_norm(tiny_config):
   tiny_config.optimizer, tiny_config.grad_clip_norm, tiny_config.learning_rate = "sgd", 2.0, 1.0
   tiny_config.momentum = 0.0  # plain sgd: the update is the (clipped) gradient
   tiny_config.schedule = "constant"
-  sgd = optim.create_optimizer(tiny_config, 10)
+  sgd = plan.recipe_module(tiny_config).optimizer(tiny_config, 10)
   params = {"w": jnp.ones(4), "b": jnp.ones(())}
   state = sgd.init(params)
   under = {"w": jnp.array([1.0, -1.0, 0.5, 0.0]), "b": jnp.array(0.5)}  # norm 1.58
@@ -394,7 +396,7 @@ def test_a_resume_keeps_the_runs_config(tiny_config, tmp_path, caplog):
 def run_cli(workdir, *overrides, config="configs/tiny.py", env=None):
   start = time.perf_counter()
   out = subprocess.run(
-      [sys.executable, "train.py", f"--config={config}", OWN_MODEL, f"--workdir={workdir}",
+      [sys.executable, "train.py", f"--config={config}", *OWN, f"--workdir={workdir}",
        *overrides],
       cwd=PROJECT, capture_output=True, text=True, timeout=300,
       env={**os.environ, **(env or {})})  # 8 CPU devices (conftest.py)
@@ -477,7 +479,7 @@ def test_ctrl_c_with_workers_saves_and_ends_at_once_without_a_traceback(tmp_path
   overrides = [*write_digits(tmp_path / "data"), "--config.num_workers=2",
                "--config.num_epochs=30"]
   process = subprocess.Popen(
-      [sys.executable, "train.py", "--config=configs/tiny.py", OWN_MODEL,
+      [sys.executable, "train.py", "--config=configs/tiny.py", *OWN,
        f"--workdir={tmp_path / 'run'}", *overrides], cwd=PROJECT, stdin=subprocess.DEVNULL,
       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
   log = []
@@ -500,7 +502,7 @@ def test_ctrl_c_with_workers_saves_and_ends_at_once_without_a_traceback(tmp_path
 def test_a_progress_bar_on_a_terminal(tmp_path):
   parent, child = pty.openpty()
   process = subprocess.Popen(
-      [sys.executable, "train.py", "--config=configs/tiny.py", OWN_MODEL, f"--workdir={tmp_path}"],
+      [sys.executable, "train.py", "--config=configs/tiny.py", *OWN, f"--workdir={tmp_path}"],
       cwd=PROJECT, stdin=subprocess.DEVNULL, stdout=child, stderr=child,
       env=dict(os.environ))  # 8 CPU devices (conftest.py)
   os.close(child)
@@ -603,7 +605,7 @@ def run_in_process(*args: str) -> str:
   flags.FLAGS.unparse_flags()
   try:
     with pytest.raises(SystemExit) as stopped:
-      train.main(plan.parse_flags(sys.argv))
+      train.main(errors.parse_flags(sys.argv))
   finally:
     sys.argv = argv
     for name in [name for name in flags.FLAGS if name.startswith("config.")]:
@@ -620,7 +622,7 @@ def test_bad_config_is_one_line_before_anything_is_read_or_written(tmp_path, mon
   runs the same table as real processes)."""
   monkeypatch.chdir(PROJECT)
   workdir = tmp_path / "run"
-  error = run_in_process("--config=configs/tiny.py", OWN_MODEL, f"--workdir={workdir}",
+  error = run_in_process("--config=configs/tiny.py", *OWN, f"--workdir={workdir}",
                          *override.split())
   assert error.startswith("error: ") and message in error and "\n" not in error, error
   assert not workdir.exists()
@@ -631,9 +633,9 @@ def test_an_unknown_key_is_named_with_the_closest_key(monkeypatch, config):
   """However --config is spelt: the first --config.KEY that the file lacks, the nearest key."""
   monkeypatch.chdir(PROJECT)
   argv = ["train.py", *config, "--config.seed=1", "--config.model.featurs=(8,)"]
-  assert plan.unknown_key(argv).startswith(
+  assert errors.unknown_key(argv).startswith(
       "the config has no key 'model.featurs' (did you mean 'model.features'?);")
-  assert plan.unknown_key(["train.py", *config, "--config.model.features=(8,)"]) is None
+  assert errors.unknown_key(["train.py", *config, "--config.model.features=(8,)"]) is None
 
 
 def test_a_config_file_that_is_not_there_is_one_line(tmp_path, monkeypatch):
@@ -681,7 +683,7 @@ def test_a_workdir_that_is_a_file_is_refused_and_kept(tmp_path, monkeypatch, whe
     assert len(lines) == 1 and lines[0].startswith(expected), out.stderr
   else:
     monkeypatch.chdir(PROJECT)
-    error = run_in_process("--config=configs/tiny.py", OWN_MODEL, f"--workdir={workdir}")
+    error = run_in_process("--config=configs/tiny.py", *OWN, f"--workdir={workdir}")
     assert error.startswith(expected) and "\n" not in error, error
   assert a_file.read_text() == "keep me"
 
@@ -693,7 +695,7 @@ def test_a_checkpoint_of_another_model_is_refused_and_kept(straight_runs, tmp_pa
   shutil.copytree(straight_runs["spmd"][0] / "checkpoints", workdir / "checkpoints")
   before = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()}
   monkeypatch.chdir(PROJECT)
-  error = run_in_process("--config=configs/tiny.py", OWN_MODEL, f"--workdir={workdir}",
+  error = run_in_process("--config=configs/tiny.py", *OWN, f"--workdir={workdir}",
                          "--config.num_epochs=2", "--config.model.features=(8,32)")
   assert error.startswith(f"error: workdir '{workdir}' holds a checkpoint (step 45) of a "
                           "different model: 0/convs/1/bias/value is (16,) there and (32,) in "
@@ -732,8 +734,8 @@ def test_the_state_is_built_in_shards_with_the_values_of_an_eager_build(tiny_con
                                                  100)
   state = init()
   model = create_model(tiny_config, info.image_shape, info.num_classes, nnx.Rngs(tiny_config.seed))
-  eager = nnx.split((model, nnx.Optimizer(model, optim.create_optimizer(tiny_config, 100),
-                                          wrt=nnx.Param)))[1]
+  optimizer = plan.recipe_module(tiny_config).optimizer(tiny_config, 100)
+  eager = nnx.split((model, nnx.Optimizer(model, optimizer, wrt=nnx.Param)))[1]
   for x, y, a in zip(jax.tree.leaves(state), jax.tree.leaves(eager), jax.tree.leaves(abstract),
                      strict=True):
     assert x.sharding == a.sharding and np.asarray(x).tobytes() == np.asarray(y).tobytes()

@@ -30,6 +30,7 @@ import predict
 import train
 from configs import tiny
 
+from {{cookiecutter.project_slug}} import plan
 from {{cookiecutter.project_slug}}.data import input_pipeline
 from {{cookiecutter.project_slug}}.training import optim, runs, steps, trained
 
@@ -40,7 +41,7 @@ def config_as_shipped():
   """configs/tiny.py on model.py (not the tests' own models), every checkpoint kept."""
   config = tiny.get_config()
   config.max_checkpoints_to_keep = 10
-  config.steps_per_dispatch = steps.steps_per_dispatch(config)
+  config.steps_per_dispatch = plan.steps_per_dispatch(config)
   assert config.model.module == "model"
   return config
 

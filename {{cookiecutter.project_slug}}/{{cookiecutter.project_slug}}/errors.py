@@ -1,5 +1,15 @@
 """The errors of a run that cannot work, at the bottom of the imports: the config checker
-(plan.py), the data sources and the workdir's reader (runs.py) raise them."""
+(plan.py), the data sources and the workdir's reader (runs.py) raise them; and the command
+line's: a config file or a --config.KEY that is not there, in one line (`parse_flags`)."""
+
+import difflib
+import glob
+import importlib.util
+import os
+
+import ml_collections
+from absl import app, flags
+from ml_collections import config_flags
 
 
 class ConfigError(ValueError):
@@ -8,3 +18,45 @@ class ConfigError(ValueError):
 
 class BadData(ValueError):
   """Too many records of a dataset could not be read; the message names the first and the fix."""
+
+
+def unknown_key(argv) -> str | None:
+  """The first --config.KEY of `argv` that its --config=FILE[:ARG] does not have, with the
+  closest key of that level that it has (difflib), as one line; None when they all exist."""
+  file = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+  if file is None and "--config" in argv[:-1]:  # (--config FILE)
+    file = argv[argv.index("--config") + 1]
+  if file is None:
+    return None
+  path, _, arg = file.partition(":")
+  spec = importlib.util.spec_from_file_location("config_file", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config(*[arg] if arg else [])
+  for key in (a[len("--config."):].split("=")[0] for a in argv if a.startswith("--config.")):
+    node, parts = config, key.split(".")
+    for i, part in enumerate(parts):
+      if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+        names = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+        hint = [".".join([*parts[:i], m]) for m in difflib.get_close_matches(part, names, 1)]
+        return (f"the config has no key {key!r}{f' (did you mean {hint[0]!r}?)' if hint else ''}"
+                "; its keys are in configs/default.py (a typo in --config.KEY=VALUE?).")
+      node = node[part]
+  return None
+
+
+def parse_flags(argv):
+  """absl's flag parsing, where a config file that is not there, or a --config.KEY that the
+  config does not have, is one line too."""
+  try:
+    parsed = app.parse_flags_with_usage(argv)
+  except AttributeError:  # ml_collections: a --config.KEY that the config lacks
+    if message := unknown_key(argv):
+      raise SystemExit(f"error: {message}") from None
+    raise
+  path = config_flags.get_config_filename(flags.FLAGS["config"]).split(":")[0]
+  if not os.path.isfile(path):
+    configs = sorted(glob.glob(os.path.join(os.path.dirname(path) or ".", "*.py")))
+    raise SystemExit(f"error: --config={path!r} is not a file; use one of "
+                     f"{', '.join(configs) or 'configs/default.py'}.")
+  return parsed

@@ -2,8 +2,7 @@
 checked against its devices (a table of rules, each naming the key, the value and the fix) and its
 choices made (k, the global batch). train.py and aot.py both start here."""
 
-import difflib
-import glob
+import importlib
 import importlib.util
 import math
 import os
@@ -11,17 +10,32 @@ import os
 import jax
 import jax.numpy as jnp
 import ml_collections
-from absl import app, flags
-from ml_collections import config_flags
 
 from .data import input_pipeline
 from .errors import ConfigError
 from .parallel import sharding
-from .training import optim, steps
 
-OPTIMIZERS = ("adam", "adamw", "sgd")
-LR_SCALINGS = ("none", "linear", "sqrt")
-SCHEDULES = ("cosine", "linear", "constant")
+PARALLELISMS = ("spmd", "pmap", "fsdp")
+# k when `config.steps_per_dispatch` is 0, on a GPU or TPU (or the largest number below it that
+# divides the log, eval and checkpoint intervals): enough steps a call to hide the host's work
+# per call behind a small model's steps; the rolled loop compiles once whatever k. On the CPU k
+# is 1: its steps are long, the k steps are unrolled there (see `make`), and compiling several
+# of them costs more than the dispatches they save (BENCHMARKS.md).
+ACCELERATOR_STEPS_PER_DISPATCH = 10
+
+
+def steps_per_dispatch(config, platform: str | None = None) -> int:
+  """k: `config.steps_per_dispatch`, or when 0: 1 on the CPU, else the largest number up to
+  `ACCELERATOR_STEPS_PER_DISPATCH` that divides the log, eval and checkpoint intervals."""
+  if config.steps_per_dispatch:
+    return config.steps_per_dispatch
+  if (platform or jax.default_backend()) == "cpu":
+    return 1
+  intervals = (config.log_every_steps, config.eval_every_steps, config.checkpoint_every_steps)
+  return next(k for k in range(ACCELERATOR_STEPS_PER_DISPATCH, 0, -1)
+              if all(interval % k == 0 for interval in intervals))
+
+
 # What a remote --workdir needs without TensorFlow: Orbax reaches it through etils' fsspec
 # backend, the TensorBoard writer (tensorboardX) through the cloud's own client.
 REMOTE_WORKDIRS = {"gs": (("gcsfs", "google.cloud.storage"), 'pip install -e ".[gcs]"'),
@@ -34,6 +48,38 @@ def global_batch_size(config, num_devices: int | None = None) -> int:
   if config.per_device_batch_size:
     return config.per_device_batch_size * (num_devices or jax.device_count())
   return config.batch_size
+
+
+def xla_options(config) -> dict[str, bool | int | float | str]:
+  """`config.xla_options` ('name=value,...') as XLA's compiler options; {} when empty. Raises
+  ValueError for text that is not of that form."""
+  options = {}
+  for item in filter(None, (part.strip() for part in config.get("xla_options", "").split(","))):
+    name, equals, value = item.partition("=")
+    if not (equals and name.strip().isidentifier() and value.strip()):
+      raise ValueError(f"{item!r} is not name=value")
+    value = value.strip()
+    lowered = value.lower()
+    for parse in (int, float):
+      try:
+        value = parse(value)
+        break
+      except ValueError:
+        pass
+    options[name.strip()] = {"true": True, "false": False}.get(lowered, value)
+  return options
+
+
+def model_module(config):
+  """The module whose `create_model` builds the model: `config.model.module`, model.py (yours)
+  unless a config names another (the tests name their own copy of the shipped models)."""
+  return importlib.import_module(config.model.get("module", "model"))
+
+
+def recipe_module(config):
+  """The module of the loss, augmentation, metrics and optimizer: `config.recipe`, recipe.py
+  (yours) unless a config names another (the tests name their own copy of the shipped one)."""
+  return importlib.import_module(config.get("recipe", "recipe"))
 
 
 def _installed(module: str) -> bool:
@@ -69,11 +115,8 @@ _ABSENT = object()  # a key that your own config (or model.py's part of it) drop
 VALUE_RULES = (
     (("dataset",), lambda v: v in input_pipeline.SOURCES,
      f"is unknown; use one of {tuple(input_pipeline.SOURCES)}."),
-    (("parallelism",), lambda v: v in steps.PARALLELISMS,
-     f"is unknown; use one of {steps.PARALLELISMS}."),
-    (("optimizer",), lambda v: v in OPTIMIZERS, f"is unknown; use one of {OPTIMIZERS}."),
-    (("lr_scaling",), lambda v: v in LR_SCALINGS, f"is unknown; use one of {LR_SCALINGS}."),
-    (("schedule",), lambda v: v in SCHEDULES, f"is unknown; use one of {SCHEDULES}."),
+    (("parallelism",), lambda v: v in PARALLELISMS,
+     f"is unknown; use one of {PARALLELISMS}."),
     (("batch_size", "base_batch_size", "grad_accum_steps", "num_epochs", "log_every_steps",
       "eval_every_steps", "checkpoint_every_steps", "max_checkpoints_to_keep",
       "cpu_sync_every_steps", "profile_num_steps"), _int(1), "must be a positive integer."),
@@ -124,7 +167,7 @@ class Target:
   def __init__(self, config, devices, workdir: str | None):
     self.devices, self.workdir, self.num_devices = devices, workdir, len(devices)
     self.num_processes = len({d.process_index for d in devices})
-    self.k = steps.steps_per_dispatch(config, devices[0].platform)
+    self.k = steps_per_dispatch(config, devices[0].platform)
 
 
 # The rules of several keys, of the devices and of the workdir: each returns what is wrong, or
@@ -167,7 +210,7 @@ def _batch_norm_devices(config, target):
 
 def _xla_options(config, target):
   try:
-    options = steps.xla_options(config)
+    options = xla_options(config)
   except ValueError as e:
     return (f"config.xla_options={config.xla_options!r}: {e}; give XLA options as "
             "'name=value,name=value', e.g. 'xla_gpu_enable_latency_hiding_scheduler=false'.")
@@ -189,7 +232,7 @@ def _intervals(config, target):
 def _model(config, target):
   name = config.model.get("module", "model")
   try:
-    module = optim.model_module(config)
+    module = model_module(config)
   except ImportError as e:
     return (f"config.model.module={name!r} cannot be imported ({e}); name a module on the path "
             "whose create_model builds the model (model.py: 'model').")
@@ -204,6 +247,19 @@ def _model(config, target):
 def _nesterov(config, target):
   if config.nesterov and not config.momentum > 0:
     return "config.nesterov=True needs momentum: set config.momentum > 0 (0.9 is usual)."
+
+
+def _recipe(config, target):
+  """recipe.py imports, and builds the config's optimizer (which names an unknown choice)."""
+  try:
+    recipe = recipe_module(config)
+  except ImportError as e:
+    return (f"config.recipe={config.get('recipe', 'recipe')!r} cannot be imported ({e}); name a "
+            "module on the path with the loss, metrics and optimizer (recipe.py: 'recipe').")
+  try:
+    recipe.optimizer(config, 100)
+  except ConfigError as e:
+    return str(e)
 
 
 def _batch_divides(config, target):
@@ -296,7 +352,7 @@ def _local_workdir(config, target):
 
 
 RULES = (_model, _data_dir_read, _warmup, _fsdp_devices, _batch_norm_devices, _xla_options,
-         _intervals, _nesterov, _batch_divides, _dataset,
+         _intervals, _nesterov, _recipe, _batch_divides, _dataset,
          _input_memory, _wandb, _init_from, _remote_workdir, _local_workdir)
 
 
@@ -320,48 +376,6 @@ def resolved(config: ml_collections.ConfigDict, devices=None) -> ml_collections.
   `steps_per_dispatch` (k) from their platform, `batch_size` the global batch."""
   devices = devices or jax.devices()
   config = config.copy_and_resolve_references()
-  config.steps_per_dispatch = steps.steps_per_dispatch(config, devices[0].platform)
+  config.steps_per_dispatch = steps_per_dispatch(config, devices[0].platform)
   config.batch_size = global_batch_size(config, len(devices))
   return config
-
-
-def unknown_key(argv) -> str | None:
-  """The first --config.KEY of `argv` that its --config=FILE[:ARG] does not have, with the
-  closest key of that level that it has (difflib), as one line; None when they all exist."""
-  file = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
-  if file is None and "--config" in argv[:-1]:  # (--config FILE)
-    file = argv[argv.index("--config") + 1]
-  if file is None:
-    return None
-  path, _, arg = file.partition(":")
-  spec = importlib.util.spec_from_file_location("config_file", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config(*[arg] if arg else [])
-  for key in (a[len("--config."):].split("=")[0] for a in argv if a.startswith("--config.")):
-    node, parts = config, key.split(".")
-    for i, part in enumerate(parts):
-      if not isinstance(node, ml_collections.ConfigDict) or part not in node:
-        names = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
-        hint = [".".join([*parts[:i], m]) for m in difflib.get_close_matches(part, names, 1)]
-        return (f"the config has no key {key!r}{f' (did you mean {hint[0]!r}?)' if hint else ''}"
-                "; its keys are in configs/default.py (a typo in --config.KEY=VALUE?).")
-      node = node[part]
-  return None
-
-
-def parse_flags(argv):
-  """absl's flag parsing, where a config file that is not there, or a --config.KEY that the
-  config does not have, is one line too."""
-  try:
-    parsed = app.parse_flags_with_usage(argv)
-  except AttributeError:  # ml_collections: a --config.KEY that the config lacks
-    if message := unknown_key(argv):
-      raise SystemExit(f"error: {message}") from None
-    raise
-  path = config_flags.get_config_filename(flags.FLAGS["config"]).split(":")[0]
-  if not os.path.isfile(path):
-    configs = sorted(glob.glob(os.path.join(os.path.dirname(path) or ".", "*.py")))
-    raise SystemExit(f"error: --config={path!r} is not a file; use one of "
-                     f"{', '.join(configs) or 'configs/default.py'}.")
-  return parsed

@@ -33,20 +33,23 @@ def random_resized_crop(key, image_HWC, scale, ratio) -> jax.Array:
                                        -corner_2 * zoom_2, method="linear")
 
 
-def prepare_images(batch, max_shift: int = 0, seed: int = 0, flip: bool = False,
-                   crop: tuple | None = None) -> jax.Array:
-  """Stored pixels -> float32 model input, on the device. Integer pixels are divided by 255.
-  Augmentations, each a function of `seed` and the example's stream position alone: with
-  `crop` ((scale range, aspect range), see `random_resized_crop`) a random resized crop, with
-  `flip` a horizontal flip of half the images, with `max_shift` a shift by up to that many
-  pixels each way (zero fill), in that order."""
-  images_BHWC = batch["image"].astype(jnp.float32)
-  if jnp.issubdtype(batch["image"].dtype, jnp.integer):
-    images_BHWC = images_BHWC / 255.0
-  if not (max_shift or flip or crop):
-    return images_BHWC
+def to_float(images_BHWC) -> jax.Array:
+  """Stored pixels -> the model's float32 input: integers divided by 255, floats as they are."""
+  images = images_BHWC.astype(jnp.float32)
+  return images / 255.0 if jnp.issubdtype(images_BHWC.dtype, jnp.integer) else images
+
+
+def example_keys(seed: int, positions_B) -> jax.Array:
+  """One random key an example, from `seed` and its place in the data stream alone."""
   key = jax.random.fold_in(jax.random.key(seed), AUGMENT_STREAM)
-  keys_B = jax.vmap(lambda position: jax.random.fold_in(key, position))(batch["position"])
+  return jax.vmap(lambda position: jax.random.fold_in(key, position))(positions_B)
+
+
+def transform(images_BHWC, keys_B, crop: tuple | None = None, flip: bool = False,
+              max_shift: int = 0) -> jax.Array:
+  """With `crop` ((scale range, aspect range), see `random_resized_crop`) a random resized crop,
+  with `flip` a horizontal flip of half the images, with `max_shift` a shift by up to that many
+  pixels each way (zero fill), in that order; each drawn from the example's key (`keys_B`)."""
   if crop:
     images_BHWC = jax.vmap(lambda key, image: random_resized_crop(
         jax.random.fold_in(key, 1), image, *crop))(keys_B, images_BHWC)
@@ -60,3 +63,13 @@ def prepare_images(batch, max_shift: int = 0, seed: int = 0, flip: bool = False,
   padded = jnp.pad(images_BHWC, ((0, 0), (max_shift,) * 2, (max_shift,) * 2, (0, 0)))
   return jax.vmap(lambda image, shift: jax.lax.dynamic_slice(
       image, (shift[0], shift[1], 0), (height, width, channels)))(padded, shifts_B2)
+
+
+def prepare_images(batch, max_shift: int = 0, seed: int = 0, flip: bool = False,
+                   crop: tuple | None = None) -> jax.Array:
+  """Stored pixels -> float32 model input (`to_float`), augmented by `transform` with each
+  example's key (`example_keys`): a function of `seed` and its stream position alone."""
+  images_BHWC = to_float(batch["image"])
+  if not (max_shift or flip or crop):
+    return images_BHWC
+  return transform(images_BHWC, example_keys(seed, batch["position"]), crop, flip, max_shift)

@@ -28,7 +28,6 @@ import write_arrayrecord
 from .. import plan
 from ..data import arrayrecord, image_files, input_pipeline
 from ..parallel import sharding
-from ..training import steps
 
 PIPELINE = dict(image_shape=(64, 64, 3), batch_size=1024)
 DECODING = dict(image_shape=(64, 64, 3), batch_size=256, num_images=2048)
@@ -221,7 +220,7 @@ def measure_data(config, seconds: float, rate: float, image_folder: str | None =
   the process tree (and `input_pipeline.host_memory`'s expectation), and the plain PIL loop
   over `image_folder`'s files (or the stored images, when encoded)."""
   config = config.copy_and_resolve_references()
-  config.steps_per_dispatch = steps.steps_per_dispatch(config)
+  config.steps_per_dispatch = plan.steps_per_dispatch(config)
   config.num_epochs = 10**6  # never runs out
   splits, info = input_pipeline.get_datasets(config)
   memory = PeakMemory()

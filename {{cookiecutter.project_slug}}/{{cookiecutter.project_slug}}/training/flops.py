@@ -11,8 +11,7 @@ from jax.extend import core as jex
 
 from .. import layers
 from ..parallel import chips
-from . import steps
-from .metrics import TrainMetrics
+from . import metrics, steps
 
 
 def _inner_jaxprs(params):
@@ -63,14 +62,14 @@ class Speed:
     # whose layers reduce over it (BatchNorm).
     axis = layers.PMAP_AXIS if config.parallelism == "pmap" else None
     # (The crop's resampling is left out: it is a matrix product, but not the model's.)
-    step = functools.partial(steps.train_step, graphdef, **dict(
-        steps.step_options(config), crop=None), axis_name=axis)
+    step = functools.partial(steps.train_step, graphdef, **steps.step_options(
+        config, crop_on_device=False), axis_name=axis)
     spec = lambda shape, dtype: jax.ShapeDtypeStruct((config.batch_size, *shape), dtype)  # noqa: E731
     batch = {"image": spec(image_shape, jnp.uint8), "label": spec((), jnp.int32),
              "mask": spec((), jnp.bool_), "position": spec((), jnp.uint32)}  # one global batch
     self.flops_per_step = model_flops(
         step, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state),
-        TrainMetrics.empty(), batch, axis_env=[(axis, 1)] if axis else None)
+        metrics.of(config).train.empty(), batch, axis_env=[(axis, 1)] if axis else None)
     devices = devices or jax.devices()
     peak = config.peak_flops_per_device or chips.peak_flops(devices[0].device_kind)
     self.peak = peak * len(devices)

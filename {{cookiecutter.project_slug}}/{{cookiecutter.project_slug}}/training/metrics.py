@@ -1,28 +1,14 @@
 """The metrics that the steps merge: CLU collections summed over real examples only (padding is
 masked out), merged across steps, devices and processes, and computed on the host."""
 
+import functools
+import importlib
+from typing import NamedTuple
+
 import flax
 import jax
 import jax.numpy as jnp
 from clu import metrics
-
-
-@flax.struct.dataclass
-class Metrics(metrics.Collection):
-  """Sums over real examples only (padding is masked out), merged across steps and devices."""
-
-  loss: metrics.Average.from_output("loss")
-  accuracy: metrics.Accuracy
-
-
-@flax.struct.dataclass
-class TrainLoss(metrics.Collection):
-  """Training's: `loss` is the loss optimised (with label smoothing, when on) and
-  `cross_entropy` the plain cross-entropy of the labels: evaluation's loss, to compare with."""
-
-  loss: metrics.Average.from_output("loss")
-  cross_entropy: metrics.Average.from_output("cross_entropy")
-  accuracy: metrics.Accuracy
 
 
 @flax.struct.dataclass
@@ -64,23 +50,39 @@ class StepAverage(metrics.Average):
                count=applied.astype(jnp.int32))
 
 
-@flax.struct.dataclass
-class TrainMetrics(metrics.Collection):
-  """Metrics, the steps that were skipped, and the global norms (big_vision's) of the
-  gradient (before any clipping), of the parameters and of the update as applied (their change),
-  averaged over the steps that applied theirs. (CLU reads only a class's own fields.)"""
+class Collections(NamedTuple):
+  """The metric collections of a recipe: evaluation's, the forward pass's in training, and
+  training's whole (`train_step`'s)."""
 
-  loss: metrics.Average.from_output("loss")
-  cross_entropy: metrics.Average.from_output("cross_entropy")
-  accuracy: metrics.Accuracy
-  nonfinite_steps: NonFinite
-  l2_grads: StepAverage
-  l2_params: StepAverage
-  l2_updates: StepAverage
+  eval: type[metrics.Collection]  # the recipe's METRICS
+  train_loss: type[metrics.Collection]  # and `cross_entropy`: the loss of evaluation, to compare
+  train: type[metrics.Collection]  # and the skipped steps and the global norms (below)
 
 
-def with_confusion(num_classes: int) -> type[metrics.Collection]:
-  """Metrics and the confusion matrix: counts of real examples `[true class, predicted class]`."""
+def of(config) -> Collections:
+  """The collections of the recipe that `config.recipe` names (one set per recipe, made once).
+  Training's adds to its METRICS the plain cross-entropy (when a smoothed loss is optimised, the
+  loss of evaluation to compare with), the steps skipped, and the global norms (big_vision's) of
+  the gradient (before any clipping), of the parameters and of the update as applied, averaged
+  over the steps that applied theirs."""
+  return _collections(config.get("recipe", "recipe"))
+
+
+@functools.cache
+def _collections(recipe: str) -> Collections:
+  fields = importlib.import_module(recipe).METRICS
+  train_loss = dict(fields, cross_entropy=metrics.Average.from_output("cross_entropy"))
+  return Collections(
+      eval=metrics.Collection.create(**fields),
+      train_loss=metrics.Collection.create(**train_loss),
+      train=metrics.Collection.create(**train_loss, nonfinite_steps=NonFinite,
+                                      l2_grads=StepAverage, l2_params=StepAverage,
+                                      l2_updates=StepAverage))
+
+
+def with_confusion(config, num_classes: int) -> type[metrics.Collection]:
+  """Evaluation's metrics and the confusion matrix: counts of real examples `[true class,
+  predicted class]`."""
 
   @flax.struct.dataclass
   class Confusion(metrics.Metric):
@@ -101,10 +103,4 @@ def with_confusion(num_classes: int) -> type[metrics.Collection]:
     def compute(self):
       return self.counts
 
-  @flax.struct.dataclass
-  class MetricsWithConfusion(metrics.Collection):
-    loss: metrics.Average.from_output("loss")
-    accuracy: metrics.Accuracy
-    confusion: Confusion
-
-  return MetricsWithConfusion
+  return metrics.Collection.create(**of(config).eval.__annotations__, confusion=Confusion)

@@ -34,10 +34,12 @@ def array_handlers():
       (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=split)))
 
 
-def checkpoint_manager(workdir: str, max_to_keep: int | None = None, create: bool = True):
-  """The checkpoints of `workdir` (`create=False`: read them, never make the directory).
+def checkpoint_manager(workdir: str, config=None, create: bool = True):
+  """The checkpoints of `workdir`: with the run's `config`, written as it says (the newest
+  `max_checkpoints_to_keep` kept); without, read (`create=False`: never make the directory).
   Orbax writes each checkpoint to a temporary directory and renames it when complete, so a
   checkpoint cut short by a kill is never restored."""
+  max_to_keep = config.max_checkpoints_to_keep if config else None
   return ocp.CheckpointManager(
       os.path.join(workdir, "checkpoints"),
       options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=create),

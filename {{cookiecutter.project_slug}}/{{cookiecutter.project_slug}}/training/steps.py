@@ -13,34 +13,15 @@ from typing import NamedTuple
 import grain
 import jax
 import jax.numpy as jnp
+import ml_collections
 import optax
 from flax import nnx
 
-from .. import layers
-from ..data import input_pipeline
-from ..data.augment import prepare_images
+from .. import layers, plan
+from ..data import augment, input_pipeline
 from ..parallel import sharding
-from .metrics import Metrics, NonFinite, StepAverage, TrainLoss, TrainMetrics
-
-PARALLELISMS = ("spmd", "pmap", "fsdp")
-# k when `config.steps_per_dispatch` is 0, on a GPU or TPU (or the largest number below it that
-# divides the log, eval and checkpoint intervals): enough steps a call to hide the host's work
-# per call behind a small model's steps; the rolled loop compiles once whatever k. On the CPU k
-# is 1: its steps are long, the k steps are unrolled there (see `make`), and compiling several
-# of them costs more than the dispatches they save (BENCHMARKS.md).
-ACCELERATOR_STEPS_PER_DISPATCH = 10
-
-
-def steps_per_dispatch(config, platform: str | None = None) -> int:
-  """k: `config.steps_per_dispatch`, or when 0: 1 on the CPU, else the largest number up to
-  `ACCELERATOR_STEPS_PER_DISPATCH` that divides the log, eval and checkpoint intervals."""
-  if config.steps_per_dispatch:
-    return config.steps_per_dispatch
-  if (platform or jax.default_backend()) == "cpu":
-    return 1
-  intervals = (config.log_every_steps, config.eval_every_steps, config.checkpoint_every_steps)
-  return next(k for k in range(ACCELERATOR_STEPS_PER_DISPATCH, 0, -1)
-              if all(interval % k == 0 for interval in intervals))
+from . import metrics
+from .metrics import NonFinite, StepAverage
 
 
 def takes_mask(model) -> bool:
@@ -65,19 +46,27 @@ def mask_warning(model) -> str | None:
           "layers.BatchNorm(...)(x, mask=example_mask) (model.py's docstring)")
 
 
-def loss_and_metrics(model, batch, collection=Metrics, label_smoothing: float = 0.0):
-  """The SUM of the real examples' losses (float32; normalised later by the global count), and a
-  `collection` of their metrics. `label_smoothing` a: targets (1 - a) x one-hot + a / classes."""
-  logits_BK = call_model(model, batch["image"], batch["mask"])
-  logits_BK = logits_BK.astype(jnp.float32)
-  cross_entropy_B = optax.softmax_cross_entropy_with_integer_labels(logits_BK, batch["label"])
-  losses_B = cross_entropy_B
-  if label_smoothing:
-    targets_BK = optax.smooth_labels(jax.nn.one_hot(batch["label"], logits_BK.shape[-1]),
-                                     label_smoothing)
-    losses_B = optax.softmax_cross_entropy(logits_BK, targets_BK)
+def images(batch, config, train: bool) -> jax.Array:
+  """The model's input: stored pixels as floats (`augment.to_float`), in training augmented by
+  the recipe with each example's key (from its stream position: `augment.example_keys`)."""
+  images_BHWC = augment.to_float(batch["image"])
+  if not train:
+    return images_BHWC
+  keys_B = augment.example_keys(config.seed, batch["position"])
+  return plan.recipe_module(config).augment(images_BHWC, keys_B, config)
+
+
+def loss_and_metrics(model, batch, config, train: bool = True, collection=None):
+  """The SUM of the real examples' losses (the recipe's, in float32; normalised later by the
+  global count), and a collection of their metrics (training's forward pass, or `collection`).
+  The recipe's loss of one example is the padding's too: masked out here, whatever it is."""
+  recipe = plan.recipe_module(config)
+  logits_BK = call_model(model, batch["image"], batch["mask"]).astype(jnp.float32)
+  cross_entropy_B = recipe.loss(logits_BK, batch["label"], config, train=False)
+  losses_B = (recipe.loss(logits_BK, batch["label"], config, train=True) if train
+              else cross_entropy_B)
   loss_sum = jnp.sum(jnp.where(batch["mask"], losses_B, 0.0))
-  step_metrics = collection.single_from_model_output(
+  step_metrics = (collection or metrics.of(config).train_loss).single_from_model_output(
       loss=losses_B, cross_entropy=cross_entropy_B, logits=logits_BK, labels=batch["label"],
       mask=batch["mask"])
   return loss_sum, step_metrics
@@ -89,16 +78,15 @@ def micro_batches(batch, num: int):
   return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, num, *x.shape[1:]), 0, 1), batch)
 
 
-def summed_gradients(model, batch, num_micro_batches: int = 1, label_smoothing: float = 0.0,
-                     axis_name=None):
-  """Gradient of the summed loss, and metrics, over `batch` in `num_micro_batches` pieces run in
-  one loop (gradient accumulation). A piece without a real example (over all devices under pmap)
-  adds nothing and leaves the model's state (BatchNorm statistics, RNG counters) as it was. Under
-  pmap (`axis_name`) the sums are those of every device: each piece's summed over the devices
-  before the pieces are added up, the order in which XLA sums spmd's, so the two agree to the bit
-  (summed after, they part by rounding, which training amplifies)."""
-  grad_fn = nnx.grad(functools.partial(loss_and_metrics, collection=TrainLoss,
-                                       label_smoothing=label_smoothing), has_aux=True)
+def summed_gradients(model, batch, config, axis_name=None):
+  """Gradient of the summed loss, and metrics, over `batch` in `config.grad_accum_steps` pieces
+  run in one loop (gradient accumulation). A piece without a real example (over all devices
+  under pmap) adds nothing and leaves the model's state (BatchNorm statistics, RNG counters) as
+  it was. Under pmap (`axis_name`) the sums are those of every device: each piece's summed over
+  the devices before the pieces are added up, the order in which XLA sums spmd's, so the two
+  agree to the bit (summed after, they part by rounding, which training amplifies)."""
+  grad_fn = nnx.grad(functools.partial(loss_and_metrics, config=config), has_aux=True)
+  num_micro_batches = config.grad_accum_steps
   if num_micro_batches == 1:
     sums = grad_fn(model, batch)
     return sums if axis_name is None else jax.lax.psum(sums, axis_name)
@@ -129,14 +117,13 @@ def summed_gradients(model, batch, num_micro_batches: int = 1, label_smoothing: 
   return sums
 
 
-def step_options(config) -> dict:
-  """`train_step`'s keyword arguments from the config (all hashable: static arguments)."""
-  crop = (tuple(config.augment_crop_scale), tuple(config.augment_crop_ratio))
-  return dict(grad_accum_steps=config.grad_accum_steps, max_shift=config.augment_max_shift,
-              seed=config.seed, flip=config.augment_flip,
-              crop=crop if config.augment_crop else None,
-              label_smoothing=config.label_smoothing, ema_decay=config.ema_decay,
-              ema_warmup=config.ema_warmup)
+def step_options(config, crop_on_device: bool = True) -> dict:
+  """`train_step`'s keyword argument `config`: frozen (hashable, read-only), with the recipe's
+  crop off where the input pipeline crops (photos stored whole: `crop_on_device` False)."""
+  config = ml_collections.ConfigDict(config)
+  if not crop_on_device:
+    config.augment_crop = False
+  return dict(config=ml_collections.FrozenConfigDict(config))
 
 
 # What the moving average of the parameters averages: every Param, and BatchNorm's statistics.
@@ -153,9 +140,8 @@ STEP_FORMS = {
 }
 
 
-def train_step(graphdef, state, running, batch, *, grad_accum_steps=1, max_shift=0, seed=0,
-               flip=False, crop=None, label_smoothing=0.0, ema_decay=0.0, ema_warmup=False,
-               batch_norm_groups=1, axis_name=None, skip_by="select", norms_of="kept"):
+def train_step(graphdef, state, running, batch, *, config, batch_norm_groups=1, axis_name=None,
+               skip_by="select", norms_of="kept"):
   """One optimizer step on one batch; returns the state and `running` with this step's metrics.
   The gradient is sum(real examples' gradients) / (number of real examples), both summed globally
   (pmap: `axis_name`): exact for any padding and device count. BatchNorm's statistics are those of
@@ -165,20 +151,20 @@ def train_step(graphdef, state, running, batch, *, grad_accum_steps=1, max_shift
   (`norms_of='kept'`) or before it ('updated'); `STEP_FORMS` chooses per backend. With a moving
   average (state (model, optimizer, average)) its `AVERAGED` variables move by 1 - `ema_decay`, or
   with `ema_warmup` by 1 - min(`ema_decay`, (1 + n) / (10 + n)) at update n (as TensorFlow's).
+  `config`: the run's, frozen (`step_options`); the loss, augmentation and metrics: its recipe's.
   The model trains in the mode it was built in (NNX's default: Dropout on, BatchNorm on batch
   statistics; a layer built with `deterministic=True` stays so); evaluation calls model.eval().
   Random layers draw one mask over the global batch, by row, on spmd and fsdp (the same for one
   device or many, one process or several); on pmap each device its own (`fold_in_device_index`)."""
   old_state = jax.tree.map(lambda x: x, state)  # kept for a step that changes nothing
   model, optimizer, *average = nnx.merge(graphdef, state)  # in the mode it was built in
-  batch = dict(batch, image=prepare_images(batch, max_shift, seed, flip, crop))
+  batch = dict(batch, image=images(batch, config, train=True))
   if axis_name is not None:
     from ..parallel import pmap  # (the pmap path alone)
 
     restore_keys = pmap.fold_in_device_index(model, axis_name)
   with layers.statistics_groups(batch_norm_groups):
-    grads, step_metrics = summed_gradients(model, batch, grad_accum_steps, label_smoothing,
-                                           axis_name)
+    grads, step_metrics = summed_gradients(model, batch, config, axis_name)
   if axis_name is not None:
     restore_keys()
   count = step_metrics.loss.count
@@ -193,7 +179,9 @@ def train_step(graphdef, state, running, batch, *, grad_accum_steps=1, max_shift
     model, optimizer, *average = nnx.merge(graphdef, current)
     n = optimizer.step[...].astype(jnp.float32)  # the updates before this one
     optimizer.update(model, jax.tree.map(lambda g: g / jnp.maximum(count, 1), grads))
-    decay = jnp.minimum(ema_decay, (1 + n) / (10 + n)) if ema_warmup else ema_decay
+    decay = config.ema_decay
+    if config.ema_warmup:
+      decay = jnp.minimum(decay, (1 + n) / (10 + n))
     for ema in average:
       nnx.update(ema, jax.tree.map(lambda e, m: decay * e + (1 - decay) * m.astype(e.dtype),
                                    nnx.state(ema, AVERAGED), nnx.state(model, AVERAGED)))
@@ -208,7 +196,7 @@ def train_step(graphdef, state, running, batch, *, grad_accum_steps=1, max_shift
   measured = updated if skip_by == "select" and norms_of == "updated" else new_state
   new_params, old_params = (nnx.state(nnx.merge(graphdef, s)[0], nnx.Param)
                             for s in (measured, old_state))
-  step_metrics = TrainMetrics(
+  step_metrics = metrics.of(config).train(
       **vars(step_metrics), nonfinite_steps=NonFinite.from_step(finite, real),
       # (of the whole gradient, on every path: under pmap, the psum'd one; before clipping)
       l2_grads=StepAverage.from_step(jnp.sqrt(grads_squared) / jnp.maximum(count, 1), applied),
@@ -218,14 +206,14 @@ def train_step(graphdef, state, running, batch, *, grad_accum_steps=1, max_shift
   return new_state, running.merge(step_metrics)
 
 
-def eval_step(graphdef, state, running, batch, axis_name=None):
+def eval_step(graphdef, state, running, batch, *, config, axis_name=None):
   """Metrics of the model: the first object of the state (model, optimizer), (model,) or
   (model, optimizer, average), the moving average in the last."""
   objects = nnx.merge(graphdef, state)
   model = objects[2] if len(objects) > 2 else objects[0]
   model.eval()
-  _, step_metrics = loss_and_metrics(model, dict(batch, image=prepare_images(batch)),
-                                     type(running))
+  _, step_metrics = loss_and_metrics(model, dict(batch, image=images(batch, config, False)),
+                                     config, train=False, collection=type(running))
   if axis_name is not None:
     step_metrics = jax.lax.psum(step_metrics, axis_name)
   return running.merge(step_metrics)
@@ -248,26 +236,6 @@ def scanned_eval(step, unroll: bool = False):
   """`step(state, running, batch)` -> `running`, over stacked batches (the state is read only)."""
   run = scanned(lambda state, running, batch: (state, step(state, running, batch)), unroll)
   return lambda state, running, batches: run(state, running, batches)[1]
-
-
-def xla_options(config) -> dict[str, bool | int | float | str]:
-  """`config.xla_options` ('name=value,...') as XLA's compiler options; {} when empty. Raises
-  ValueError for text that is not of that form."""
-  options = {}
-  for item in filter(None, (part.strip() for part in config.get("xla_options", "").split(","))):
-    name, equals, value = item.partition("=")
-    if not (equals and name.strip().isidentifier() and value.strip()):
-      raise ValueError(f"{item!r} is not name=value")
-    value = value.strip()
-    lowered = value.lower()
-    for parse in (int, float):
-      try:
-        value = parse(value)
-        break
-      except ValueError:
-        pass
-    options[name.strip()] = {"true": True, "false": False}.get(lowered, value)
-  return options
 
 
 class Flat(NamedTuple):
@@ -294,9 +262,8 @@ def make(graphdef, config, mesh, unroll: bool | None = None, pmap_devices=None,
   out; `pmap_devices`: pmap's (aot.py: a topology's); `crop_on_device` False: the input pipeline
   crops photos stored whole."""
   platform = (pmap_devices or mesh.devices.flat)[0].platform
-  options = dict(step_options(config), **STEP_FORMS.get(platform, STEP_FORMS["tpu"]))
-  if not crop_on_device:
-    options["crop"] = None
+  options = dict(step_options(config, crop_on_device),
+                 **STEP_FORMS.get(platform, STEP_FORMS["tpu"]))
   devices = (len(pmap_devices or jax.devices()) if config.parallelism == "pmap"
              else mesh.devices.size)
   options["batch_norm_groups"] = devices // (config.batch_norm_devices or devices)
@@ -314,15 +281,17 @@ def make(graphdef, config, mesh, unroll: bool | None = None, pmap_devices=None,
         train=on_devices(scanned(functools.partial(
             train_step, graphdef, axis_name=axis, **options), unroll), out_axes=(0, None),
             donate_argnums=(0, 1)),
-        eval=on_devices(scanned_eval(functools.partial(eval_step, graphdef, axis_name=axis),
-                                     unroll), out_axes=None, donate_argnums=1),
+        eval=on_devices(scanned_eval(functools.partial(
+            eval_step, graphdef, config=options["config"], axis_name=axis), unroll),
+            out_axes=None, donate_argnums=1),
         put_state=pmap.replicate,
         get_state=lambda state: sharding.to_global(pmap.unreplicate(state), mesh),
         put_batch=pmap.pmap_batch,
         empty=lambda cls: jax.device_put(cls.empty(), local),
     )
   train = scanned(functools.partial(train_step, graphdef, **options), unroll)
-  evaluate = scanned_eval(functools.partial(eval_step, graphdef), unroll)
+  evaluate = scanned_eval(functools.partial(eval_step, graphdef, config=options["config"]),
+                          unroll)
   # The loop holds the state as a flat list of arrays (`Flat`), merged into modules only inside
   # the steps: a dispatch flattens a list in microseconds, an nnx.State's nodes in milliseconds.
   # The steps take the state itself too (evaluate.py, aot.py), and give back what they got.
@@ -343,7 +312,7 @@ def make(graphdef, config, mesh, unroll: bool | None = None, pmap_devices=None,
     where = sharding.state_shardings(state, mesh, config.fsdp_min_size)
     return as_given(jax.lax.with_sharding_constraint(state, where), given), running
 
-  jit = functools.partial(jax.jit, compiler_options=xla_options(config) or None)
+  jit = functools.partial(jax.jit, compiler_options=plan.xla_options(config) or None)
   return Steps(
       train=jit(train_in_place, donate_argnums=(0, 1)),
       eval=jit(lambda given, running, batches: evaluate(get_state(given), running, batches),
@@ -361,7 +330,7 @@ def probabilities(graphdef, state, images_BHWC, mask_B=None) -> jax.Array:
   model = nnx.merge(graphdef, state)
   model.eval()
   mask_B = jnp.ones(images_BHWC.shape[:1], bool) if mask_B is None else mask_B
-  logits_BK = call_model(model, prepare_images({"image": images_BHWC}), mask_B)
+  logits_BK = call_model(model, augment.to_float(images_BHWC), mask_B)
   return jax.nn.softmax(logits_BK.astype(jnp.float32), axis=-1)
 
 
@@ -371,7 +340,7 @@ def sync_every(config) -> int:
   return config.cpu_sync_every_steps if jax.default_backend() == "cpu" else 0
 
 
-def summarize(running: Metrics) -> dict[str, float]:
+def summarize(running) -> dict[str, float]:
   """The running metrics, fetched in one transfer and computed on the host."""
   running = jax.device_get(running)
   return {**{name: float(value) for name, value in running.compute().items()},
@@ -384,10 +353,11 @@ def eval_iterator(batches: grain.MapDataset, config) -> grain.DatasetIterator:
   return input_pipeline.as_iterator(batches.repeat(), config)
 
 
-def evaluate(compiled: Steps, state, batches, config, metrics=Metrics,
-             iterator=None):
-  """`metrics` over the batches once, merged on the devices; read from `iterator` when given."""
-  running, every = compiled.empty(metrics), sync_every(config)
+def evaluate(compiled: Steps, state, batches, config, collection=None, iterator=None):
+  """The metrics (`collection`, default the recipe's) over the batches once, merged on the
+  devices; read from `iterator` when given."""
+  running = compiled.empty(collection or metrics.of(config).eval)
+  every = sync_every(config)
   with contextlib.ExitStack() as stack:
     if iterator is None:
       iterator = stack.enter_context(contextlib.closing(eval_iterator(batches, config)))

@@ -15,6 +15,7 @@ from absl import logging
 from etils import epath
 from flax import nnx
 
+from .. import plan
 from ..data import input_pipeline
 from ..errors import ConfigError
 from ..parallel import sharding
@@ -58,7 +59,7 @@ def use_runs_model(workdir: str, config, current: bool = False) -> str:
     return f"{name}.py as it is now (the run kept no copy of its own)"
   kept = saved.read_text()
   try:
-    today = epath.Path(optim.model_module(config).__file__).read_text()
+    today = epath.Path(plan.model_module(config).__file__).read_text()
   except Exception:  # (today's does not import: any error of its code)  # noqa: BLE001
     today = None
   if today == kept:

@@ -176,12 +176,14 @@ def draw_bar(done: int, total: int, text: str = "", width: int = 30):
 
 
 class Progress:
-  """One log line per log interval (step, loss, accuracy, examples/s, ETA) and, when stderr is a
-  terminal, a progress bar between them, redrawn at most 4 times a second. The writers get
-  `steps_per_sec` (of each lap) and `uptime`."""
+  """One log line per log interval (step, loss, accuracy, the recipe's other `metrics`,
+  examples/s, ETA) and, when stderr is a terminal, a progress bar between them, redrawn at most
+  4 times a second. The writers get `steps_per_sec` (of each lap) and `uptime`."""
 
-  def __init__(self, num_steps: int, writer: Writers, clock: Clock, show: bool = True):
+  def __init__(self, num_steps: int, writer: Writers, clock: Clock, show: bool = True,
+               metrics: tuple[str, ...] = ("loss", "accuracy")):
     self.num_steps, self.writer, self.clock = num_steps, writer, clock
+    self.others = [name for name in metrics if name not in ("loss", "accuracy")]  # the recipe's
     self.bar, self.drawn = show and sys.stderr.isatty(), 0.0
 
   def update(self, step: int):
@@ -209,15 +211,19 @@ class Progress:
     rate = summary.get("examples_per_sec")  # none for the compiling call alone
     wait = summary.get("input_wait_fraction")
     smoothed = summary["loss"] != summary.get("cross_entropy", summary["loss"])
-    self.log("step %d/%d  loss %.4f%s  accuracy %.4f  %s examples/s  input wait %s  ETA %s",
+    self.log("step %d/%d  loss %.4f%s  accuracy %.4f%s  %s examples/s  input wait %s  ETA %s",
              step, self.num_steps, summary["loss"],
              f" (smoothed labels; cross-entropy {summary['cross_entropy']:.4f})" if smoothed
-             else "", summary["accuracy"], "?" if rate is None else f"{rate:.0f}",
+             else "", summary["accuracy"], self.more(summary),
+             "?" if rate is None else f"{rate:.0f}",
              "?" if wait is None else f"{100 * wait:.0f}%", self.clock.eta(step, self.num_steps))
     if summary["nonfinite_steps"]:
       self.log("Skipped %d of steps %d-%d: non-finite loss or gradient.",
                int(summary["nonfinite_steps"]), since, step, level=logging.WARNING)
 
   def report_eval(self, step: int, metrics: dict[str, float]):
-    self.log("eval at step %d: loss %.4f  accuracy %.4f  (%d examples)", step, metrics["loss"],
-             metrics["accuracy"], metrics["examples"])
+    self.log("eval at step %d: loss %.4f  accuracy %.4f%s  (%d examples)", step, metrics["loss"],
+             metrics["accuracy"], self.more(metrics), metrics["examples"])
+
+  def more(self, summary: dict[str, float]) -> str:
+    return "".join(f"  {name} {summary[name]:.4f}" for name in self.others)

@@ -1,0 +1,102 @@
+"""The recipe: how the model (model.py) is trained. Change it freely: the loss of one example,
+the augmentation, the metrics, the optimizer and its learning rate live here, and nowhere else.
+
+The machinery (training/steps.py) calls these and keeps what must stay exact whatever they
+compute: it leaves the padding of partial batches out, sums over the global batch, divides by
+the number of real examples, and skips a step whose loss or gradient is not finite. Each
+function gets the whole config (frozen): a key you add to configs/default.py is read here as
+`config.your_key`, with nothing to pass on. `config.recipe` names this module (the tests name
+their own copy of it, as they do of model.py).
+"""
+
+import jax
+import optax
+from clu import metrics
+
+from {{cookiecutter.project_slug}}.data import augment as augmentations
+from {{cookiecutter.project_slug}}.errors import ConfigError
+
+
+def loss(logits_BK, labels_B, config, train: bool) -> jax.Array:
+  """Each example's loss `[B]` (float32 logits): training's with `config.label_smoothing`
+  (targets 1 - a on the label, a / classes on every class); evaluation's (`train=False`, also
+  training's `cross_entropy` metric) the plain cross-entropy."""
+  if train and config.label_smoothing:
+    targets_BK = optax.smooth_labels(jax.nn.one_hot(labels_B, logits_BK.shape[-1]),
+                                     config.label_smoothing)
+    return optax.softmax_cross_entropy(logits_BK, targets_BK)
+  return optax.softmax_cross_entropy_with_integer_labels(logits_BK, labels_B)
+
+
+def augment(images_BHWC, keys_B, config) -> jax.Array:
+  """Training's augmentation of a batch of float images (pixels in [0, 1]): `keys_B` holds one
+  random key an example, made from its place in the data stream alone (so any batching, device
+  or process count, and any resume give it the same draw; fold in a number of your own for each
+  new draw). A random resized crop (`augment_crop`; on the host instead for photos stored whole),
+  a flip (`augment_flip`), a shift (`augment_max_shift` pixels), in that order."""
+  crop = (tuple(config.augment_crop_scale), tuple(config.augment_crop_ratio))
+  return augmentations.transform(images_BHWC, keys_B, crop=crop if config.augment_crop else None,
+                                 flip=config.augment_flip, max_shift=config.augment_max_shift)
+
+
+# The metrics, evaluation's and training's: a name and a CLU metric of the step's outputs
+# (`loss`, `cross_entropy`, `logits`, `labels` and `mask`, False on padding: a metric must leave
+# those out, as CLU's do), each computing a scalar, which the log lines and TensorBoard show.
+# Training adds the plain cross_entropy, the norms and the skipped steps (training/metrics.py).
+METRICS = dict(loss=metrics.Average.from_output("loss"), accuracy=metrics.Accuracy)
+
+
+def schedule(config, num_train_steps: int) -> optax.Schedule:
+  """The learning rate of update n (n = 0, 1, ...): a linear warmup from 0 to the peak over
+  `warmup_steps(config, ...)`, then `config.schedule` over the remaining steps (cosine and
+  linear: to 0 at `num_train_steps`)."""
+  peak, warmup = peak_learning_rate(config), warmup_steps(config, num_train_steps)
+  decay_steps = max(num_train_steps - warmup, 1)
+  decays = {"cosine": lambda: optax.cosine_decay_schedule(peak, decay_steps),
+            "linear": lambda: optax.linear_schedule(peak, 0.0, decay_steps),
+            "constant": lambda: optax.constant_schedule(peak)}
+  decay = choose(decays, "schedule", config)()
+  if not warmup:
+    return decay
+  return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
+
+
+def optimizer(config, num_train_steps: int) -> optax.GradientTransformation:
+  """`config.optimizer` at the schedule's rates, after clipping the gradient's global norm to
+  `grad_clip_norm` (when > 0). `momentum`: sgd's momentum (0: none), adam's and adamw's b1;
+  `nesterov`: Nesterov's momentum (sgd), NAdam (adam, adamw). `weight_decay` acts on the weights
+  only (arrays of 2 or more dimensions: not biases, nor norms' scales). adamw's is decoupled:
+  optax multiplies it by the learning rate, so a step takes lr x weight_decay x w off each
+  weight, as PyTorch's AdamW (0.05-0.1 is usual). adam's and sgd's is L2: weight_decay x w is
+  added to the gradient, as PyTorch's `weight_decay` (1e-4-5e-4 is usual with sgd)."""
+  rate, momentum, nesterov = schedule(config, num_train_steps), config.momentum, config.nesterov
+  weights = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)  # noqa: E731
+  l2 = [optax.add_decayed_weights(config.weight_decay, mask=weights)] if config.weight_decay else []
+  optimizers = {
+      "adam": lambda: [*l2, optax.adam(rate, b1=momentum, nesterov=nesterov)],
+      "adamw": lambda: [optax.adamw(rate, b1=momentum, weight_decay=config.weight_decay,
+                                    mask=weights, nesterov=nesterov)],
+      "sgd": lambda: [*l2, optax.sgd(rate, momentum=momentum or None, nesterov=nesterov)]}
+  chain = choose(optimizers, "optimizer", config)()
+  if config.grad_clip_norm:
+    chain.insert(0, optax.clip_by_global_norm(config.grad_clip_norm))
+  return optax.chain(*chain) if len(chain) > 1 else chain[0]
+
+
+def peak_learning_rate(config) -> float:
+  """`config.learning_rate`, scaled by the global batch over `config.base_batch_size`."""
+  ratio = config.batch_size / config.base_batch_size
+  scalings = {"none": 1.0, "linear": ratio, "sqrt": ratio**0.5}
+  return config.learning_rate * choose(scalings, "lr_scaling", config)
+
+
+def warmup_steps(config, num_train_steps: int) -> int:
+  """`config.warmup_steps`, or `config.warmup_epochs` of the run's steps."""
+  return config.warmup_steps or round(config.warmup_epochs * num_train_steps / config.num_epochs)
+
+
+def choose(choices: dict, key: str, config):
+  """`choices[config.key]`; a name not among them is refused (before anything runs: plan.py)."""
+  if config[key] not in choices:
+    raise ConfigError(f"config.{key}={config[key]!r} is unknown; use one of {tuple(choices)}.")
+  return choices[config[key]]
