@@ -35,8 +35,9 @@ def augment(images_BHWC, keys_B, config) -> jax.Array:
   new draw). A random resized crop (`augment_crop`; on the host instead for photos stored whole),
   a flip (`augment_flip`), a shift (`augment_max_shift` pixels), in that order."""
   crop = (tuple(config.augment_crop_scale), tuple(config.augment_crop_ratio))
-  return augmentations.transform(images_BHWC, keys_B, crop=crop if config.augment_crop else None,
-                                 flip=config.augment_flip, max_shift=config.augment_max_shift)
+  crop = crop if config.augment_crop else None
+  return augmentations.transform(images_BHWC, keys_B, crop, config.augment_flip,
+                                 config.augment_max_shift)
 
 
 # The metrics, evaluation's and training's: a name and a CLU metric of the step's outputs

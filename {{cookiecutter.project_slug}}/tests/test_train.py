@@ -863,3 +863,66 @@ def test_a_bucket_workdir_trains_and_resumes(gcs_emulator, monkeypatch):
   assert any(name.startswith("run/checkpoints/23/") for name in names), names
   assert any(name.startswith("run/events.out.tfevents.") for name in names), names
   print(f"trained in {elapsed:.1f}s; the bucket holds {len(names)} objects")
+
+
+# The issue's four recipe changes, each made in recipe.py alone (its options: keys of the
+# config), as a user would write them: a focal loss, a brightness jitter, a top-5 metric, Lion.
+RECIPE_CHANGES = (
+    ('''  return optax.softmax_cross_entropy_with_integer_labels(logits_BK, labels_B)
+''', '''  cross_entropy_B = optax.softmax_cross_entropy_with_integer_labels(logits_BK, labels_B)
+  if train and config.focal_gamma:  # Lin et al. 2017: (1 - p)^gamma x cross-entropy
+    return (1 - jnp.exp(-cross_entropy_B)) ** config.focal_gamma * cross_entropy_B
+  return cross_entropy_B
+'''),
+    ('''  return augmentations.transform(images_BHWC, keys_B, crop, config.augment_flip,
+                                 config.augment_max_shift)
+''', '''  images_BHWC = augmentations.transform(images_BHWC, keys_B, crop, config.augment_flip,
+                                        config.augment_max_shift)
+  factor_B = jax.vmap(lambda key: jax.random.uniform(  # brightness x [1 - b, 1 + b]
+      jax.random.fold_in(key, 3), minval=1 - config.brightness, maxval=1 + config.brightness))(
+      keys_B)
+  return jnp.clip(images_BHWC * factor_B[:, None, None, None], 0.0, 1.0)
+'''),
+    ('''METRICS = dict(loss=metrics.Average.from_output("loss"), accuracy=metrics.Accuracy)
+''', '''METRICS = dict(loss=metrics.Average.from_output("loss"), accuracy=metrics.Accuracy,
+               top5_accuracy=metrics.Average.from_fun(lambda logits, labels, **_: (
+                   jax.lax.top_k(logits, 5)[1] == labels[:, None]).any(-1).astype(jnp.float32)))
+'''),
+    ('''      "sgd": lambda: [*l2, optax.sgd(rate, momentum=momentum or None, nesterov=nesterov)]}
+''', '''      "sgd": lambda: [*l2, optax.sgd(rate, momentum=momentum or None, nesterov=nesterov)],
+      "lion": lambda: [optax.lion(rate, b1=momentum, weight_decay=config.weight_decay,
+                                  mask=weights)]}
+'''),
+    ("import jax\nimport optax\n", "import jax\nimport jax.numpy as jnp\nimport optax\n"),
+)
+
+
+@pytest.mark.slow
+def test_the_recipe_changes_each_touch_recipe_py_alone(tiny_config, tmp_path, monkeypatch,
+                                                        caplog):
+  """The focal loss, brightness jitter, top-5 metric and Lion, written into a copy of the
+  recipe (its options added to the config, as configs/default.py would hold them): the run is
+  checked, trains on every path's machinery unchanged, and logs top-5 beside accuracy."""
+  source = open(os.path.join(os.path.dirname(__file__), "shipped_recipe.py")).read()
+  for old, new in RECIPE_CHANGES:
+    assert source.count(old) == 1, old
+    source = source.replace(old, new)
+  (tmp_path / "changed_recipe.py").write_text(source)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  tiny_config.recipe, tiny_config.optimizer, tiny_config.learning_rate = (
+      "changed_recipe", "lion", 1e-3)
+  tiny_config.focal_gamma, tiny_config.brightness = 2.0, 0.2  # (keys added to default.py)
+  plan.validate_config(tiny_config)
+  caplog.set_level("INFO")
+  final = train.train_and_evaluate(tiny_config, str(tmp_path / "run"))
+  assert 0 <= final["accuracy"] <= final["top5_accuracy"] <= 1 and final["examples"] == 360
+  assert final["top5_accuracy"] > 0.6, final  # (10 classes: chance is 0.5)
+  scalars = read_scalars(str(tmp_path / "run"))
+  assert {"train_top5_accuracy", "eval_top5_accuracy"} <= scalars.keys()
+  line = r"loss [\d.]+ .*accuracy [\d.]+  top5_accuracy [\d.]+ "
+  assert re.search(f"step 23/23  {line}", caplog.text), caplog.text
+  assert re.search(f"eval at step 23: {line}", caplog.text), caplog.text
+  tiny_config.optimizer = "lamb"
+  with pytest.raises(errors.ConfigError, match=r"config.optimizer='lamb' is unknown; use one "
+                     r"of \('adam', 'adamw', 'sgd', 'lion'\)"):
+    plan.validate_config(tiny_config)

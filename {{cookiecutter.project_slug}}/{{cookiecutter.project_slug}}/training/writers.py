@@ -210,10 +210,10 @@ class Progress:
                                      "uptime": time.perf_counter() - self.clock.created})
     rate = summary.get("examples_per_sec")  # none for the compiling call alone
     wait = summary.get("input_wait_fraction")
-    smoothed = summary["loss"] != summary.get("cross_entropy", summary["loss"])
+    other = summary["loss"] != summary.get("cross_entropy", summary["loss"])  # (smoothed, say)
     self.log("step %d/%d  loss %.4f%s  accuracy %.4f%s  %s examples/s  input wait %s  ETA %s",
              step, self.num_steps, summary["loss"],
-             f" (smoothed labels; cross-entropy {summary['cross_entropy']:.4f})" if smoothed
+             f" (cross-entropy {summary['cross_entropy']:.4f})" if other
              else "", summary["accuracy"], self.more(summary),
              "?" if rate is None else f"{rate:.0f}",
              "?" if wait is None else f"{100 * wait:.0f}%", self.clock.eta(step, self.num_steps))
