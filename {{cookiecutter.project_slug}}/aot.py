@@ -3,7 +3,7 @@ TPU or GPU topology that need not be here, with the TPU's or the GPU's own compi
 what a device holds, what the step moves and how fast it can be at best.
 
   python aot.py --config=configs/default.py --topology=v5e:4x4 [--num_slices=2]
-      [--config.KEY=VALUE ...] [--json=FILE]
+      [--config.KEY=VALUE ...] [--json=FILE] [--hlo=FILE]
 
 TPUs need the `tpu` extra (libtpu), NVIDIA GPUs the `cuda12` extra; neither needs the device.
 Nothing is read or built: the state and the batches are abstract (shapes, dtypes, shardings),
@@ -101,6 +101,71 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
   return dict(sorted(found.items()))
 
 
+# Bytes an element of each dtype; instructions that launch no kernel (their values are views).
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
+               "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+NO_KERNEL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
+             "opt-barrier", "add-dependency", "partition-id", "replica-id", "domain"}
+SMALL_KERNEL_BYTES = 2**20
+_SHAPE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
+_INSTRUCTION = re.compile(r"\s*(?:ROOT )?%?[\w.-]+ = (.*?) ([\w-]+)\((.*)$")
+
+
+def count_kernels(hlo_text: str) -> dict[str, int]:
+  """The kernels a step launches, read from a compiled program's text: each instruction of the
+  k-step loop's body (the whole program when k = 1) that is not a view (`NO_KERNEL`, an async
+  op's `-done` half), a fusion or a library call (cuBLAS, cuDNN) counting one; a loop or
+  conditional inside the body counts what it runs (an inner loop's body times its trip count).
+  `small`: those whose operands and results together hold under 1 MiB, whose time is the
+  launch's more than the work's."""
+  bodies, name, entry = {}, None, None
+  for line in hlo_text.splitlines():
+    if head := re.match(r"(ENTRY )?%?([\w.-]+) .*\{\s*$", line):
+      name, entry = head[2], head[2] if head[1] else entry
+      bodies[name] = []
+    elif line.startswith("}"):
+      name = None
+    elif name:
+      bodies[name].append(line)
+
+  def trips(line: str) -> int:
+    found = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+    return int(found[1]) if found else 1
+
+  loop = next((re.search(r"body=%?([\w.-]+)", line)[1] for line in bodies[entry]
+               if " while(" in line and trips(line) > 1), entry)
+  found = collections.Counter()
+
+  def walk(computation: str, times: int):
+    for line in bodies[computation]:
+      if not (match := _INSTRUCTION.match(line)):
+        continue
+      result, op, rest = match.groups()
+      if op in NO_KERNEL or op.endswith("-done"):
+        continue
+      if op in ("while", "conditional", "call"):
+        called = re.findall(r"(?:body|to_apply|true_computation|false_computation)=%?([\w.-]+)",
+                            line)
+        branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+        called += re.findall(r"%?([\w.-]+)", branches[1]) if branches else []
+        for name in called:
+          walk(name, times * (trips(line) if op == "while" else 1))
+        continue
+      depth, end = 1, len(rest)  # the operands: up to the parenthesis that closes them
+      for i, c in enumerate(rest):
+        depth += (c == "(") - (c == ")")
+        if depth == 0:
+          end = i
+          break
+      size = sum(DTYPE_BYTES[dtype] * math.prod(int(n) for n in dims.split(",") if n)
+                 for dtype, dims in _SHAPE.findall(result + rest[:end]))
+      found["kernels"] += times
+      found["small"] += times * (size < SMALL_KERNEL_BYTES)
+
+  walk(loop, 1)
+  return dict(kernels=found["kernels"], small=found["small"])
+
+
 def memory(compiled) -> dict[str, int]:
   """Bytes a device holds while the program runs: its arguments, its temporaries, and its
   outputs that do not reuse a donated argument's buffer (`peak`)."""
@@ -126,21 +191,22 @@ def compile_timed(lowered_fn, what: str, device_kind: str, memory_bytes: int):
   return compiled, time.perf_counter() - start
 
 
-def analyze(config, devices) -> dict:
+def analyze(config, devices, hlo: str | None = None) -> dict:
   """Compiles `config`'s train step, eval step and initial state for `devices` (compile-only,
   from `topologies.compile_only_devices`) as train.py would build them there; returns the figures
   (see the README: Will it fit?). Raises plan.ConfigError for a config that train.py would
-  refuse on those devices, DoesNotFit for one that the compiler refuses."""
+  refuse on those devices, DoesNotFit for one that the compiler refuses. `hlo`: a file to write
+  the compiled train program's text to."""
   # JAX's persistent cache cannot load what was compiled for devices that are not here.
   cache = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
   try:
-    return _analyze(config, devices)
+    return _analyze(config, devices, hlo)
   finally:
     jax.config.update("jax_enable_compilation_cache", cache)
 
 
-def _analyze(config, devices) -> dict:
+def _analyze(config, devices, hlo: str | None) -> dict:
   plan.validate_config(config, devices=devices)
   config = plan.resolved(config, devices)
   info = input_pipeline.describe(config)
@@ -184,6 +250,9 @@ def _analyze(config, devices) -> dict:
     raise
   train_memory, eval_memory, init_memory = memory(train), memory(evaluate), memory(initial)
   train_text = train.as_text()
+  if hlo:
+    with open(hlo, "w") as f:
+      f.write(train_text)
   speed = flops.Speed(graphdef, abstract(state), info.image_shape, config, devices)
   flops_per_step = speed.flops_per_step
   cost = train.cost_analysis() or {}
@@ -198,7 +267,8 @@ def _analyze(config, devices) -> dict:
       topology=None, **figures, fits=bool(memory_bytes) and peak <= memory_bytes,
       temp_bytes=train_memory["temp"], peak_bytes=peak,
       train=train_memory, eval=eval_memory, init=init_memory,
-      collectives=count_collectives(train_text), flops_per_step=flops_per_step,
+      collectives=count_collectives(train_text), kernels=count_kernels(train_text),
+      flops_per_step=flops_per_step,
       # (XLA:GPU runs a conditional by copying its predicate to the host and waiting.)
       conditionals=len(re.findall(r" conditional\(", train_text)),
       compiler_flops_per_step=cost.get("flops"), compute_seconds_lower_bound=compute_s,
@@ -232,7 +302,8 @@ def describe(r: dict) -> str:
       f"memory a device: state {gb(r['state_bytes'])} (a whole copy: "
       f"{gb(r['whole_state_bytes'])}), train step temporaries "
       f"{gb(r['temp_bytes'])}, peak {gb(r['peak_bytes'])} of {gb(r['memory_bytes'])}: {fits}",
-      f"train step collectives (each once in the program): {collectives}",
+      f"train step collectives (each once in the program): {collectives}; kernels a step: "
+      f"{r['kernels']['kernels']:,}, {r['kernels']['small']:,} of them on under 1 MiB",
       f"FLOPs a step: {r['flops_per_step']:.3g} (the model's matrix products and convolutions)"
       + (f"; the compiler's, a device: {r['compiler_flops_per_step']:.3g}"
          if r["compiler_flops_per_step"] else ""),
@@ -249,7 +320,7 @@ def main(argv):
   topology, num_slices, out = FLAGS.topology, FLAGS.num_slices, FLAGS.json
   try:
     devices = topologies.compile_only_devices(topology, num_slices)
-    result = analyze(FLAGS.config, devices)
+    result = analyze(FLAGS.config, devices, FLAGS.hlo)
   except (topologies.TopologyError, plan.ConfigError) as e:
     raise SystemExit(f"error: {e}") from None
   except DoesNotFit as e:
@@ -275,4 +346,6 @@ if __name__ == "__main__":  # flags defined here: the functions above can be imp
                       required=True)
   flags.DEFINE_integer("num_slices", 1, "TPU slices (multi-slice).")
   flags.DEFINE_string("json", None, "Also write the figures to this JSON file.")
+  flags.DEFINE_string("hlo", None, "Also write the compiled train program's text to this file "
+                      "(count its kernels, read its fusions).")
   app.run(main, flags_parser=errors.parse_flags)
