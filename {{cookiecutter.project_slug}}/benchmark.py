@@ -3,6 +3,7 @@ training loop, the input pipeline and a default run; or the input pipeline alone
 Prints its tables and writes them to --out (JSON) and --markdown (BENCHMARKS.md).
 
   python benchmark.py [--tiny] [--out=bench.json] [--markdown=BENCHMARKS.md]
+  python benchmark.py --resnet  # on a GPU: ResNet-50 against timm's, eager and torch.compile
   python benchmark.py --data_dir=DIR --out=data.json [--config=configs/imagenet.py
       --config.KEY=VALUE ... --images_per_second=2500 --seconds=20 --pil_image_folder=DIR]
 
@@ -22,12 +23,14 @@ Prints its tables and writes them to --out (JSON) and --markdown (BENCHMARKS.md)
   efficiency is the median of the pairs' ratios (above 1 where k steps a call beat one). The
   loop runs an accelerator's k (`plan.ACCELERATOR_STEPS_PER_DISPATCH`) even on the CPU. Also
   ResNet-50 training (configs/imagenet.py, synthetic images: `resnet_config`): images/s a
-  device and MFU (where the chip's peak is known), the loop against the bare step.
+  device and MFU (where the chip's peak is known), the loop against the bare step; with
+  --resnet, that row alone beside timm's ResNet-50 in PyTorch, eager and under torch.compile
+  (benchmark_torch.py, the same batch a GPU), in BENCHMARKS.md's section of its own.
 - Input (benchmark_data.py): the Grain iterator alone, JPEG files decoded by its workers, and
   224x224x3 arrays read by its workers and placed on the devices: the main process's CPU-seconds
   per GB delivered, and the images/s one core of it feeds at that size.
 - Dispatch: the host time of handing the ResNet-50 state to a compiled call, as an nnx.State and
-  as the loop's flat list of arrays (`measure_dispatch`).
+  as the loop's flat list of arrays (`benchmark_host.measure_dispatch`).
 - Default run: `python train.py --config=configs/default.py` as a whole process, cold (no
   compilation cache), at the backend's k: its wall time, time to first step, first calls.
 
@@ -41,8 +44,6 @@ import functools
 import glob
 import json
 import os
-import re
-import resource
 import statistics
 import subprocess
 import sys
@@ -53,7 +54,6 @@ import flax
 import jax
 import ml_collections
 from absl import app, flags
-from flax import nnx
 from ml_collections import config_flags
 from tensorboard.backend.event_processing import event_accumulator
 
@@ -61,10 +61,14 @@ from configs import default, imagenet, tiny
 
 from {{cookiecutter.project_slug}} import errors, plan
 from {{cookiecutter.project_slug}}.data import input_pipeline
-from {{cookiecutter.project_slug}}.parallel import sharding
-from {{cookiecutter.project_slug}}.tools import benchmark_data, benchmark_report
+from {{cookiecutter.project_slug}}.tools import (
+  benchmark_data,
+  benchmark_host,
+  benchmark_report,
+  benchmark_steps,
+)
 from {{cookiecutter.project_slug}}.tools.benchmark_data import PIPELINE
-from {{cookiecutter.project_slug}}.training import metrics, optim, steps
+from {{cookiecutter.project_slug}}.training import steps
 
 NUM_DEVICES = 8
 MODELS = ("digits", "large")  # the config's CNN on the digits; a wider CNN on bigger images
@@ -72,7 +76,6 @@ PATHS = ("single", "spmd", "pmap", "fsdp")
 LOOP_PATHS = ("spmd", "pmap")
 EMA = "spmd+ema"  # the cost of the moving average of the parameters: spmd's step with it
 EMA_DECAY = 0.999
-WARMUP_STEPS = 2  # untimed calls of each compiled step before the timed ones
 REPEATS = 3  # paired (bare step, loop) runs per path: the median of their ratios is reported
 
 _OUT = flags.DEFINE_string("out", "bench.json", "Where the JSON results go.")
@@ -85,6 +88,11 @@ _PIL_FOLDER = flags.DEFINE_string("pil_image_folder", None, "--data_dir: the pla
                                   "these image files (default: the stored images).")
 _RATE = flags.DEFINE_float("images_per_second", 2500.0, "--data_dir: the rate that one "
                            "accelerator trains at (2,500: ResNet-50 on an A100, NVIDIA's figure).")
+_RESNET = flags.DEFINE_bool("resnet", False, "On a GPU: the ResNet-50 row alone, beside timm's "
+                            "ResNet-50 in PyTorch at its batch (benchmark_torch.py: eager and "
+                            "torch.compile); the comparison replaces its section of --markdown.")
+_REPEATS = flags.DEFINE_integer("repeats", REPEATS, "--resnet: pairs of runs of the loop and the "
+                                "bare step.")
 _MEASURE = flags.DEFINE_string("measure", None, "Internal: 'steps:MODEL', 'memory:MODEL:PATH', "
                                "'loop:MODEL:PATH:RUN', 'pipeline' or 'decoding', measured in this "
                                "process, printed as JSON.")
@@ -98,7 +106,7 @@ def get_config(model: str, is_tiny: bool) -> ml_collections.ConfigDict:
     return resnet_config(is_tiny)
   config = (tiny if is_tiny else default).get_config()
   config.rounds, config.turn_steps = (1, 3) if is_tiny else (10, 20)
-  # The loop as a GPU or TPU runs it (on the CPU, runs choose k = 1: see measure_default_run).
+  # The loop as a GPU or TPU runs it (on the CPU, runs choose k = 1: see the default run).
   config.steps_per_dispatch = 5 if is_tiny else plan.ACCELERATOR_STEPS_PER_DISPATCH
   if model == "large":
     accelerator = jax.default_backend() != "cpu"
@@ -127,100 +135,15 @@ def resnet_config(is_tiny: bool) -> ml_collections.ConfigDict:
   config.model.dtype = "bfloat16" if accelerator else "float32"
   config.batch_size = per_device * jax.device_count()
   config.steps_per_dispatch = 1 if is_tiny else plan.ACCELERATOR_STEPS_PER_DISPATCH
-  loop_steps = 4 if is_tiny else 100 if accelerator else 20
+  loop_steps = 4 if is_tiny else 100 if accelerator else 20  # an epoch's
   config.synthetic.update(image_shape=(size, size, 3), num_classes=1000,
                           num_train=loop_steps * config.batch_size, num_eval=config.batch_size)
-  config.num_epochs, config.warmup_epochs, config.compilation_cache_dir = 1, 0.0, ""
-  config.log_every_steps = config.eval_every_steps = config.checkpoint_every_steps = loop_steps
+  config.num_epochs = 3 if accelerator else 1  # (an accelerator's 300 steps: the loop's clock)
+  config.warmup_epochs, config.compilation_cache_dir = 0.0, ""
+  config.log_every_steps = config.eval_every_steps = config.checkpoint_every_steps = (
+      loop_steps * config.num_epochs)
   config.rounds, config.turn_steps = 1, 2
   return config
-
-
-def step_state_batch(config, path: str):
-  """The single train step (k = 1) of `path`, and a state, running metrics and a batch already
-  where the step wants them."""
-
-  config = config.copy_and_resolve_references()
-  config.steps_per_dispatch = 1
-  splits, info = input_pipeline.get_datasets(config)
-  batch = input_pipeline.train_batches(splits["train"], config)[0]  # [1, batch, ...]
-  graphdef, state = nnx.split(optim.build_state(config, info.image_shape, info.num_classes, 1000))
-  if path == "single":
-    device = jax.devices()[0]
-    step = jax.jit(functools.partial(steps.train_step, graphdef, **steps.step_options(config)),
-                   donate_argnums=(0, 1))
-    one_batch = jax.tree.map(lambda x: x[0], batch)
-    return step, *jax.device_put((state, metrics.of(config).train.empty(), one_batch), device)
-  config.parallelism = path
-  mesh = sharding.make_mesh(config)
-  compiled = steps.make(graphdef, config, mesh)
-  state = compiled.put_state(sharding.place_state(state, mesh, config.fsdp_min_size))
-  return compiled.train, state, compiled.empty(metrics.of(config).train), compiled.put_batch(batch)
-
-
-def peak_host_mb() -> float:
-  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-  return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
-
-
-class Runner:
-  """A compiled step with its state, running metrics and batch: times steps and streams."""
-
-  def __init__(self, config, path: str):
-    begin = time.perf_counter()
-    step, self.state, self.running, self.batch = step_state_batch(config, path)
-    start = time.perf_counter()
-    self.step = step.lower(self.state, self.running, self.batch).compile()
-    self.compile_s = time.perf_counter() - start
-    self.state_mb = sharding.bytes_per_device(self.state) / 1e6  # model and optimizer state
-    memory = self.step.memory_analysis()  # one device's: the state donated, updated in place
-    self.step_peak_mb = (memory.argument_size_in_bytes + memory.output_size_in_bytes +
-                         memory.temp_size_in_bytes - memory.alias_size_in_bytes) / 1e6
-    self.times(1)
-    self.first_step_s = time.perf_counter() - begin  # state built, placed, compiled, one step
-    self.times(WARMUP_STEPS - 1)
-
-  def times(self, num_steps: int) -> list[float]:
-    """Seconds of each of `num_steps` steps, each waited for."""
-    seconds = []
-    for _ in range(num_steps):
-      start = time.perf_counter()
-      self.state, self.running = self.step(self.state, self.running, self.batch)
-      jax.block_until_ready((self.state, self.running))
-      seconds.append(time.perf_counter() - start)
-    return seconds
-
-  def stream(self, num_steps: int, sync_every: int) -> float:
-    """Seconds for `num_steps` steps back to back, waiting every `sync_every` (0: never)."""
-    start = time.perf_counter()
-    for i in range(1, num_steps + 1):
-      self.state, self.running = self.step(self.state, self.running, self.batch)
-      if sync_every and i % sync_every == 0:
-        jax.block_until_ready(self.running)
-    jax.block_until_ready((self.state, self.running))
-    return time.perf_counter() - start
-
-
-def measure_steps(config) -> dict:
-  """Every path's compile time and median step time, the paths (and spmd with the moving
-  average, `EMA`) taking turns."""
-  with_ema = config.copy_and_resolve_references()
-  with_ema.ema_decay = EMA_DECAY
-  runners = {path: Runner(config, path) for path in PATHS} | {EMA: Runner(with_ema, "spmd")}
-  names = list(runners)
-  seconds = {name: [] for name in names}
-  for turn in range(config.rounds):
-    for name in names[turn % len(names):] + names[:turn % len(names)]:  # rotate who goes first
-      seconds[name] += runners[name].times(config.turn_steps)
-  results = {}
-  for path, runner in runners.items():
-    step_s = statistics.median(seconds[path])
-    results[path] = dict(compile_s=runner.compile_s, first_step_s=runner.first_step_s,
-                         step_ms=1e3 * step_s,
-                         examples_per_sec=config.batch_size / step_s,
-                         state_mb_per_device=runner.state_mb,
-                         step_peak_mb_per_device=runner.step_peak_mb)
-  return results
 
 
 def read_scalar(workdir: str, tag: str) -> float:
@@ -235,7 +158,7 @@ def read_scalar(workdir: str, tag: str) -> float:
 
 def measure_loop(config, path: str, loop_first: bool) -> dict:
   """The loop's examples/s and the bare single step's, measured one right after the other."""
-  import train  # see step_state_batch
+  import train  # (here: train.py's --config flag would clash with this module's; see below)
 
   config.parallelism = path
   num_steps = input_pipeline.num_batches(
@@ -253,7 +176,7 @@ def measure_loop(config, path: str, loop_first: bool) -> dict:
               read_scalar(workdir, "loop_host_us_per_step"), mfu)
 
   def bare():
-    runner = Runner(config, path)
+    runner = benchmark_steps.Runner(config, path)
     return num_steps * config.batch_size / runner.stream(num_steps, steps.sync_every(config))
 
   if loop_first:
@@ -263,64 +186,6 @@ def measure_loop(config, path: str, loop_first: bool) -> dict:
   return dict(loop_examples_per_sec=loop_rate, step_examples_per_sec=step_rate,
               efficiency=loop_rate / step_rate, host_us_per_step=host_us, mfu=mfu,
               steps_per_dispatch=config.steps_per_dispatch)
-
-
-def measure_default_run(is_tiny: bool) -> dict:
-  """`python train.py --config=configs/default.py` (tiny.py with --tiny) as a whole process,
-  cold: no persistent compilation cache. Its wall time, what its log says of it, and the time
-  from the start to its first-calls line (the start-up: imports, data, state, compiling)."""
-  name = "tiny" if is_tiny else "default"
-  env = {k: v for k, v in subprocess_env().items() if k != "JAX_COMPILATION_CACHE_DIR"}
-  with tempfile.TemporaryDirectory() as workdir:
-    start = time.perf_counter()
-    process = subprocess.Popen(
-        [sys.executable, "train.py", f"--config=configs/{name}.py", f"--workdir={workdir}",
-         "--config.compilation_cache_dir="], cwd=os.path.dirname(os.path.abspath(__file__)),
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    log, startup_s = [], None
-    for line in process.stderr:  # the log, as it comes
-      log.append(line)
-      if startup_s is None and "first calls (" in line:
-        startup_s = time.perf_counter() - start
-    wall_s = time.perf_counter() - start
-  if process.wait(timeout=600):
-    raise RuntimeError(f"the {name} run failed:\n{''.join(log)[-3000:]}")
-  log = "".join(log)
-  train_s, eval_s = map(float, re.search(r"first calls .*: train ([\d.]+) s, eval ([\d.]+) s",
-                                         log).groups())
-  return dict(config=f"configs/{name}.py", wall_s=wall_s, startup_s=startup_s,
-              first_train_call_s=train_s, first_eval_call_s=eval_s,
-              steps_per_dispatch=int(re.search(r"examples, (\d+) per call", log)[1]),
-              accuracy=float(re.findall(r"Final eval: accuracy ([\d.]+)", log)[-1]))
-
-
-def measure_dispatch(is_tiny: bool, calls: int = 200) -> dict:
-  """The host time of a call that hands the ResNet-50 training state (configs/imagenet.py; with
-  --tiny the ResNet-18) to a compiled function and gets it back (as a step does; the function
-  does nothing): as an nnx.State, and as the flat list of arrays that the loop holds
-  (`steps.make`'s put_state); without and with the moving average. The median of `calls` calls;
-  {} when model.py (yours) has no such ResNet."""
-  config = imagenet.get_config()
-  config.model.name = "resnet18" if is_tiny else "resnet50"
-  if config.model.name not in getattr(plan.model_module(config), "MODELS", ()):
-    return {}
-  fn = jax.jit(lambda tree: tree, donate_argnums=0)  # every array handed over and back, in place
-  result = dict(model=config.model.name)
-  for ema, suffix in ((0.0, ""), (EMA_DECAY, "_ema")):
-    config.ema_decay = ema
-    tree = nnx.split(optim.build_state(config, (224, 224, 3), 1000, 1000))[1]
-    result[f"arrays{suffix}"] = len(jax.tree.leaves(tree))
-    for name in ("state", "flat"):
-      if name == "flat":
-        tree = steps.Flat(jax.tree.leaves(tree))
-      tree = jax.block_until_ready(fn(tree))  # compiled (the arrays donated: use what comes back)
-      times = []
-      for _ in range(calls // 10 if is_tiny else calls):
-        start = time.perf_counter()
-        tree = fn(tree)
-        times.append(time.perf_counter() - start)
-      result[f"{name}{suffix}_ms"] = 1e3 * statistics.median(times)
-  return result
 
 
 def describe(config) -> dict:
@@ -335,10 +200,10 @@ def measure(what: str, is_tiny: bool) -> dict:
   kind, *rest = what.split(":")
   if kind == "steps":
     config = get_config(rest[0], is_tiny)
-    paths = measure_steps(config)
+    paths = benchmark_steps.measure_steps(config, PATHS, EMA, EMA_DECAY)
     result = dict(paths=paths, ema=paths.pop(EMA), **describe(config))
   elif kind == "memory":
-    Runner(get_config(rest[0], is_tiny), rest[1])  # compiled, and WARMUP_STEPS steps run
+    benchmark_steps.Runner(get_config(rest[0], is_tiny), rest[1])  # compiled, steps run
     result = {}
   elif kind == "pipeline":
     result = benchmark_data.measure_pipeline(get_config("large", is_tiny), is_tiny)
@@ -347,12 +212,12 @@ def measure(what: str, is_tiny: bool) -> dict:
   elif kind == "workers":
     result = benchmark_data.measure_workers(get_config("digits", is_tiny), is_tiny)
   elif kind == "dispatch":
-    result = measure_dispatch(is_tiny)
+    result = benchmark_host.measure_dispatch(imagenet.get_config(), is_tiny, EMA_DECAY)
   else:  # loop:MODEL:PATH:RUN
     config = get_config(rest[0], is_tiny)
     result = dict(measure_loop(config, rest[1], loop_first=int(rest[2]) % 2 == 1),
                   **describe(config))
-  return dict(result, peak_host_mb=peak_host_mb(), device_count=jax.device_count(),
+  return dict(result, peak_host_mb=benchmark_steps.peak_host_mb(), device_count=jax.device_count(),
               backend=jax.default_backend(), device_kind=jax.devices()[0].device_kind)
 
 
@@ -414,7 +279,8 @@ def benchmark(is_tiny: bool) -> dict:
                     [f"steps:{model}" for model in MODELS] +
                     [f"memory:{model}:{path}" for model in MODELS for path in PATHS] +
                     [f"loop:{model}:{path}:{i}" for model, path, i in loops], is_tiny)
-  default_run = measure_default_run(is_tiny)  # alone: nothing else runs beside it
+  default_run = benchmark_host.measure_default_run(  # alone: nothing else runs beside it
+      is_tiny, os.path.dirname(os.path.abspath(__file__)), subprocess_env())
   models = {}
   for model in MODELS:
     measured = results[f"steps:{model}"]
@@ -439,8 +305,43 @@ def benchmark(is_tiny: bool) -> dict:
               workers=results["workers"], dispatch=results["dispatch"], default_run=default_run)
 
 
+def compare_resnet() -> dict:
+  """The ResNet row (`--repeats` pairs of the loop and the bare step, each in its own process),
+  then benchmark_torch.py at the same batch a GPU, one after the other (a GPU is never shared)."""
+  repeats = _REPEATS.value
+  loop = summarize_loop(list(run_all([f"loop:resnet:spmd:{i}" for i in range(repeats)],
+                                     False).values()))
+  here = os.path.dirname(os.path.abspath(__file__))
+  command = [sys.executable, os.path.join(here, "benchmark_torch.py"),
+             f"--batch_size={loop['batch_size'] // loop['device_count']}"]
+  done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+  if done.returncode:
+    raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+  return dict(loop=loop, torch=json.loads(done.stdout.splitlines()[-1]), jax=jax.__version__,
+              repeats=repeats)
+
+
+def write_markdown(path: str, text: str | None = None, resnet: str | None = None):
+  """Writes `text` (the whole benchmark's) to `path` keeping the ResNet-against-PyTorch section
+  that the file holds, or replaces that section with `resnet`."""
+  old = open(path).read() if os.path.exists(path) else ""
+  text = text or old or benchmark_report.markdown_header()
+  section = resnet or benchmark_report.section(old)
+  with open(path, "w") as f:
+    f.write(benchmark_report.with_section(text, section) if section else text)
+
+
 def main(argv):
   del argv
+  if _RESNET.value:
+    comparison = compare_resnet()
+    section = benchmark_report.resnet_section(comparison)
+    print(section)
+    with open(_OUT.value, "w") as f:
+      json.dump(comparison, f, indent=2)
+    if _MARKDOWN.value:
+      write_markdown(_MARKDOWN.value, resnet=section)
+    return
   if _DATA_DIR.value:
     benchmark_data.main(_CONFIG.value, _DATA_DIR.value, _SECONDS.value, _RATE.value,
                         _PIL_FOLDER.value, _OUT.value)
@@ -455,8 +356,7 @@ def main(argv):
   with open(_OUT.value, "w") as f:
     json.dump(results, f, indent=2)
   if _MARKDOWN.value:
-    with open(_MARKDOWN.value, "w") as f:
-      f.write(benchmark_report.markdown(results))
+    write_markdown(_MARKDOWN.value, benchmark_report.markdown(results))
   print(f"wrote {' and '.join(filter(None, (_OUT.value, _MARKDOWN.value)))} in "
         f"{results['wall_s']:.0f} s")
 

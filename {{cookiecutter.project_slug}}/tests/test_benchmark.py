@@ -170,3 +170,34 @@ def test_the_input_pipeline_alone_on_your_own_data(tmp_path):
   assert done.stderr.strip().splitlines()[-1] == (
       f"error: config.data_dir={str(tmp_path / 'nowhere')!r} does not exist; give the directory "
       "that write_arrayrecord.py wrote.")
+
+
+def test_the_resnet_comparison_is_a_section_of_its_own_that_the_whole_benchmark_keeps(tmp_path):
+  """`--resnet`'s figures (here made up, in the shape benchmark_torch.py and the loop give them)
+  as a section: images/s a GPU, MFU from the project's FLOPs, each over torch.compile's; written
+  into BENCHMARKS.md beside the whole benchmark's tables, replaced by the next --resnet, kept
+  when the whole benchmark rewrites the file."""
+  from {{cookiecutter.project_slug}}.tools import benchmark_report
+
+  loop = dict(device_count=2, loop_examples_per_sec=11000.0, step_examples_per_sec=12000.0,
+              mfu=0.22, efficiencies=[0.91, 0.92, 0.93], steps_per_dispatch=10)
+  torch = dict(device="NVIDIA H100 80GB HBM3", batch_size=256, torch="2.11", timm="1.0",
+               modes=dict(eager=dict(images_per_sec=4000.0), compile=dict(images_per_sec=5000.0)))
+  section = benchmark_report.resnet_section(dict(loop=loop, torch=torch, jax="0.11", repeats=3))
+  rows = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in section.splitlines()
+          if line.startswith("| ") and "---" not in line}
+  assert rows["this project: the whole loop (train.py)"] == ["5,500", "0.220", "1.10 |"]
+  assert rows["this project: its bare train step"] == ["6,000", "0.240", "1.20 |"]
+  assert rows["timm under torch.compile"] == ["5,000", "0.200", "1.00 |"]
+  assert rows["timm, eager"] == ["4,000", "0.160", "0.80 |"]
+  assert "0.91 0.92 0.93" in section and "GPU figures: 2 x NVIDIA H100" in section
+
+  path = str(tmp_path / "BENCHMARKS.md")
+  benchmark.write_markdown(path, "# Benchmarks\n\n## Train step\n\nold\n")
+  benchmark.write_markdown(path, resnet=section)
+  assert open(path).read() == "# Benchmarks\n\n## Train step\n\nold\n\n" + section
+  benchmark.write_markdown(path, "# Benchmarks\n\n## Train step\n\nnew\n")  # the whole one
+  assert open(path).read() == "# Benchmarks\n\n## Train step\n\nnew\n\n" + section
+  again = section.replace("5,500", "5,600")
+  benchmark.write_markdown(path, resnet=again)
+  assert open(path).read() == "# Benchmarks\n\n## Train step\n\nnew\n\n" + again

@@ -577,6 +577,9 @@ BAD_CONFIGS = [
     ("--config.base_batch_size=0", "config.base_batch_size=0 must be a positive integer."),
     ("--config.lr_scaling=square", "config.lr_scaling='square' is unknown; use one of"),
     ("--config.schedule=step", "config.schedule='step' is unknown; use one of"),
+    ("--config.recipe=no_such_recipe", "config.recipe='no_such_recipe' cannot be imported (No "
+                                       "module named 'no_such_recipe'); name a module on the "
+                                       "path with the loss, metrics and optimizer"),
     ("--config.warmup_steps=-1", "config.warmup_steps=-1 must be an integer >= 0."),
     ("--config.warmup_steps=5 --config.warmup_epochs=0.5",
      "config.warmup_epochs=0.5 must be a number >= 0, and 0 when config.warmup_steps (=5) is "

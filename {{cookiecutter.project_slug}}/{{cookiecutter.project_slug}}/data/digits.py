@@ -10,6 +10,8 @@ import numpy as np
 
 from .input_pipeline import ArraySource, DatasetInfo, Loaded
 
+IN_MEMORY = True  # (input_pipeline.default_workers: a batch is one NumPy gather, no worker)
+
 SHAPE, CLASSES, EXAMPLES = (8, 8, 1), 10, 1797  # load_digits()
 
 

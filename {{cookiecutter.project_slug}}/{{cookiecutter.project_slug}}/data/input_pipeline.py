@@ -293,7 +293,7 @@ def default_workers(config) -> int:
   one (each holds `prefetch_batches` batches and a few more: `host_memory`)."""
   if config.num_workers >= 0:
     return config.num_workers
-  in_memory = config.dataset in ("digits", "synthetic")
+  in_memory = getattr(source(config.dataset), "IN_MEMORY", False)  # (the source says so)
   return 0 if in_memory else max(available_cpus() - 1, 1)
 
 

@@ -5,6 +5,8 @@ import numpy as np
 
 from .input_pipeline import ArraySource, DatasetInfo, Loaded
 
+IN_MEMORY = True  # (input_pipeline.default_workers: a batch is one NumPy gather, no worker)
+
 
 def load(config) -> Loaded:
   spec = config.synthetic

@@ -260,7 +260,7 @@ def main(config, data_dir: str, seconds: float, rate: float, image_folder: str |
   """`benchmark.py --data_dir`: `measure_data` on `data_dir` read as `config.dataset` reads it
   ('arrayrecord' for the digits' and synthetic configs), printed and written to `out` (JSON)."""
   config.data_dir = data_dir
-  if config.dataset in ("digits", "synthetic"):
+  if getattr(input_pipeline.source(config.dataset), "IN_MEMORY", False):
     config.dataset = "arrayrecord"
   try:
     plan.validate_config(config)

@@ -109,14 +109,17 @@ def machine() -> str:
   return f"{cpu}, {os.cpu_count()} cores"
 
 
+def markdown_header() -> str:
+  return ("# Benchmarks\n\nFigures for one machine, written by `benchmark.py`; what each measures "
+          "and how: its docstring. Regenerate them with `python benchmark.py`.\n")
+
+
 def markdown(results: dict) -> str:
   """The tables as Markdown, headed by the machine, the versions and the date."""
   tiny = results["tiny"]
   versions = ", ".join([f"Python {platform.python_version()}", f"jax {results['jax']}",
                         f"flax {results['flax']}", f"grain {importlib.metadata.version('grain')}"])
-  lines = ["# Benchmarks", "",
-           "Figures for one machine, written by `benchmark.py`; what each measures and how: its "
-           "docstring. Regenerate them with `python benchmark.py`.", "",
+  lines = [markdown_header(),
            "| | |", "| --- | --- |", f"| machine | {machine()} |",
            f"| JAX backend | {results['backend']}: {results['device_count']} devices "
            f"({results['device_kind']}) |", f"| versions | {versions} |",
@@ -129,3 +132,51 @@ def markdown(results: dict) -> str:
               *("| " + " | ".join(row) + " |" for row in rows)]
   return "\n".join(lines + ["", "## Ratios, input, default run", ""] +
                    [f"- {line}" for line in notes(results)]) + "\n"
+
+
+RESNET_TITLE = "## ResNet-50 against PyTorch"
+
+
+def resnet_section(c: dict) -> str:
+  """`benchmark.py --resnet`'s figures as a Markdown section: images/s a GPU, MFU (the model's
+  FLOPs, the same for both: ResNet-50 v1.5) and each over torch.compile's."""
+  loop, torch = c["loop"], c["torch"]
+  devices, modes = loop["device_count"], torch["modes"]
+  compiled = modes["compile"]["images_per_sec"]
+  mfu_per_image = loop["mfu"] / (loop["loop_examples_per_sec"] / devices) if loop["mfu"] else 0
+  rows = [("this project: the whole loop (train.py)", loop["loop_examples_per_sec"] / devices),
+          ("this project: its bare train step", loop["step_examples_per_sec"] / devices),
+          ("timm under torch.compile", compiled), ("timm, eager", modes["eager"]["images_per_sec"])]
+  date = f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d}"
+  pairs = " ".join(f"{e:.2f}" for e in loop["efficiencies"])
+  lines = [RESNET_TITLE, "",
+           f"GPU figures: {devices} x {torch['device']}, {date}, `python benchmark.py --resnet`. "
+           f"ResNet-50 v1.5 training at batch {torch['batch_size']} a GPU, 224 x 224, bfloat16. "
+           f"The project (jax {c['jax']}): configs/imagenet.py on synthetic images, k = "
+           f"{loop['steps_per_dispatch']}, its whole loop (input, metrics, evaluation, "
+           f"checkpoints) and its bare step, medians of {c['repeats']} pairs (loop/bare: {pairs})."
+           f" timm {torch['timm']} under PyTorch {torch['torch']} (benchmark_torch.py): "
+           "channels_last, bfloat16 autocast, SGD with Nesterov's momentum, one batch already on "
+           "the GPU; the median of its timed windows.", "",
+           "| | images/s | MFU | over torch.compile |", "| --- | ---: | ---: | ---: |"]
+  lines += [f"| {name} | {rate:,.0f} | "
+            f"{f'{mfu_per_image * rate:.3f}' if mfu_per_image else '?'} | {rate / compiled:.2f} |"
+            for name, rate in rows]
+  return "\n".join(lines) + "\n"
+
+
+def section(text: str) -> str | None:
+  """The RESNET_TITLE section of a Markdown text (up to the next heading of its level), or None."""
+  start = text.find(RESNET_TITLE)
+  if start < 0:
+    return None
+  end = text.find("\n## ", start + 1)
+  return text[start:] if end < 0 else text[start:end + 1]
+
+
+def with_section(text: str, resnet: str) -> str:
+  """`text` with its RESNET_TITLE section replaced by `resnet`, or `resnet` appended."""
+  old = section(text)
+  if old is None:
+    return text.rstrip("\n") + "\n\n" + resnet
+  return text.replace(old, resnet.rstrip("\n") + "\n" + ("\n" if not text.endswith(old) else ""))
