@@ -31,9 +31,10 @@ def loss(logits_BK, labels_B, config, train: bool) -> jax.Array:
 def augment(images_BHWC, keys_B, config) -> jax.Array:
   """Training's augmentation of a batch of float images (pixels in [0, 1]): `keys_B` holds one
   random key an example, made from its place in the data stream alone (so any batching, device
-  or process count, and any resume give it the same draw; fold in a number of your own for each
-  new draw). A random resized crop (`augment_crop`; on the host instead for photos stored whole),
-  a flip (`augment_flip`), a shift (`augment_max_shift` pixels), in that order."""
+  or process count, and any resume give it the same draw; for a draw of your own, fold a number
+  above 2 into it: `transform` takes 1, 2 and the key itself). A random resized crop
+  (`augment_crop`; on the host instead for photos stored whole), a flip (`augment_flip`), a shift
+  (`augment_max_shift` pixels), in that order."""
   crop = (tuple(config.augment_crop_scale), tuple(config.augment_crop_ratio))
   crop = crop if config.augment_crop else None
   return augmentations.transform(images_BHWC, keys_B, crop, config.augment_flip,
