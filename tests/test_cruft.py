@@ -63,8 +63,9 @@ def test_cruft_update_brings_a_later_template_commit_into_a_baked_project(tmp_pa
 
 def test_cruft_update_moves_a_project_baked_before_the_package(tmp_path):
   """README: The move to one package. A project baked from the last commit with the machinery at
-  its top level, with the user's own edits in it, takes the move with `cruft update`: the
-  modules land in the package with the user's lines, and train.py imports."""
+  its top level, with the user's own edits in it, takes the move with `cruft update` to the
+  move's commit, then to the newest: the modules land in the package with the user's lines, and
+  train.py imports."""
   moved = run(TEMPLATE, "git", "log", "-1", "--format=%H", "--diff-filter=D", "--",
               "{{cookiecutter.project_slug}}/steps.py").stdout.strip()
   assert moved, "the template's history holds no commit that moved steps.py (a shallow clone?)"
@@ -82,6 +83,11 @@ def test_cruft_update_moves_a_project_baked_before_the_package(tmp_path):
   add_line(project / "steps.py", USER_LINE, after=1)
   commit(project, "the user's own line")
 
+  # As the README says: first to the move itself, where each module is still close to its old
+  # self (git applies a rename only above 50% alike), then to the newest commit.
+  done = run(project, *cruft, "update", "-y", "--checkout", moved)
+  assert done.returncode == 0, done.stdout + done.stderr
+  commit(project, "the move to one package")
   done = run(project, *cruft, "update", "-y")
   assert done.returncode == 0, done.stdout + done.stderr
   assert not (project / "steps.py").exists() and not (project / "parallel.py").exists()
