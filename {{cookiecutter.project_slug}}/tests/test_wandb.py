@@ -65,6 +65,7 @@ def offline(monkeypatch, tmp_path):
     monkeypatch.setenv(name, str(tmp_path / name.lower()))
 
 
+@pytest.mark.slow  # (an optional extra; the fast tier keeps within 120 s on 2 cores)
 def test_a_run_and_its_resume_log_to_one_wandb_run(offline, tmp_path):
   """The scalars that TensorBoard gets, at the same steps, and the config; the resumed run under
   the same W&B id (offline, W&B writes a directory for each process: they merge at sync)."""
