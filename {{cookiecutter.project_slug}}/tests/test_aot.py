@@ -140,6 +140,49 @@ def test_every_config_is_valid_at_the_accelerators_k_and_the_cpus(platform, k):
       assert config[key] % expected == 0
 
 
+# A compiled program's text, cut down: the k-step loop (trip count 10) runs a fusion of 8 MiB, a
+# library call of under 1 MiB, an async all-reduce (its -done half no kernel) and an inner loop
+# of 3 trips whose body holds one small fusion; views (parameter, get-tuple-element, bitcast)
+# launch nothing; the entry's own copy lies outside the loop.
+HLO = """\
+%inner_body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %f = f32[8]{0} fusion(f32[8]{0} %x), kind=kLoop, calls=%fused_inner
+  ROOT %t = (s32[], f32[8]{0}) tuple(s32[] %c, f32[8]{0} %f)
+}
+
+%body (q: (s32[], f32[1024,1024])) -> (s32[], f32[1024,1024]) {
+  %q = (s32[], f32[1024,1024]{1,0}) parameter(0)
+  %a = f32[1024,1024]{1,0} get-tuple-element(%q), index=1
+  %big = f32[1024,1024]{1,0} fusion(f32[1024,1024]{1,0} %a), kind=kLoop, calls=%fused_big
+  %gemm = (bf16[16,16]{1,0}, s8[0]{0}) custom-call(bf16[16,16]{1,0} %b, bf16[16,16]{1,0} %b)
+  %ar = f32[16]{0} all-reduce-start(f32[16]{0} %s), replica_groups={}
+  %ard = f32[16]{0} all-reduce-done(f32[16]{0} %ar)
+  %v = f32[16]{0} bitcast(f32[16]{0} %ard)
+  %w = (s32[], f32[8]{0}) while(%i), condition=%c, body=%inner_body, TRIPS_3
+  ROOT %r = (s32[], f32[1024,1024]{1,0}) tuple(s32[] %n, f32[1024,1024]{1,0} %big)
+}
+
+ENTRY %main (e: f32[1024,1024]) -> f32[1024,1024] {
+  %e = f32[1024,1024]{1,0} parameter(0)
+  %copy = f32[1024,1024]{1,0} copy(f32[1024,1024]{1,0} %e)
+  %loop = (s32[], f32[1024,1024]{1,0}) while(%t), condition=%cond, body=%body, TRIPS_10
+  ROOT %out = f32[1024,1024]{1,0} get-tuple-element(%loop), index=1
+}
+""".replace("TRIPS_3", 'backend_config={"known_trip_count":{"n":"3"} }').replace(
+    "TRIPS_10", 'backend_config={"known_trip_count":{"n":"10"} }')  # (a space: no Jinja marker)
+
+
+def test_kernels_a_step_are_the_loop_bodys_launches_and_the_small_ones_are_under_1_mib():
+  """The fusion of 8 MiB (its operand and result), the library call, the all-reduce and the inner
+  loop's fusion 3 times: 6 a step, 5 of them on under 1 MiB (the entry's copy runs once a call,
+  not a step)."""
+  assert aot.count_kernels(HLO) == {"kernels": 6, "small": 5}
+  # k = 1 (no loop of several trips): the whole program, the copy and the loop's one trip too.
+  assert aot.count_kernels(HLO.replace('"n":"10"', '"n":"1"')) == {"kernels": 7, "small": 5}
+
+
 def test_unknown_topology_lists_the_known_ones():
   with pytest.raises(topologies.TopologyError, match=r"'v9:2x4' is unknown; known: TPU: v4:AxB.*"
                                                 r"GPU: h100:N.*h100:2x8"):
@@ -298,12 +341,15 @@ def test_the_imagenet_recipe_fits_8_chips_at_a_batch_of_1024(topology, tmp_path)
   would run it on 8 chips, on ImageNet's shapes (synthetic: no data needed, as the README's
   command): it fits, k = 10 rolled, no conditional, and a training step's FLOPs an image are
   those of ResNet-50 v1.5 (4.1 GMACs forward, the backward pass twice that) within 3%."""
-  out = tmp_path / "aot.json"
+  out, hlo = tmp_path / "aot.json", tmp_path / "train.hlo"
   done = run_aot("--config=configs/imagenet.py", "--config.dataset=synthetic",
-                 f"--topology={topology}", f"--json={out}", timeout=1800)
+                 f"--topology={topology}", f"--json={out}", f"--hlo={hlo}", timeout=1800)
   assert done.returncode == 0, done.stderr[-3000:]
   figures = json.loads(out.read_text())
   assert figures["fits"] and figures["num_devices"] == 8 and figures["batch_size"] == 1024
+  kernels = figures["kernels"]  # counted in the program it wrote, and printed
+  assert kernels == aot.count_kernels(hlo.read_text()) and 0 < kernels["small"] < kernels["kernels"]
+  assert f"kernels a step: {kernels['kernels']:,}, {kernels['small']:,} of them" in done.stdout
   assert figures["steps_per_dispatch"] == 10 and figures["conditionals"] == 0
   assert figures["flops_per_step"] / 1024 == pytest.approx(3 * 2 * 4.1e9, rel=0.03)
 

@@ -15,23 +15,32 @@ from shipped_model import create_model
 
 from configs import default
 
-from {{cookiecutter.project_slug}}.data import augment, input_pipeline
+from {{cookiecutter.project_slug}}.data import input_pipeline
 from {{cookiecutter.project_slug}}.parallel import sharding
 from {{cookiecutter.project_slug}}.training import flops, metrics, optim, steps
 
 
+def prepared(batch, max_shift: int = 0, seed: int = 0, flip: bool = False, crop=None):
+  """The train step's input (`steps.images`) with the tests' recipe's augmentations as given (crop:
+  (scale range, aspect range)); none given: the stored pixels as floats alone."""
+  crop_keys = dict(augment_crop_scale=crop[0], augment_crop_ratio=crop[1]) if crop else {}
+  config = plain(augment_max_shift=max_shift, seed=seed, augment_flip=flip,
+                 augment_crop=bool(crop), **crop_keys)
+  return steps.images(batch, config, train=bool(max_shift or flip or crop))
+
+
 def test_integer_pixels_are_divided_by_255_and_floats_kept():
   pixels = np.array([0, 51, 255], np.uint8).reshape(3, 1, 1, 1)
-  np.testing.assert_allclose(augment.prepare_images({"image": pixels}).ravel(), [0, 0.2, 1])
+  np.testing.assert_allclose(prepared({"image": pixels}).ravel(), [0, 0.2, 1])
   floats = np.array([0.5, -2.0, np.nan], np.float32).reshape(3, 1, 1, 1)
-  np.testing.assert_array_equal(augment.prepare_images({"image": floats}), floats)
+  np.testing.assert_array_equal(prepared({"image": floats}), floats)
 
 
 def test_random_shift_moves_pixels_by_stream_position():
   images = np.zeros((300, 8, 8, 1), np.uint8)
   images[:, 4, 4] = 255
   positions = np.arange(300, dtype=np.uint32)
-  shift = jax.jit(functools.partial(augment.prepare_images, max_shift=1, seed=0))
+  shift = jax.jit(functools.partial(prepared, max_shift=1, seed=0))
   shifted = np.asarray(shift({"image": images, "position": positions}))
   assert shifted.shape == images.shape and (shifted.sum(axis=(1, 2, 3)) == 1.0).all()
   moved_to = collections.Counter(tuple(np.argwhere(image[..., 0])[0]) for image in shifted)
@@ -40,7 +49,7 @@ def test_random_shift_moves_pixels_by_stream_position():
   # A function of the position (and seed) alone, not of the batch it is in:
   again = np.asarray(shift({"image": images[::-1], "position": positions[::-1]}))[::-1]
   np.testing.assert_array_equal(again, shifted)
-  other_seed = jax.jit(functools.partial(augment.prepare_images, max_shift=1, seed=1))
+  other_seed = jax.jit(functools.partial(prepared, max_shift=1, seed=1))
   assert (np.asarray(other_seed({"image": images, "position": positions})) != shifted).any()
 
 
@@ -91,14 +100,14 @@ def test_flops_counted_under_pmap_for_a_model_that_reduces_over_its_axis(tiny_co
 
 def test_the_train_step_shifts_each_example_as_its_stream_position_says(tiny_config):
   """A train step with random shifts = the same step without them on the images that
-  `prepare_images` shifted for their stream positions: each example's shift is keyed by its
+  `prepared` shifted for their stream positions: each example's shift is keyed by its
   position alone (not by the step, nor by its place in the batch: positions start at 640)."""
   from test_parallel import assert_trees_close, batches, initial_state
 
   graphdef, state = initial_state(tiny_config)
   batch = batches([64])[0]
   batch["position"] += 640
-  shifted = augment.prepare_images(batch, max_shift=1, seed=0)  # float pixels: kept as they are
+  shifted = prepared(batch, max_shift=1, seed=0)  # float pixels: kept as they are
 
   def step(batch, max_shift):
     return jax.jit(functools.partial(steps.train_step, graphdef, **plain_options(
@@ -185,7 +194,7 @@ def test_skipping_a_step_keeps_no_second_copy_of_the_state(tiny_config, parallel
   def bare_update(state, batch):  # the gradient, the update and their norms, nothing else
     model, optimizer = nnx.merge(graphdef, state)
     batch = jax.tree.map(lambda x: x[0], batch)
-    grads, _ = steps.summed_gradients(model, dict(batch, image=augment.prepare_images(batch)),
+    grads, _ = steps.summed_gradients(model, dict(batch, image=prepared(batch)),
                                       plain(tiny_config))
     updates = optimizer.update(model, grads)
     norms = [optax.tree.norm(tree) for tree in (grads, nnx.state(model, nnx.Param), updates)]
@@ -208,7 +217,7 @@ def test_augmentation_keys_are_not_parameter_initialisation_keys():
   images[:, 4, 4] = 255
   positions = np.arange(300, dtype=np.uint32)
   for seed in (0, 1):
-    shifted = np.asarray(jax.jit(functools.partial(augment.prepare_images, max_shift=1, seed=seed))(
+    shifted = np.asarray(jax.jit(functools.partial(prepared, max_shift=1, seed=seed))(
         {"image": images, "position": positions}))
     # The pixel at (4, 4) lands at (5 - s0, 5 - s1) for the offsets s in [0, 2] (1 = no shift).
     applied = np.array([5 - np.argwhere(image[..., 0])[0] for image in shifted])
@@ -228,19 +237,19 @@ def test_flips_and_crops_depend_on_the_seed_and_the_stream_position_alone():
   rng = np.random.default_rng(0)
   images = rng.integers(0, 256, (64, 12, 12, 3), dtype=np.uint8)
   positions = np.arange(1000, 1064, dtype=np.uint32)
-  augmented = jax.jit(functools.partial(augment.prepare_images, seed=3, **PHOTO))
+  augmented = jax.jit(functools.partial(prepared, seed=3, **PHOTO))
   out = np.asarray(augmented({"image": images, "position": positions}))
   assert out.shape == images.shape and out.dtype == np.float32
   order = rng.permutation(64)[:16]  # another, smaller batch, in another order
   again = np.asarray(augmented({"image": images[order], "position": positions[order]}))
   np.testing.assert_array_equal(again, out[order])
-  other_seed = jax.jit(functools.partial(augment.prepare_images, seed=4, **PHOTO))
+  other_seed = jax.jit(functools.partial(prepared, seed=4, **PHOTO))
   assert (np.asarray(other_seed({"image": images, "position": positions})) != out).any(axis=(
       1, 2, 3)).all()
   shifted = np.asarray(augmented({"image": images, "position": positions + 1}))
   assert (shifted != out).any(axis=(1, 2, 3)).all()
 
-  flip = jax.jit(functools.partial(augment.prepare_images, seed=3, flip=True))
+  flip = jax.jit(functools.partial(prepared, seed=3, flip=True))
   floats = images / np.float32(255)
   once = np.asarray(flip({"image": floats, "position": positions}))
   mirrored = (once == floats[:, :, ::-1]).all(axis=(1, 2, 3))
@@ -256,7 +265,7 @@ def test_a_crop_of_the_whole_image_is_the_image_and_smaller_crops_zoom_in():
   board = np.kron(np.array([[0.0, 1.0], [1.0, 0.0]], np.float32), np.ones((16, 16), np.float32))
   batch = {"image": np.repeat(board[None, :, :, None], 8, axis=0),
            "position": np.arange(8, dtype=np.uint32)}
-  crop = jax.jit(augment.prepare_images, static_argnames="crop")  # (one program, not op by op)
+  crop = jax.jit(prepared, static_argnames="crop")  # (one program, not op by op)
   whole = crop(batch, crop=((1.0, 1.0), (1.0, 1.0)))
   np.testing.assert_allclose(whole, batch["image"], atol=1e-6)
   quarter = np.asarray(crop(batch, crop=((0.25, 0.25), (1.0, 1.0))))

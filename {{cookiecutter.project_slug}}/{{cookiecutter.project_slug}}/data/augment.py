@@ -64,12 +64,3 @@ def transform(images_BHWC, keys_B, crop: tuple | None = None, flip: bool = False
   return jax.vmap(lambda image, shift: jax.lax.dynamic_slice(
       image, (shift[0], shift[1], 0), (height, width, channels)))(padded, shifts_B2)
 
-
-def prepare_images(batch, max_shift: int = 0, seed: int = 0, flip: bool = False,
-                   crop: tuple | None = None) -> jax.Array:
-  """Stored pixels -> float32 model input (`to_float`), augmented by `transform` with each
-  example's key (`example_keys`): a function of `seed` and its stream position alone."""
-  images_BHWC = to_float(batch["image"])
-  if not (max_shift or flip or crop):
-    return images_BHWC
-  return transform(images_BHWC, example_keys(seed, batch["position"]), crop, flip, max_shift)
