@@ -54,7 +54,7 @@ class DoesNotFit(Exception):
 def abstract_batches(config, info, num_devices: int, mesh, pmap: bool):
   """k stacked global batches as train.py feeds them (`input_pipeline`: uint8 pixels), abstract:
   split over the mesh (spmd, fsdp), or `[devices, k, batch / devices, ...]` (pmap)."""
-  k, batch = config.steps_per_dispatch, config.batch_size
+  k, batch = config.run.steps_per_dispatch, config.run.global_batch_size
   shapes = {"image": ((*info.image_shape,), info.pixel_dtype), "label": ((), jnp.int32),
             "mask": ((), jnp.bool_), "position": ((), jnp.uint32)}
   if pmap:
@@ -214,7 +214,7 @@ def _analyze(config, devices, hlo: str | None) -> dict:
   device = chips.chip(kind)
   memory_bytes = device.memory_bytes if device else 0
   num_train_steps = input_pipeline.num_batches(
-      config.num_epochs * info.num_examples["train"], config.batch_size)
+      config.num_epochs * info.num_examples["train"], config.run.global_batch_size)
   mesh = sharding.make_mesh(config, devices)
   graphdef, state, init = optim.initial_state(config, info, mesh, num_train_steps)
   pmap = config.parallelism == "pmap"
@@ -232,8 +232,8 @@ def _analyze(config, devices, hlo: str | None) -> dict:
   figures = dict(
       num_devices=num_devices, device_kind=kind, num_slices=sharding.num_slices(devices),
       num_hosts=len({d.process_index for d in devices}), parallelism=config.parallelism,
-      mesh=dict(mesh.shape), steps_per_dispatch=config.steps_per_dispatch,
-      batch_size=config.batch_size, memory_bytes=memory_bytes, state_bytes=state_bytes,
+      mesh=dict(mesh.shape), steps_per_dispatch=config.run.steps_per_dispatch,
+      batch_size=config.run.global_batch_size, memory_bytes=memory_bytes, state_bytes=state_bytes,
       whole_state_bytes=sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state)))
 
   def lowered(fn, args):
@@ -273,7 +273,8 @@ def _analyze(config, devices, hlo: str | None) -> dict:
       conditionals=len(re.findall(r" conditional\(", train_text)),
       compiler_flops_per_step=cost.get("flops"), compute_seconds_lower_bound=compute_s,
       memory_seconds_lower_bound=memory_s, step_seconds_lower_bound=lower_bound,
-      images_per_second_upper_bound=config.batch_size / lower_bound if lower_bound else None,
+      images_per_second_upper_bound=(config.run.global_batch_size / lower_bound
+                                     if lower_bound else None),
       compile_seconds=dict(train=train_s, eval=eval_s, init=init_s))
 
 

@@ -82,13 +82,13 @@ def confusion_text(names: list[str], counts: np.ndarray) -> str:
 def evaluate(run: trained.Restored, source) -> dict:
   """Loss, accuracy, examples, per-class accuracy and the confusion matrix of `source`."""
   config = run.config
-  config.steps_per_dispatch = 1
-  config.batch_size = -(-config.batch_size // run.mesh.size) * run.mesh.size
+  config.run.steps_per_dispatch = 1  # (and the run's batch, rounded up to the devices here)
+  config.run.global_batch_size = -(-config.run.global_batch_size // run.mesh.size) * run.mesh.size
   graphdef, state = nnx.split((nnx.merge(run.graphdef, run.state),))  # eval_step's (model,)
   compiled = steps.make(graphdef, config, run.mesh)
   collection = metrics.with_confusion(config, run.info.num_classes)
-  batches = input_pipeline.eval_batches(source, config,
-                                         sharding.process_rows(run.mesh, config.batch_size))
+  rows = sharding.process_rows(run.mesh, config.run.global_batch_size)
+  batches = input_pipeline.eval_batches(source, config, rows)
   running = jax.device_get(steps.evaluate(compiled, state, batches, config, collection))
   counts = np.asarray(running.confusion.counts)
   with np.errstate(invalid="ignore"):

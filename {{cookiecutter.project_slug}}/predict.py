@@ -36,7 +36,7 @@ def predict(run: trained.Restored, paths: list[str], batch_size: int = 0):
   """Yields (path, probabilities [classes] or why the file could not be read), in order. Each
   process reads its share of every batch (`batch_size` rows over all devices); every process
   gets every row's probabilities."""
-  batch_size = -(-(batch_size or run.config.batch_size) // run.mesh.size) * run.mesh.size
+  batch_size = -(-(batch_size or run.config.run.global_batch_size) // run.mesh.size) * run.mesh.size
   local = batch_size // jax.process_count()
   first = jax.process_index() * local  # this process's rows of each batch
   height, width, channels = run.info.image_shape

@@ -87,7 +87,7 @@ def optimizer(config, num_train_steps: int) -> optax.GradientTransformation:
 
 def peak_learning_rate(config) -> float:
   """`config.learning_rate`, scaled by the global batch over `config.base_batch_size`."""
-  ratio = config.batch_size / config.base_batch_size
+  ratio = config.run.global_batch_size / config.base_batch_size
   scalings = {"none": 1.0, "linear": ratio, "sqrt": ratio**0.5}
   return config.learning_rate * choose(scalings, "lr_scaling", config)
 

@@ -59,16 +59,17 @@ class Profiler:
 
 
 def prepare(config: ml_collections.ConfigDict, workdir: str):
-  """The config checked, with the backend's choices made (k, the global batch), and, when
-  `workdir` holds a run, that run's own config (`runs.resumed`; changes logged); the workdir an
-  absolute path (a bucket's as it is)."""
+  """The run's config, frozen: `config` checked, with what it comes to on these devices under
+  `config.run` (`plan.resolved`: k, the global batch and a device's share) and, when `workdir`
+  holds a run, that run's own config (`runs.resumed`; changes logged); the workdir an absolute
+  path (a bucket's as it is)."""
   plan.validate_config(config, workdir)
   config, workdir = plan.resolved(config), runs.absolute(workdir)
   if (saved := runs.saved_config(workdir)) is not None:  # a resume
-    config, changes = runs.resumed(config, saved, workdir, jax.device_count())
+    config, changes = runs.resumed(config, saved, workdir)
     for line in changes:
       logging.warning("%s", line)
-  return config, workdir
+  return ml_collections.FrozenConfigDict(config), workdir
 
 
 def check_finite(nonfinite: metrics.NonFinite, since: int, config, checkpoints) -> None:
@@ -101,8 +102,9 @@ def log_run(config, info, num_train_steps: int, workdir: str) -> None:
                "memory", memory.workers, "s" * (memory.workers != 1), memory.bytes / 2**30)
   recipe = plan.recipe_module(config)
   logging.info("global batch %d%s; peak learning rate %.4g%s, %d warmup steps, %s decay",
-               config.batch_size, f" ({config.per_device_batch_size} x {devices} devices)"
-               if config.per_device_batch_size else "", recipe.peak_learning_rate(config),
+               config.run.global_batch_size, f" ({config.run.per_device_batch_size} x {devices} "
+               "devices)" if config.per_device_batch_size else "",
+               recipe.peak_learning_rate(config),
                "" if config.lr_scaling == "none" else f" ({config.lr_scaling} scaling of "
                f"{config.learning_rate:g} at batch {config.base_batch_size})",
                recipe.warmup_steps(config, num_train_steps), config.schedule)
@@ -111,7 +113,7 @@ def log_run(config, info, num_train_steps: int, workdir: str) -> None:
 def log_state(config, graphdef, state, speed: flops.Speed, num_train_steps: int) -> None:
   """The model, its size and where its state lives; the steps and their FLOPs."""
   logging.info("%d steps of %d examples, %d per call; %.3g FLOPs a step, peak %s",
-               num_train_steps, config.batch_size, config.steps_per_dispatch,
+               num_train_steps, config.run.global_batch_size, config.run.steps_per_dispatch,
                speed.flops_per_step, f"{speed.peak:.3g} FLOP/s" if speed.peak else "unknown")
   model = nnx.merge(graphdef, state)[0]
   logging.info("%s: %s parameters; model and optimizer state: %.3g MB a device (%s; a whole "
@@ -152,15 +154,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   config, workdir = prepare(config, workdir)
   splits, info = input_pipeline.get_datasets(config)
   num_train_steps = input_pipeline.num_batches(
-      config.num_epochs * info.num_examples["train"], config.batch_size)
-  k, is_main = config.steps_per_dispatch, jax.process_index() == 0
+      config.num_epochs * info.num_examples["train"], config.run.global_batch_size)
+  k, is_main = config.run.steps_per_dispatch, jax.process_index() == 0
   log_run(config, info, num_train_steps, workdir)
   # Compiled now, as one program: op by op, it would compile at the first log, inside the first
   # timed interval (a GPU: ~1 s of a ResNet-50 run's second interval).
   schedule = jax.jit(plan.recipe_module(config).schedule(config, num_train_steps))
   schedule(0)
   mesh = sharding.make_mesh(config)
-  rows = sharding.process_rows(mesh, config.batch_size)  # this process's rows of each batch
+  rows = sharding.process_rows(mesh, config.run.global_batch_size)  # this process's rows
   graphdef, abstract, init = optim.initial_state(config, info, mesh, num_train_steps)
   compiled = steps.make(graphdef, config, mesh, crop_on_device=not info.crops_on_host)
   if config.init_from:  # read before the workdir is touched: a mismatch stops here
@@ -245,7 +247,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     writer.close()
     logging.warning("%s", stopping.Stopped(stopped_by, step, num_train_steps, workdir))
     raise stopping.Stopped(stopped_by, step, num_train_steps, workdir)  # (no local: no cycle)
-  if loop := clock.whole_loop(num_train_steps, config.batch_size):
+  if loop := clock.whole_loop(num_train_steps, config.run.global_batch_size):
     writer.write_scalars(num_train_steps, loop)
   if eval_metrics is None:  # nothing left to train: report the restored state
     eval_metrics = evaluate(compiled, state, eval_batches, config)

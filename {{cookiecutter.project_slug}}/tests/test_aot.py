@@ -108,16 +108,17 @@ def test_xla_options_reach_the_compiler(tiny_config):
   tiny_config.xla_options = "xla_cpu_enable_fast_math=false, xla_no_such_option=1"
   assert plan.xla_options(tiny_config) == {"xla_cpu_enable_fast_math": False,
                                             "xla_no_such_option": 1}
-  info = input_pipeline.describe(tiny_config)
-  mesh = sharding.make_mesh(tiny_config)
-  graphdef, state, _ = optim.initial_state(tiny_config, info, mesh, 10)
-  batches = aot.abstract_batches(tiny_config, info, 8, mesh, pmap=False)
-  compiled = steps.make(graphdef, tiny_config, mesh)
-  running = aot.abstract(metrics.of(tiny_config).eval.empty(), sharding.replicated(mesh))
+  config = plan.resolved(tiny_config)
+  info = input_pipeline.describe(config)
+  mesh = sharding.make_mesh(config)
+  graphdef, state, _ = optim.initial_state(config, info, mesh, 10)
+  batches = aot.abstract_batches(config, info, 8, mesh, pmap=False)
+  compiled = steps.make(graphdef, config, mesh)
+  running = aot.abstract(metrics.of(config).eval.empty(), sharding.replicated(mesh))
   with pytest.raises(Exception, match="xla_no_such_option"):
     compiled.eval.lower(state, running, batches).compile()
-  tiny_config.xla_options = "xla_cpu_enable_fast_math=false"
-  steps.make(graphdef, tiny_config, mesh).eval.lower(state, running, batches).compile()
+  config.xla_options = "xla_cpu_enable_fast_math=false"
+  steps.make(graphdef, config, mesh).eval.lower(state, running, batches).compile()
 
 
 @pytest.mark.parametrize("platform, k", [("tpu", None), ("gpu", None), ("cpu", 1)])
@@ -134,8 +135,8 @@ def test_every_config_is_valid_at_the_accelerators_k_and_the_cpus(platform, k):
       config.dataset = "synthetic"  # of its shapes
     plan.validate_config(config, devices=devices)
     resolved = plan.resolved(config, devices)
-    expected = k or {"default": 10, "tiny": 5}.get(name, resolved.steps_per_dispatch)
-    assert resolved.steps_per_dispatch == expected, name
+    expected = k or {"default": 10, "tiny": 5}.get(name, resolved.run.steps_per_dispatch)
+    assert resolved.run.steps_per_dispatch == expected, name
     for key in ("log_every_steps", "eval_every_steps", "checkpoint_every_steps"):
       assert config[key] % expected == 0
 

@@ -18,6 +18,7 @@ from test_train import OWN, run_cli, run_in_process
 import write_arrayrecord
 from configs import default, tiny
 
+from {{cookiecutter.project_slug}} import plan
 from {{cookiecutter.project_slug}}.data import arrayrecord, input_pipeline
 from {{cookiecutter.project_slug}}.errors import BadData
 
@@ -108,7 +109,7 @@ def test_a_bad_record_is_named_and_skipped(source, tmp_path, caplog):
   config, bad_rows = config_for(source, tmp_path)
   splits, _ = input_pipeline.get_datasets(config)
   caplog.set_level(logging.WARNING)
-  elements = list(input_pipeline.eval_batches(splits["eval"], config))
+  elements = list(input_pipeline.eval_batches(splits["eval"], plan.resolved(config)))
   positions = np.concatenate([e["position"][e["mask"]] for e in elements])
   assert sorted(positions.tolist()) == sorted(set(range(360)) - set(bad_rows))  # each once
   skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipped ")]
@@ -129,7 +130,7 @@ def test_a_small_share_bad_is_read_around(tmp_path, caplog):
   config.data_dir = write_arrayrecord_digits(tmp_path / "data", bad, damaged_split="train")
   splits, _ = input_pipeline.get_datasets(config)
   caplog.set_level(logging.WARNING)
-  elements = list(input_pipeline.eval_batches(splits["train"], config))
+  elements = list(input_pipeline.eval_batches(splits["train"], plan.resolved(config)))
   assert sum(int(e["mask"].sum()) for e in elements) == 1437 - len(bad) == 1425
   assert len([r for r in caplog.records if r.getMessage().startswith("skipped ")]) == 12
 
@@ -144,7 +145,7 @@ def test_more_than_a_small_share_bad_stops_in_one_line(tmp_path):
     config.dataset, config.data_dir, config.num_workers = "arrayrecord", str(tmp_path / "data"), 0
     config.steps_per_dispatch = 1
     splits, _ = input_pipeline.get_datasets(config)
-    list(input_pipeline.eval_batches(splits["eval"], config))
+    list(input_pipeline.eval_batches(splits["eval"], plan.resolved(config)))
   error = run_in_process("--config=configs/tiny.py", *OWN, f"--workdir={tmp_path / 'run'}",
                          "--config.dataset=arrayrecord", f"--config.data_dir={tmp_path / 'data'}",
                          "--config.num_workers=0")

@@ -22,6 +22,7 @@ import train
 import write_arrayrecord
 from configs import default
 
+from {{cookiecutter.project_slug}} import plan
 from {{cookiecutter.project_slug}}.data import arrayrecord, image_files, input_pipeline
 from {{cookiecutter.project_slug}}.training import runs, steps
 
@@ -128,7 +129,8 @@ def test_images_kept_encoded_are_decoded_by_grain_as_when_written(tmp_path, num_
     splits, info = input_pipeline.get_datasets(config)
     assert info.image_shape == (16, 12, 3) and info.class_names == ("cat", "dog", "emu")
     iterator = input_pipeline.as_iterator(
-        input_pipeline.train_batches(splits["train"], config), config, num_workers=workers)
+        input_pipeline.train_batches(splits["train"], plan.resolved(config)), config,
+        num_workers=workers)
     batches[name] = list(iterator)
     iterator.close()
   assert len(batches["decoded"]) == len(batches["encoded"]) == 4  # ceil(ceil(27 / 4) / 2)
@@ -151,7 +153,7 @@ def test_evaluation_decodes_encoded_images_in_worker_processes(tmp_path):
   config.dataset, config.data_dir = "arrayrecord", str(tmp_path / "data")
   config.batch_size, config.steps_per_dispatch = 1, 2
   splits, _ = input_pipeline.get_datasets(config)
-  batches = input_pipeline.eval_batches(splits["eval"], config)
+  batches = input_pipeline.eval_batches(splits["eval"], plan.resolved(config))
   assert [len(e["mask"]) for e in batches] == [2, 1]  # 3 images: no batch of padding alone
   expected = [batches[i] for i in range(len(batches))]  # read here, in this process
   assert input_pipeline.default_workers(config) >= 1
@@ -200,7 +202,7 @@ def test_photos_kept_whole_are_cropped_from_all_of_them(tmp_path):
   config = owned(default.get_config())
   config.update(dataset="arrayrecord", data_dir=str(tmp_path / "data"))
   splits, batches = cropped_from_the_whole_photo(config, eval_examples=2)
-  again = input_pipeline.train_batches(splits["train"], config, first_step=4)
+  again = input_pipeline.train_batches(splits["train"], plan.resolved(config), first_step=4)
   for element in range(4, 8):
     np.testing.assert_array_equal(again[element - 4]["image"], batches[element]["image"])
 
@@ -214,13 +216,13 @@ def cropped_from_the_whole_photo(config, eval_examples: int):
                 steps_per_dispatch=1)
   splits, info = input_pipeline.get_datasets(config)
   assert info.image_shape == (32, 32, 3) and info.crops_on_host
-  batches = input_pipeline.train_batches(splits["train"], config)
+  batches = input_pipeline.train_batches(splits["train"], plan.resolved(config))
   red = np.concatenate([batches[i]["image"][batches[i]["mask"]][..., 0] for i in range(
       len(batches))])
   assert red.shape[1:] == (32, 32)
   assert red.min() < 30 and red.max() > 225  # beyond the central square's 64-191
   assert len({image.tobytes() for image in red}) > 0.9 * len(red)  # every crop its own
-  evaluated = input_pipeline.eval_batches(splits["eval"], config)
+  evaluated = input_pipeline.eval_batches(splits["eval"], plan.resolved(config))
   eval_red = np.concatenate([e["image"][e["mask"]][..., 0] for e in evaluated])
   assert len(eval_red) == eval_examples and 60 < eval_red.min() and eval_red.max() < 195
   assert abs(float(eval_red.mean()) - 127.5) < 3
@@ -356,7 +358,7 @@ def test_commands_reading_with_workers_end_within_3_seconds_of_their_last_line(t
   config.dataset, config.data_dir, config.num_workers = "arrayrecord", str(tmp_path / "data"), 2
   config.batch_size, config.steps_per_dispatch = 64, 1
   splits, _ = input_pipeline.get_datasets(config)
-  batches = input_pipeline.eval_batches(splits["eval"], config)
+  batches = input_pipeline.eval_batches(splits["eval"], plan.resolved(config))
   closing = []
   for _ in range(5):
     iterator = steps.eval_iterator(batches, config)

@@ -13,6 +13,7 @@ import train
 import write_arrayrecord
 from write_arrayrecord import write_dataset
 
+from {{cookiecutter.project_slug}} import plan
 from {{cookiecutter.project_slug}}.data import arrayrecord, input_pipeline, shm
 from {{cookiecutter.project_slug}}.parallel import pmap, sharding
 
@@ -24,9 +25,9 @@ def numbered(n: int) -> input_pipeline.ArraySource:
 
 
 def eval_batches(source, batch_size, k=1, **process):
-  config = ml_collections.ConfigDict(dict(batch_size=batch_size, steps_per_dispatch=k,
-                                          num_workers=0))
-  return input_pipeline.eval_batches(source, config, **process)
+  config = ml_collections.ConfigDict(dict(batch_size=batch_size, per_device_batch_size=0,
+                                          steps_per_dispatch=k, num_workers=0))
+  return input_pipeline.eval_batches(source, plan.resolved(config), **process)
 
 
 def unstacked(elements) -> list[dict]:
@@ -75,16 +76,16 @@ def test_train_stream_is_a_fresh_seeded_permutation_each_epoch(tiny_config):
   tiny_config.num_epochs, tiny_config.batch_size = 3, 16
   n = 50
   epochs = [real_labels(b) for b in unstacked(input_pipeline.train_batches(numbered(n),
-                                                                           tiny_config))]
+                                                                           plan.resolved(tiny_config)))]
   labels = sum(epochs, [])
   assert len(labels) == 3 * n
   per_epoch = [labels[i * n:(i + 1) * n] for i in range(3)]
   assert all(sorted(epoch) == list(range(n)) for epoch in per_epoch)
   assert per_epoch[0] != per_epoch[1] != per_epoch[2]
-  again = unstacked(input_pipeline.train_batches(numbered(n), tiny_config))
+  again = unstacked(input_pipeline.train_batches(numbered(n), plan.resolved(tiny_config)))
   assert sum((real_labels(b) for b in again), []) == labels
   tiny_config.seed += 1
-  other = unstacked(input_pipeline.train_batches(numbered(n), tiny_config))
+  other = unstacked(input_pipeline.train_batches(numbered(n), plan.resolved(tiny_config)))
   assert sum((real_labels(b) for b in other), []) != labels
 
 
@@ -92,9 +93,10 @@ def test_train_stream_is_a_fresh_seeded_permutation_each_epoch(tiny_config):
 def test_resumed_stream_starts_at_the_batch_after_the_last_step(tiny_config, first_step):
   tiny_config.num_epochs, tiny_config.batch_size = 2, 16  # 13 batches: elements of 5, 5, 3 + 2
   k = tiny_config.steps_per_dispatch = 5
-  everything = unstacked(input_pipeline.train_batches(numbered(100), tiny_config))
+  everything = unstacked(input_pipeline.train_batches(numbered(100), plan.resolved(tiny_config)))
   resumed = unstacked(input_pipeline.as_iterator(
-      input_pipeline.train_batches(numbered(100), tiny_config, first_step), tiny_config))
+      input_pipeline.train_batches(numbered(100), plan.resolved(tiny_config), first_step),
+      tiny_config))
   skipped = first_step % k  # batches of the first element already trained on: all padding
   assert len(resumed) == len(everything) - first_step + skipped
   assert not any(b["mask"].any() for b in resumed[:skipped])
@@ -117,8 +119,9 @@ def test_training_batches_do_not_depend_on_the_process_count(tiny_config):
   tiny_config.batch_size = 64
   source = input_pipeline.ArraySource(
       np.random.default_rng(0).integers(0, 256, (100, 8, 8, 1), dtype=np.uint8), np.arange(100))
-  single = list(input_pipeline.train_batches(source, tiny_config))
-  parts = [list(input_pipeline.train_batches(source, tiny_config, rows=block(p, 2, 64)))
+  config = plan.resolved(tiny_config)
+  single = list(input_pipeline.train_batches(source, config))
+  parts = [list(input_pipeline.train_batches(source, config, rows=block(p, 2, 64)))
            for p in range(2)]
   for step, element in enumerate(single):
     for key in element:
@@ -126,7 +129,7 @@ def test_training_batches_do_not_depend_on_the_process_count(tiny_config):
       np.testing.assert_array_equal(joined, element[key])
   # Rows of another order (a mesh whose processes' devices alternate): read where they sit.
   rows = tuple(r for r in range(64) if r // 8 % 2)
-  odd = list(input_pipeline.train_batches(source, tiny_config, rows=rows))
+  odd = list(input_pipeline.train_batches(source, plan.resolved(tiny_config), rows=rows))
   for step, element in enumerate(single):
     for key in element:
       np.testing.assert_array_equal(odd[step][key], element[key][:, list(rows)])
@@ -140,15 +143,15 @@ def test_a_worker_reads_one_devices_share_of_an_element(tiny_config, processes):
   evaluation, for k = 1 and 5. Without workers a unit is the whole element (one gather)."""
   tiny_config.batch_size, tiny_config.num_epochs, tiny_config.num_workers = 64, 2, 0
   k = tiny_config.steps_per_dispatch
-  assert input_pipeline.train_batches(numbered(150), tiny_config).units[0]["mask"].shape == (
-      k, 64)
+  elements = input_pipeline.train_batches(numbered(150), plan.resolved(tiny_config))
+  assert elements.units[0]["mask"].shape == (k, 64)
   tiny_config.num_workers = 1
   source = numbered(150)
   for k in (1, 5):
     tiny_config.steps_per_dispatch = k
     for name, trim in (("train_batches", False), ("eval_batches", True)):
       rows = block(processes - 1, processes, 64) if processes > 1 else None
-      elements = getattr(input_pipeline, name)(source, tiny_config, rows=rows)
+      elements = getattr(input_pipeline, name)(source, plan.resolved(tiny_config), rows=rows)
       assert elements.shares == 8
       kept = min(k, -(-150 // 64)) if trim else k  # evaluation: the batches there are
       assert elements.units[0]["image"].shape == (kept, 64 // 8 // processes, 1, 1, 1)
@@ -169,7 +172,7 @@ def test_an_elements_shares_are_placed_as_the_element_itself(tiny_config, parall
   JAX: on spmd's mesh, fsdp's 2 x 4 and pmap's devices."""
   tiny_config.num_workers, tiny_config.batch_size, tiny_config.steps_per_dispatch = 1, 64, 3
   tiny_config.parallelism, tiny_config.fsdp_devices = parallelism, 4
-  elements = input_pipeline.train_batches(numbered(150), tiny_config)
+  elements = input_pipeline.train_batches(numbered(150), plan.resolved(tiny_config))
   assert elements.shares == 8
   if parallelism == "pmap":
     put = pmap.pmap_batch
@@ -240,7 +243,7 @@ def test_digits_split(tiny_config):
 def test_synthetic_images_are_uint8(tiny_config):
   tiny_config.dataset = "synthetic"
   splits, info = input_pipeline.get_datasets(tiny_config)
-  element = input_pipeline.train_batches(splits["train"], tiny_config)[0]
+  element = input_pipeline.train_batches(splits["train"], plan.resolved(tiny_config))[0]
   assert element["image"].dtype == np.uint8
   assert element["image"].shape == (tiny_config.steps_per_dispatch, tiny_config.batch_size,
                                     *info.image_shape)
@@ -263,7 +266,7 @@ def test_arrayrecord_round_trip(tmp_path, tiny_config):
     read = splits[split].take(np.arange(len(labels)))
     np.testing.assert_array_equal(read["image"], images)
     np.testing.assert_array_equal(read["label"], labels)
-  batch = unstacked(input_pipeline.eval_batches(splits["eval"], tiny_config))[0]
+  batch = unstacked(input_pipeline.eval_batches(splits["eval"], plan.resolved(tiny_config)))[0]
   np.testing.assert_array_equal(batch["image"][:11], arrays["eval"][0])  # still uint8
 
 
@@ -409,7 +412,7 @@ def test_a_new_data_source_is_a_module_and_one_line(tiny_config, tmp_path, monke
   assert (info.image_shape, info.num_classes, info.num_examples) == ((8, 8, 1), 10, {
       "train": 1437, "eval": 360})
   assert input_pipeline.describe(tiny_config) == info
-  batches = input_pipeline.eval_batches(sources["eval"], tiny_config)
+  batches = input_pipeline.eval_batches(sources["eval"], plan.resolved(tiny_config))
   assert sum(int(element["mask"].sum()) for element in batches) == 360
   tiny_config.data_dir = str(tmp_path)
   with pytest.raises(plan.ConfigError, match=r"config.data_dir='.*' is not an .npz file."):

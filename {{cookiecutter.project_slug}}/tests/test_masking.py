@@ -14,7 +14,7 @@ from shipped_model import create_model
 
 import train
 
-from {{cookiecutter.project_slug}} import layers
+from {{cookiecutter.project_slug}} import layers, plan
 from {{cookiecutter.project_slug}}.data import input_pipeline
 from {{cookiecutter.project_slug}}.parallel import sharding
 from {{cookiecutter.project_slug}}.plan import ConfigError
@@ -94,12 +94,13 @@ def test_eval_counts_every_example_once(tiny_config):
   calls of 5 batches (the last call: one batch, then four of padding alone)."""
   tiny_config.dataset, tiny_config.steps_per_dispatch = "synthetic", 5
   tiny_config.synthetic.update(image_shape=(8, 8, 1), num_classes=10, num_eval=1001)
-  splits, info = input_pipeline.get_datasets(tiny_config)
-  model, optimizer = model_and_optimizer(tiny_config)
+  config = plan.resolved(tiny_config)
+  splits, info = input_pipeline.get_datasets(config)
+  model, optimizer = model_and_optimizer(config)
   graphdef, state = nnx.split((model, optimizer))
-  compiled = steps.make(graphdef, tiny_config, sharding.make_mesh())
-  batches = input_pipeline.eval_batches(splits["eval"], tiny_config)
-  result = train.evaluate(compiled, compiled.put_state(state), batches, tiny_config)
+  compiled = steps.make(graphdef, config, sharding.make_mesh())
+  batches = input_pipeline.eval_batches(splits["eval"], config)
+  result = train.evaluate(compiled, compiled.put_state(state), batches, config)
   assert result["examples"] == 1001
 
   examples = splits["eval"].take(np.arange(1001))

@@ -39,7 +39,8 @@ def test_resnets_have_the_papers_sizes_and_flops(tiny_config, name, num_params, 
   from {{cookiecutter.project_slug}} import plan
 
   tiny_config.model.name, tiny_config.batch_size = name, 2
-  objects = nnx.eval_shape(lambda: optim.build_state(tiny_config, (224, 224, 3), 1000, 10))
+  config = plan.resolved(tiny_config)
+  objects = nnx.eval_shape(lambda: optim.build_state(config, (224, 224, 3), 1000, 10))
   assert sum(p.size for p in jax.tree.leaves(nnx.state(objects[0], nnx.Param))) == num_params
   graphdef, state = nnx.split(objects)
   speed = flops.Speed(graphdef, state, (224, 224, 3), plan.resolved(tiny_config))

@@ -19,7 +19,7 @@ from shipped_model import create_model
 
 import aot
 
-from {{cookiecutter.project_slug}} import layers
+from {{cookiecutter.project_slug}} import layers, plan
 from {{cookiecutter.project_slug}}.parallel import pmap, sharding
 from {{cookiecutter.project_slug}}.training import metrics, optim, steps
 
@@ -181,7 +181,7 @@ def test_every_path_equals_one_device_with_the_recipe_on(straight_runs):
     straight_runs[parallelism]  # (made first: their programs are in the compilation cache)
   config = two_epochs("spmd")
   config.steps_per_dispatch = 1
-  graphdef, state = nnx.split(optim.build_state(config, (8, 8, 1), 10, 45))
+  graphdef, state = nnx.split(optim.build_state(plan.resolved(config), (8, 8, 1), 10, 45))
   assert len(state) == 3  # model, optimizer, average
   data = batches([64, 20, 64])
   copy = lambda: jax.tree.map(jnp.copy, state)  # (the steps donate it)  # noqa: E731

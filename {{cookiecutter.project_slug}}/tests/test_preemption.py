@@ -20,6 +20,7 @@ from conftest import OWN, two_epochs
 import train
 from write_arrayrecord import write_dataset
 
+from {{cookiecutter.project_slug}} import plan
 from {{cookiecutter.project_slug}}.data import input_pipeline
 from {{cookiecutter.project_slug}}.training import metrics, runs, stopping, writers
 
@@ -198,7 +199,7 @@ def digits_with_a_nan(directory, tiny_config):
                                  "eval": (sources["eval"].images, sources["eval"].labels)})
   tiny_config.dataset, tiny_config.data_dir = "arrayrecord", str(directory)
   elements = input_pipeline.train_batches(input_pipeline.get_datasets(tiny_config)[0]["train"],
-                                          tiny_config)
+                                          plan.resolved(tiny_config))
   images = np.stack([batch["image"] for batch in elements])  # [batches, ...]
   return next(b + 1 for b in range(len(images)) if np.isnan(images[b]).any())
 

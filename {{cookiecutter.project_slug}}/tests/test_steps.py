@@ -15,6 +15,7 @@ from shipped_model import create_model
 
 from configs import default
 
+from {{cookiecutter.project_slug}} import plan
 from {{cookiecutter.project_slug}}.data import input_pipeline
 from {{cookiecutter.project_slug}}.parallel import sharding
 from {{cookiecutter.project_slug}}.training import flops, metrics, optim, steps
@@ -60,7 +61,7 @@ def test_flops_of_the_default_cnn_step_equal_the_analytic_count():
   model = create_model(config, info.image_shape, info.num_classes, nnx.Rngs(0))
   optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
   graphdef, state = nnx.split((model, optimizer))
-  element = input_pipeline.train_batches(splits["train"], config)[0]
+  element = input_pipeline.train_batches(splits["train"], plan.resolved(config))[0]
   batch = jax.tree.map(lambda x: x[0], element)
   step = functools.partial(steps.train_step, graphdef, **plain_options(config, augment_max_shift=1))
 
@@ -94,7 +95,8 @@ def test_flops_counted_under_pmap_for_a_model_that_reduces_over_its_axis(tiny_co
   for parallelism in ("spmd", "pmap"):
     tiny_config.parallelism = parallelism
     graphdef, state = batchnorm_state()
-    counts[parallelism] = flops.Speed(graphdef, state, (8, 8, 1), tiny_config).flops_per_step
+    speed = flops.Speed(graphdef, state, (8, 8, 1), plan.resolved(tiny_config))
+    counts[parallelism] = speed.flops_per_step
   assert counts["pmap"] == counts["spmd"] > 0
 
 
@@ -279,14 +281,14 @@ def test_evaluation_uses_the_moving_average(tiny_config):
   from test_parallel import batches
 
   tiny_config.ema_decay = 0.5
-  graphdef, state = nnx.split(optim.build_state(tiny_config, (8, 8, 1), 10, 10))
+  graphdef, state = nnx.split(optim.build_state(plan.resolved(tiny_config), (8, 8, 1), 10, 10))
   batch = batches([64])[0]
   state, _ = jax.jit(functools.partial(steps.train_step, graphdef,
                                        **plain_options(tiny_config, ema_decay=0.5)))(
       state, metrics.of(tiny_config).train.empty(), batch)
   model, average = state[0], state[2]
   # One step from equal values: the average moved halfway to the parameters.
-  start = nnx.split(optim.build_state(tiny_config, (8, 8, 1), 10, 10))[1][0]
+  start = nnx.split(optim.build_state(plan.resolved(tiny_config), (8, 8, 1), 10, 10))[1][0]
   for p, a, s in zip(jax.tree.leaves(model), jax.tree.leaves(average), jax.tree.leaves(start),
                      strict=True):
     np.testing.assert_allclose(a, 0.5 * s + 0.5 * p, rtol=1e-6, atol=1e-7)
@@ -325,11 +327,11 @@ def test_the_moving_average_warms_up_and_is_kept_in_float32(tiny_config):
                                    rtol=1e-6, atol=1e-7)
 
   tiny_config.ema_decay = 0.9999
-  graphdef, state = nnx.split(optim.build_state(tiny_config, (8, 8, 1), 10, 10))
+  graphdef, state = nnx.split(optim.build_state(plan.resolved(tiny_config), (8, 8, 1), 10, 10))
   running = metrics.of(tiny_config).train.empty()
   check_steps([0.1, 2 / 11, 3 / 12])
   tiny_config.ema_warmup, tiny_config.model.param_dtype = False, "bfloat16"
-  graphdef, state = nnx.split(optim.build_state(tiny_config, (8, 8, 1), 10, 10))
+  graphdef, state = nnx.split(optim.build_state(plan.resolved(tiny_config), (8, 8, 1), 10, 10))
   assert {x.dtype for x in floats(state[0]["dense"])} == {jnp.dtype(jnp.bfloat16)}
   assert {x.dtype for x in floats(state[2])} == {jnp.dtype(jnp.float32)}
   check_steps([0.9999])
@@ -344,7 +346,7 @@ def test_training_logs_the_plain_cross_entropy_beside_the_smoothed_loss(tiny_con
   results, tiny_config.augment_max_shift = {}, 0  # (eval's images: no shift)
   for smoothing in (0.0, 0.2):
     tiny_config.label_smoothing = smoothing
-    graphdef, state = nnx.split(optim.build_state(tiny_config, (8, 8, 1), 10, 10))
+    graphdef, state = nnx.split(optim.build_state(plan.resolved(tiny_config), (8, 8, 1), 10, 10))
     step = jax.jit(functools.partial(steps.train_step, graphdef,
                                      **steps.step_options(tiny_config)))
     _, running = step(state, metrics.of(tiny_config).train.empty(), batch)

@@ -123,8 +123,8 @@ def test_the_schedule_follows_the_batch_the_warmup_and_the_decay(tiny_config, sc
   tiny_config.learning_rate, tiny_config.base_batch_size = 0.1, 16  # the batch is 64: 4 x
   peak = 0.1 * {"none": 1, "linear": 4, "sqrt": 2}[scaling]
   recipe = plan.recipe_module(tiny_config)
-  assert recipe.peak_learning_rate(tiny_config) == pytest.approx(peak, rel=1e-12)
-  schedule = recipe.schedule(tiny_config, 30)
+  assert recipe.peak_learning_rate(plan.resolved(tiny_config)) == pytest.approx(peak, rel=1e-12)
+  schedule = recipe.schedule(plan.resolved(tiny_config), 30)
   for n in range(35):  # beyond the end too; (optax computes in float32: a few ulps of the peak)
     assert float(schedule(n)) == pytest.approx(expected_learning_rate(n, peak, warmup, decay, 30),
                                                rel=0, abs=4 * FLOAT32_EPS * peak), n
@@ -134,8 +134,8 @@ def test_a_warmup_in_epochs_is_that_share_of_the_runs_steps(tiny_config):
   """warmup_epochs=0.5 of a 2-epoch run of 46 steps: 12 warmup steps (23 x 0.5, rounded)."""
   tiny_config.warmup_epochs, tiny_config.num_epochs, tiny_config.schedule = 0.5, 2, "constant"
   assert plan.recipe_module(tiny_config).warmup_steps(tiny_config, 46) == 12
-  schedule = plan.recipe_module(tiny_config).schedule(tiny_config, 46)
-  peak = plan.recipe_module(tiny_config).peak_learning_rate(tiny_config)
+  schedule = plan.recipe_module(tiny_config).schedule(plan.resolved(tiny_config), 46)
+  peak = plan.recipe_module(tiny_config).peak_learning_rate(plan.resolved(tiny_config))
   assert [float(schedule(n)) for n in (6, 12)] == pytest.approx([peak / 2, peak], rel=1e-6)
 
 
@@ -187,8 +187,8 @@ def test_adamw_decays_the_weights_only(tiny_config):
 
   tiny_config.optimizer, tiny_config.weight_decay, tiny_config.learning_rate = "adamw", 0.1, 0.5
   model = BatchNormCNN(nnx.Rngs(0))
-  optimizer = nnx.Optimizer(model, plan.recipe_module(tiny_config).optimizer(tiny_config, 10),
-                            wrt=nnx.Param)
+  config = plan.resolved(tiny_config)
+  optimizer = nnx.Optimizer(model, plan.recipe_module(config).optimizer(config, 10), wrt=nnx.Param)
   before = {jax.tree_util.keystr(p): np.asarray(x)
             for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(model))}
   optimizer.update(model, jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param)))
@@ -211,9 +211,9 @@ def test_weight_decay_of_adam_and_sgd_is_l2_on_the_weights(tiny_config, optimize
   tiny_config.optimizer, tiny_config.learning_rate = optimizer, 0.5
   tiny_config.schedule = "constant"
   start = {"kernel": jnp.array([[1.0, -2.0], [0.5, 3.0]]), "bias": jnp.array([1.0, -1.0])}
-  plain = plan.recipe_module(tiny_config).optimizer(tiny_config, 10)
+  plain = plan.recipe_module(tiny_config).optimizer(plan.resolved(tiny_config), 10)
   tiny_config.weight_decay = 0.1
-  decayed = plan.recipe_module(tiny_config).optimizer(tiny_config, 10)
+  decayed = plan.recipe_module(tiny_config).optimizer(plan.resolved(tiny_config), 10)
   params, plain_state, decayed_state = start, plain.init(start), decayed.init(start)
   for scale in (1.0, -2.0):
     grads = {"kernel": jnp.array([[0.1, 0.2], [-0.3, 0.0]]) * scale, "bias": jnp.ones(2) * scale}
@@ -233,7 +233,7 @@ def test_sgd_momentum_and_nesterov(tiny_config):
   grads = [{"w": jnp.array([1.0, -2.0])}, {"w": jnp.array([0.5, 4.0])}]
   for nesterov in (False, True):
     tiny_config.nesterov = nesterov
-    sgd = plan.recipe_module(tiny_config).optimizer(tiny_config, 10)
+    sgd = plan.recipe_module(tiny_config).optimizer(plan.resolved(tiny_config), 10)
     state, velocity = sgd.init(params), np.zeros(2)
     for g in grads:
       updates, state = sgd.update(g, state, params)
@@ -246,7 +246,7 @@ def test_clipping_scales_a_gradient_over_the_norm_to_the_norm(tiny_config):
   tiny_config.optimizer, tiny_config.grad_clip_norm, tiny_config.learning_rate = "sgd", 2.0, 1.0
   tiny_config.momentum = 0.0  # plain sgd: the update is the (clipped) gradient
   tiny_config.schedule = "constant"
-  sgd = plan.recipe_module(tiny_config).optimizer(tiny_config, 10)
+  sgd = plan.recipe_module(tiny_config).optimizer(plan.resolved(tiny_config), 10)
   params = {"w": jnp.ones(4), "b": jnp.ones(())}
   state = sgd.init(params)
   under = {"w": jnp.array([1.0, -1.0, 0.5, 0.0]), "b": jnp.array(0.5)}  # norm 1.58
@@ -733,11 +733,11 @@ def test_the_state_is_built_in_shards_with_the_values_of_an_eager_build(tiny_con
 
   tiny_config.parallelism, tiny_config.fsdp_min_size = "fsdp", 0
   _, info = input_pipeline.get_datasets(tiny_config)
-  graphdef, abstract, init = optim.initial_state(tiny_config, info, sharding.make_mesh(tiny_config),
-                                                 100)
+  graphdef, abstract, init = optim.initial_state(plan.resolved(tiny_config), info,
+                                                 sharding.make_mesh(tiny_config), 100)
   state = init()
   model = create_model(tiny_config, info.image_shape, info.num_classes, nnx.Rngs(tiny_config.seed))
-  optimizer = plan.recipe_module(tiny_config).optimizer(tiny_config, 100)
+  optimizer = plan.recipe_module(tiny_config).optimizer(plan.resolved(tiny_config), 100)
   eager = nnx.split((model, nnx.Optimizer(model, optimizer, wrt=nnx.Param)))[1]
   for x, y, a in zip(jax.tree.leaves(state), jax.tree.leaves(eager), jax.tree.leaves(abstract),
                      strict=True):

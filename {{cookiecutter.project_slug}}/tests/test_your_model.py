@@ -134,6 +134,7 @@ def takes_the_same_steps_on_every_path(batch_norm_devices: int, paths=("spmd", "
   config.batch_norm_devices = batch_norm_devices
   sources, info = input_pipeline.get_datasets(config)
   assert info.image_shape == (8, 8, 1)  # (test_parallel.batches: digits-shaped)
+  config = plan.resolved(config)
   graphdef, state = nnx.split(optim.build_state(config, info.image_shape, info.num_classes, 3))
   images = jnp.asarray(sources["eval"].images[:16], jnp.float32) / 255
   quiet = with_randomness_off(graphdef, state)

@@ -257,7 +257,7 @@ def _recipe(config, target):
     return (f"config.recipe={config.get('recipe', 'recipe')!r} cannot be imported ({e}); name a "
             "module on the path with the loss, metrics and optimizer (recipe.py: 'recipe').")
   try:
-    recipe.optimizer(config, 100)
+    recipe.optimizer(resolved(config, target.devices), 100)
   except ConfigError as e:
     return str(e)
 
@@ -292,10 +292,8 @@ def _input_memory(config, target):
     if not config.get("image_size"):
       return None
     info = input_pipeline.DatasetInfo(tuple(config.image_size), 0, {})
-  resolved = config.copy_and_resolve_references()
-  resolved.steps_per_dispatch, resolved.batch_size = target.k, global_batch_size(
-      config, target.num_devices)
-  memory = input_pipeline.host_memory(resolved, info, target.num_processes)
+  memory = input_pipeline.host_memory(resolved(config, target.devices), info,
+                                      target.num_processes)
   have = input_pipeline.available_memory()
   if memory.bytes <= have:
     return None
@@ -372,10 +370,17 @@ def validate_config(config: ml_collections.ConfigDict, workdir: str | None = Non
 
 
 def resolved(config: ml_collections.ConfigDict, devices=None) -> ml_collections.ConfigDict:
-  """A copy of a valid config with the choices made for `devices` (default: `jax.devices()`):
-  `steps_per_dispatch` (k) from their platform, `batch_size` the global batch."""
+  """A copy of a valid config with what it comes to on `devices` (default: `jax.devices()`)
+  under names of its own, `config.run`; the keys you set keep their meaning. `run.num_devices`;
+  `run.global_batch_size`, examples per optimizer step (`global_batch_size`), and
+  `run.per_device_batch_size`, its share a device; `run.steps_per_dispatch`, k (`config.
+  steps_per_dispatch`, or when 0 the platform's choice)."""
   devices = devices or jax.devices()
   config = config.copy_and_resolve_references()
-  config.steps_per_dispatch = steps_per_dispatch(config, devices[0].platform)
-  config.batch_size = global_batch_size(config, len(devices))
+  batch = global_batch_size(config, len(devices))
+  with config.unlocked():
+    config.run = ml_collections.ConfigDict(dict(
+        num_devices=len(devices), global_batch_size=batch,
+        per_device_batch_size=batch // len(devices),
+        steps_per_dispatch=steps_per_dispatch(config, devices[0].platform)))
   return config

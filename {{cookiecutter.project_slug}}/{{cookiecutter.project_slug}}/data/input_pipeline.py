@@ -1,6 +1,6 @@
 """Grain input pipeline: sources, a seeded shuffle, and padded-and-masked batches.
 
-Each element is k = `config.steps_per_dispatch` batches stacked, each this process's share of a
+Each element is k = `config.run.steps_per_dispatch` batches stacked, each this process's share of a
 global batch (NumPy): image [k, B, H, W, C] as stored, label, mask (False on padding), position
 (the example's place in the stream). Every process cuts a split into ceil(examples /
 global_batch) batches, so no example is dropped or counted twice. Batch b holds stream positions
@@ -266,17 +266,17 @@ def train_batches(source, config, first_step: int = 0, rows=None) -> Elements:
   """`num_epochs` passes over `source`, reshuffled each epoch, as one stream of batches, from the
   element holding batch `first_step` on; only the very last batch can be partial. `rows`: this
   process's rows of each global batch (`sharding.process_rows`; None: one process)."""
-  k, local = config.steps_per_dispatch, len(rows) if rows else config.batch_size
-  load = LoadUnit(source, config.batch_size, config.num_epochs, config.seed, k, first_step,
-                  rows=rows, shares=shares(config, local))
+  k, batch = config.run.steps_per_dispatch, config.run.global_batch_size
+  load = LoadUnit(source, batch, config.num_epochs, config.seed, k, first_step, rows=rows,
+                  shares=shares(config, len(rows) if rows else batch))
   return elements(load, first_step // k)
 
 
 def eval_batches(source, config, rows=None) -> Elements:
   """The split once, in its order, k batches an element, the last one only those left."""
-  local = len(rows) if rows else config.batch_size
-  return elements(LoadUnit(source, config.batch_size, steps_per_element=config.steps_per_dispatch,
-                           trim=True, rows=rows, shares=shares(config, local)))
+  k, batch = config.run.steps_per_dispatch, config.run.global_batch_size
+  return elements(LoadUnit(source, batch, steps_per_element=k, trim=True, rows=rows,
+                           shares=shares(config, len(rows) if rows else batch)))
 
 
 def available_cpus() -> int:
@@ -318,8 +318,8 @@ def host_memory(config, info: DatasetInfo, num_processes: int = 1,
                 iterators: int = 2) -> HostMemory:
   """The input's expected host memory on each process, for a resolved `config` (k, batch)."""
   image = math.prod(info.image_shape) * np.dtype(info.pixel_dtype).itemsize
-  local_batch_size = config.batch_size // num_processes
-  element = config.steps_per_dispatch * local_batch_size * (image + 4 + 1 + 4)  # label, mask, ...
+  local_batch_size = config.run.global_batch_size // num_processes
+  element = config.run.steps_per_dispatch * local_batch_size * (image + 4 + 1 + 4)  # label, ...
   unit = element // shares(config, local_batch_size)
   workers = default_workers(config)
   ahead = config.prefetch_batches + config.read_threads + 1

@@ -219,8 +219,7 @@ def measure_data(config, seconds: float, rate: float, image_folder: str | None =
   GB (`main_process_cost`), the cores that feed `rate` images/s, the peak resident memory of
   the process tree (and `input_pipeline.host_memory`'s expectation), and the plain PIL loop
   over `image_folder`'s files (or the stored images, when encoded)."""
-  config = config.copy_and_resolve_references()
-  config.steps_per_dispatch = plan.steps_per_dispatch(config)
+  config = plan.resolved(config)
   config.num_epochs = 10**6  # never runs out
   splits, info = input_pipeline.get_datasets(config)
   memory = PeakMemory()

@@ -10,6 +10,7 @@ import time
 import jax
 from flax import nnx
 
+from .. import plan
 from ..data import input_pipeline
 from ..parallel import sharding
 from ..training import metrics, optim, steps
@@ -23,6 +24,7 @@ def step_state_batch(config, path: str):
 
   config = config.copy_and_resolve_references()
   config.steps_per_dispatch = 1
+  config = plan.resolved(config)
   splits, info = input_pipeline.get_datasets(config)
   batch = input_pipeline.train_batches(splits["train"], config)[0]  # [1, batch, ...]
   graphdef, state = nnx.split(optim.build_state(config, info.image_shape, info.num_classes, 1000))
@@ -98,7 +100,7 @@ def measure_steps(config, paths, ema: str, ema_decay: float) -> dict:
     step_s = statistics.median(seconds[path])
     results[path] = dict(compile_s=runner.compile_s, first_step_s=runner.first_step_s,
                          step_ms=1e3 * step_s,
-                         examples_per_sec=config.batch_size / step_s,
+                         examples_per_sec=config.run.global_batch_size / step_s,
                          state_mb_per_device=runner.state_mb,
                          step_peak_mb_per_device=runner.step_peak_mb)
   return results

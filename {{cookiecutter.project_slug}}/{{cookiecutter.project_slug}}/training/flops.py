@@ -64,7 +64,7 @@ class Speed:
     # (The crop's resampling is left out: it is a matrix product, but not the model's.)
     step = functools.partial(steps.train_step, graphdef, **steps.step_options(
         config, crop_on_device=False), axis_name=axis)
-    spec = lambda shape, dtype: jax.ShapeDtypeStruct((config.batch_size, *shape), dtype)  # noqa: E731
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct((config.run.global_batch_size, *shape), dtype)  # noqa: E731
     batch = {"image": spec(image_shape, jnp.uint8), "label": spec((), jnp.int32),
              "mask": spec((), jnp.bool_), "position": spec((), jnp.uint32)}  # one global batch
     self.flops_per_step = model_flops(

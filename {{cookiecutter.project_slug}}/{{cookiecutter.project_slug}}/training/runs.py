@@ -1,6 +1,7 @@
-"""A run's workdir: config.json (the resolved config), data.json (the data's description), its
-Orbax checkpoints, and resuming: a run started again in its workdir resumes it and keeps its
-config but for what `FREE_ON_RESUME` names. (Reading a trained run back: trained.py.)"""
+"""A run's workdir: config.json (the run's config, `plan.resolved`), data.json (the data's
+description), its Orbax checkpoints, and resuming: a run started again in its workdir resumes it
+and keeps its config but for what `FREE_ON_RESUME` names.
+(Reading a trained run back: trained.py.)"""
 
 import contextlib
 import gc
@@ -241,7 +242,8 @@ FREE_ON_RESUME = (
     "print_shardings", "xla_options", "compilation_cache_dir", "compilation_cache_min_seconds",
     "peak_flops_per_device", "profile_first_step", "profile_num_steps", "wandb_project",
     "log_every_steps", "eval_every_steps", "checkpoint_every_steps", "max_checkpoints_to_keep",
-    "skip_nonfinite_steps", "cpu_sync_every_steps", "per_device_batch_size", "resume_may_change")
+    "skip_nonfinite_steps", "cpu_sync_every_steps", "per_device_batch_size", "resume_may_change",
+    "run")  # (what the config comes to on the devices: its global batch is kept above)
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -255,15 +257,17 @@ def flatten(tree: dict, prefix: str = "") -> dict:
   return flat
 
 
-def resumed(config: ml_collections.ConfigDict, saved: dict, workdir: str,
-            num_devices: int) -> tuple[ml_collections.ConfigDict, list[str]]:
-  """`config` resuming the run whose config.json is `saved`: a differing key outside
-  `FREE_ON_RESUME` raises ConfigError unless `config.resume_may_change` names it;
-  `per_device_batch_size` on another device count keeps the run's global batch. Returns the config
-  and the log lines of what changed."""
+def resumed(config: ml_collections.ConfigDict, saved: dict,
+            workdir: str) -> tuple[ml_collections.ConfigDict, list[str]]:
+  """A resolved `config` (`plan.resolved`) resuming the run whose config.json is `saved`: a
+  differing key outside `FREE_ON_RESUME` raises ConfigError unless `config.resume_may_change`
+  names it; `per_device_batch_size` on another device count keeps the run's global batch
+  (`run.per_device_batch_size` changes). Returns the config and the log lines of what changed."""
   config, lines = config.copy_and_resolve_references(), []
-  if config.per_device_batch_size and config.batch_size != saved["batch_size"]:
-    run_batch = saved["batch_size"]
+  num_devices, per_device = config.run.num_devices, config.per_device_batch_size
+  # (A config.json from before `config.run` held the global batch in batch_size.)
+  run_batch = saved.get("run", {}).get("global_batch_size", saved["batch_size"])
+  if per_device and config.run.global_batch_size != run_batch:
     if run_batch % num_devices:
       raise ConfigError(
           f"the run in {workdir!r} has a global batch of {run_batch}, which {num_devices} "
@@ -273,11 +277,13 @@ def resumed(config: ml_collections.ConfigDict, saved: dict, workdir: str,
     lines.append(f"resumed on {num_devices} devices: per_device_batch_size "
                  f"{config.per_device_batch_size} -> {run_batch // num_devices}, keeping the "
                  f"run's global batch of {run_batch}")
-    config.per_device_batch_size, config.batch_size = run_batch // num_devices, run_batch
+    config.run.per_device_batch_size = run_batch // num_devices
+    config.run.global_batch_size = run_batch
   may_change = {key.strip() for key in config.resume_may_change.split(",") if key.strip()}
   given, saved = flatten(json.loads(config.to_json())), flatten(saved)
   for key in sorted(given.keys() & saved.keys()):
-    if given[key] == saved[key] or key.split(".")[0] in FREE_ON_RESUME:
+    if (given[key] == saved[key] or key.split(".")[0] in FREE_ON_RESUME
+        or key == "batch_size" and per_device):  # (then not what the run uses)
       continue
     if key not in may_change:
       raise ConfigError(

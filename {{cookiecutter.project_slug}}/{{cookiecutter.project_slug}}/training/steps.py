@@ -1,6 +1,6 @@
 """The train and eval steps, how each parallelism compiles them, and the evaluation loop.
 
-A compiled call runs k = `config.steps_per_dispatch` steps (`lax.scan`) over k stacked batches:
+A compiled call runs k = `config.run.steps_per_dispatch` steps (`lax.scan`) over k stacked batches:
 image [k, B, H, W, C] (stored dtype), label [k, B], mask [k, B] (False on padding), position
 [k, B] (each example's place in the stream: it keys the augmentation). A batch of padding alone
 changes nothing, so k steps in one call equal k single calls."""
@@ -377,6 +377,6 @@ def evaluate(compiled: Steps, state, batches, config, collection=None, iterator=
       iterator = stack.enter_context(contextlib.closing(eval_iterator(batches, config)))
     for i in range(1, len(batches) + 1):
       running = compiled.eval(state, running, compiled.put_batch(next(iterator)))
-      if every and i % max(every // config.steps_per_dispatch, 1) == 0:
+      if every and i % max(every // config.run.steps_per_dispatch, 1) == 0:
         jax.block_until_ready(running)
   return running

@@ -41,6 +41,9 @@ def read_description(workdir: str):
     raise ConfigError(f"workdir {workdir!r} holds no {CONFIG_FILE}: give the --workdir of a "
                       "training run (train.py writes it at start).")
   config = ml_collections.ConfigDict(json.loads((path / CONFIG_FILE).read_text()))
+  if "run" not in config:  # (written before config.run: batch_size held the global batch)
+    config.run = dict(global_batch_size=config.batch_size,
+                      steps_per_dispatch=config.steps_per_dispatch)
   data = json.loads((path / DATA_FILE).read_text())
   info = input_pipeline.DatasetInfo(tuple(data["image_shape"]), data["num_classes"], {},
                                     tuple(data["class_names"]),
