@@ -9,6 +9,7 @@ import contextlib
 import os
 import platform
 import time
+from typing import NamedTuple
 
 import flax
 import jax
@@ -147,15 +148,35 @@ def train_summary(fetched, step: int, since: int, lap: writers.Lap, speed, sched
   return summary
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float] | None:
-  """Trains, resuming from the latest checkpoint in `workdir`; returns the final eval metrics.
-  Raises `stopping.Stopped` when SIGTERM/SIGINT (or a preemption notice) stopped it, after saving
-  a checkpoint."""
-  config, workdir = prepare(config, workdir)
+class Run(NamedTuple):
+  """A run, set up (`set_up`): what the loop reads."""
+
+  config: ml_collections.FrozenConfigDict  # the run's (`prepare`)
+  workdir: str
+  num_train_steps: int
+  first_step: int  # the checkpoint's (0: a new run)
+  compiled: steps.Steps
+  state: object  # the first step's, placed for `compiled` (`put_state`)
+  checkpoints: ocp.CheckpointManager
+  train_iter: input_pipeline.Iterator  # k batches an element, from the step after `first_step`
+  eval_batches: input_pipeline.Elements
+  eval_iter: input_pipeline.Iterator  # the eval split, repeated: its workers start once
+  schedule: callable  # the learning rate at update n (for the log)
+  speed: flops.Speed
+  writer: writers.Writers
+  clock: writers.Clock
+  progress: writers.Progress
+  profiler: Profiler
+  eval_compile_s: float
+
+
+def set_up(config, workdir: str) -> Run:
+  """Everything before the first step: the data read and described, the model and optimizer
+  built (or restored from the workdir's latest checkpoint, or `config.init_from`'s) and placed,
+  the steps compiled, the input started, the writers opened; what the run is, logged."""
   splits, info = input_pipeline.get_datasets(config)
   num_train_steps = input_pipeline.num_batches(
       config.num_epochs * info.num_examples["train"], config.run.global_batch_size)
-  k, is_main = config.run.steps_per_dispatch, jax.process_index() == 0
   log_run(config, info, num_train_steps, workdir)
   # Compiled now, as one program: op by op, it would compile at the first log, inside the first
   # timed interval (a GPU: ~1 s of a ResNet-50 run's second interval).
@@ -179,79 +200,98 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       input_pipeline.train_batches(splits["train"], config, first_step, rows), config,
       put=compiled.put_batch)
   eval_batches = input_pipeline.eval_batches(splits["eval"], config, rows)
-  eval_iter = steps.eval_iterator(eval_batches, config)  # its workers start once
+  eval_iter = steps.eval_iterator(eval_batches, config)
   if config.print_shardings:
     logging.info("%s", sharding.describe_run(compiled.get_state(state),
                                              compiled.put_batch(eval_batches[0])))
+  is_main = jax.process_index() == 0
   writer = writers.create_writer(workdir, write=is_main, config=config, new_run=first_step == 0)
   clock = writers.Clock()
   progress = writers.Progress(num_train_steps, writer, clock, show=is_main,
                               metrics=tuple(plan.recipe_module(config).METRICS))
-  eval_compile_s, profiler = (compile_eval(compiled, state, eval_batches, config),
-                              Profiler(config, workdir))
+  return Run(config, workdir, num_train_steps, first_step, compiled, state, checkpoints,
+             train_iter, eval_batches, eval_iter, schedule, speed, writer, clock, progress,
+             Profiler(config, workdir), compile_eval(compiled, state, eval_batches, config))
 
+
+def train_loop(run: Run, received: list):
+  """The steps from the run's first to its last, logging, evaluating and saving on the way;
+  returns the last step, its state, the last evaluation's metrics (or None) and what stopped the
+  run early (`stopping.stop_now`: a signal in `received`, or a preemption notice), or None."""
+  config, compiled, checkpoints, clock, progress, profiler = (
+      run.config, run.compiled, run.checkpoints, run.clock, run.progress, run.profiler)
+  k, num_train_steps, state = config.run.steps_per_dispatch, run.num_train_steps, run.state
   # `running` merges the metrics of the training steps from `since` on, on the devices. Each
   # dispatch runs the steps of one element: up to the next multiple of k (or the end).
-  running, since = compiled.empty(metrics.of(config).train), first_step + 1
-  step, eval_metrics, stopped_by, every = first_step, None, None, steps.sync_every(config)
+  running, since = compiled.empty(metrics.of(config).train), run.first_step + 1
+  step, eval_metrics, stopped_by, every = run.first_step, None, None, steps.sync_every(config)
+  while step < num_train_steps:
+    done = min((step // k + 1) * k, num_train_steps)  # `done` counts finished updates
+    profiler.before(step, done)
+    with clock.waiting():  # for the input: an input-bound loop shows here
+      batches = next(run.train_iter)
+    with profiler.annotate(done):
+      state, running = compiled.train(state, running, batches)
+    if every and done // every > step // every:
+      jax.block_until_ready(running)
+    step = done
+    profiler.after(step, running)
+    progress.update(step)
+    if not clock.running:  # the loop's clock starts once the first dispatch is compiled
+      jax.block_until_ready(running)
+      progress.log("first calls (compiling, or loading from the cache): train %.2f s, eval "
+                   "%.2f s", clock.start(step), run.eval_compile_s)
+    is_last = step == num_train_steps
+    stopped_by = stopping.stop_now(received, checkpoints, -(-step // k),  # (its dispatch)
+                                   can_agree=step % config.log_every_steps == 0)
+    log_now = step % config.log_every_steps == 0 or is_last
+    if log_now or step % config.checkpoint_every_steps == 0 or stopped_by:
+      fetched = jax.device_get(running)  # one transfer, for the check and the summary
+      check_finite(fetched.nonfinite_steps, since, config, checkpoints)
+      if log_now:
+        lap = clock.lap(step, since)
+        summary = train_summary(fetched, step, since, lap, run.speed, run.schedule)
+        run.writer.write_scalars(step, {f"train_{name}": v for name, v in summary.items()})
+        progress.report(step, since, summary, lap)
+        running, since = compiled.empty(metrics.of(config).train), step + 1
+    # On a stop signal: save, and leave the evaluation (the grace period is for saving).
+    evaluate_now = (step % config.eval_every_steps == 0 or is_last) and not stopped_by
+    save_now = step % config.checkpoint_every_steps == 0 or is_last or stopped_by
+    if evaluate_now or save_now:
+      jax.block_until_ready(state)  # the steps queued so far are training time
+      with clock.paused():  # left out of the training rates
+        if save_now:  # first: asynchronous, it writes while the evaluation runs
+          checkpoints.save(step, force=True, args=ocp.args.Composite(
+              state=ocp.args.PyTreeSave(compiled.get_state(state))))
+        if evaluate_now:
+          eval_metrics = evaluate(compiled, state, run.eval_batches, config, run.eval_iter)
+          run.writer.write_scalars(step, {f"eval_{name}": v for name, v in eval_metrics.items()})
+          progress.report_eval(step, eval_metrics)
+    if stopped_by:
+      break
+  return step, state, eval_metrics, stopped_by
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float] | None:
+  """Trains, resuming from the latest checkpoint in `workdir`; returns the final eval metrics.
+  Raises `stopping.Stopped` when SIGTERM/SIGINT (or a preemption notice) stopped it, after saving
+  a checkpoint."""
+  config, workdir = prepare(config, workdir)
+  run = set_up(config, workdir)
   # Closed at the end, however it ends: the workers stopped, the progress bar cleared.
-  with (stopping.stop_signals() as received, contextlib.closing(train_iter),
-        contextlib.closing(eval_iter),
-        contextlib.closing(progress)):
-    while step < num_train_steps:
-      done = min((step // k + 1) * k, num_train_steps)  # `done` counts finished updates
-      profiler.before(step, done)
-      with clock.waiting():  # for the input: an input-bound loop shows here
-        batches = next(train_iter)
-      with profiler.annotate(done):
-        state, running = compiled.train(state, running, batches)
-      if every and done // every > step // every:
-        jax.block_until_ready(running)
-      step = done
-      profiler.after(step, running)
-      progress.update(step)
-      if not clock.running:  # the loop's clock starts once the first dispatch is compiled
-        jax.block_until_ready(running)
-        progress.log("first calls (compiling, or loading from the cache): train %.2f s, eval "
-                     "%.2f s", clock.start(step), eval_compile_s)
-      is_last = step == num_train_steps
-      stopped_by = stopping.stop_now(received, checkpoints, -(-step // k),  # (its dispatch)
-                                     can_agree=step % config.log_every_steps == 0)
-      log_now = step % config.log_every_steps == 0 or is_last
-      if log_now or step % config.checkpoint_every_steps == 0 or stopped_by:
-        fetched = jax.device_get(running)  # one transfer, for the check and the summary
-        check_finite(fetched.nonfinite_steps, since, config, checkpoints)
-        if log_now:
-          lap = clock.lap(step, since)
-          summary = train_summary(fetched, step, since, lap, speed, schedule)
-          writer.write_scalars(step, {f"train_{name}": v for name, v in summary.items()})
-          progress.report(step, since, summary, lap)
-          running, since = compiled.empty(metrics.of(config).train), step + 1
-      # On a stop signal: save, and leave the evaluation (the grace period is for saving).
-      evaluate_now = (step % config.eval_every_steps == 0 or is_last) and not stopped_by
-      save_now = step % config.checkpoint_every_steps == 0 or is_last or stopped_by
-      if evaluate_now or save_now:
-        jax.block_until_ready(state)  # the steps queued so far are training time
-        with clock.paused():  # left out of the training rates
-          if save_now:  # first: asynchronous, it writes while the evaluation runs
-            checkpoints.save(step, force=True, args=ocp.args.Composite(
-                state=ocp.args.PyTreeSave(compiled.get_state(state))))
-          if evaluate_now:
-            eval_metrics = evaluate(compiled, state, eval_batches, config, eval_iter)
-            writer.write_scalars(step, {f"eval_{name}": v for name, v in eval_metrics.items()})
-            progress.report_eval(step, eval_metrics)
-      if stopped_by:
-        break
-  checkpoints.close()  # waits for the last asynchronous save
+  with (stopping.stop_signals() as received, contextlib.closing(run.train_iter),
+        contextlib.closing(run.eval_iter), contextlib.closing(run.progress)):
+    step, state, eval_metrics, stopped_by = train_loop(run, received)
+  run.checkpoints.close()  # waits for the last asynchronous save
   if stopped_by:
-    writer.close()
-    logging.warning("%s", stopping.Stopped(stopped_by, step, num_train_steps, workdir))
-    raise stopping.Stopped(stopped_by, step, num_train_steps, workdir)  # (no local: no cycle)
-  if loop := clock.whole_loop(num_train_steps, config.run.global_batch_size):
-    writer.write_scalars(num_train_steps, loop)
+    run.writer.close()
+    logging.warning("%s", stopping.Stopped(stopped_by, step, run.num_train_steps, workdir))
+    raise stopping.Stopped(stopped_by, step, run.num_train_steps, workdir)  # (no local: no cycle)
+  if loop := run.clock.whole_loop(run.num_train_steps, config.run.global_batch_size):
+    run.writer.write_scalars(run.num_train_steps, loop)
   if eval_metrics is None:  # nothing left to train: report the restored state
-    eval_metrics = evaluate(compiled, state, eval_batches, config)
-  writer.close()
+    eval_metrics = evaluate(run.compiled, state, run.eval_batches, config)
+  run.writer.close()
   logging.info("Final eval: accuracy %.4f, loss %.4f, on %d examples", eval_metrics["accuracy"],
                eval_metrics["loss"], eval_metrics["examples"])
   return eval_metrics

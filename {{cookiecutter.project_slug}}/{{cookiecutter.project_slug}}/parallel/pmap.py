@@ -1,8 +1,11 @@
 """pmap's pieces, the legacy path (`config.parallelism='pmap'`): every leaf has a leading axis of
 one entry per local device. `replicate` makes it, `unreplicate` takes it away, `shard_batch`
-splits a batch into per-device pieces; `fold_in_device_index` gives each device its own dropout.
-A reader of the spmd and fsdp paths (jit, sharding.py) needs nothing from this module.
+splits a batch into per-device pieces; `fold_in_device_index` gives each device its own dropout;
+`compiled` makes steps.py's steps pmap's. A reader of the spmd and fsdp paths (jit,
+sharding.py) needs nothing from this module.
 """
+
+import functools
 
 import jax
 import numpy as np
@@ -11,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..layers import PMAP_AXIS  # (layers.BatchNorm reduces over pmap's axis)
+from . import sharding
 
 
 def local_devices_mesh() -> Mesh:
@@ -99,3 +103,19 @@ def fold_in_device_index(model, axis_name):
       stream.key[...] = key
 
   return restore
+
+
+def compiled(train, evaluate, mesh: Mesh, devices=None) -> dict:
+  """`steps.Steps`' fields under pmap, for the steps over stacked batches that `train` and
+  `evaluate` take (with `PMAP_AXIS` as their axis name): each compiled for `devices` (default:
+  the local ones). State and batch: one slice a device (axis 0); metrics: one value, the same
+  everywhere. The state is placed as `replicate` places it, and given back as `mesh`'s."""
+  on_devices = functools.partial(jax.pmap, axis_name=PMAP_AXIS, in_axes=(0, None, 0),
+                                 devices=devices)
+  local = sharding.replicated(local_devices_mesh())
+  return dict(train=on_devices(train, out_axes=(0, None), donate_argnums=(0, 1)),
+              eval=on_devices(evaluate, out_axes=None, donate_argnums=1),
+              put_state=replicate,
+              get_state=lambda state: sharding.to_global(unreplicate(state), mesh),
+              put_batch=pmap_batch,
+              empty=lambda cls: jax.device_put(cls.empty(), local))

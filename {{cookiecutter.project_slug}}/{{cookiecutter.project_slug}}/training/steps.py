@@ -286,23 +286,11 @@ def make(graphdef, config, mesh, unroll: bool | None = None, pmap_devices=None,
   if config.parallelism == "pmap":
     from ..parallel import pmap  # (the legacy path's pieces)
 
-    axis = pmap.PMAP_AXIS
-    # State and batch: one slice per device (axis 0). Metrics: one value, the same everywhere.
-    on_devices = functools.partial(jax.pmap, axis_name=axis, in_axes=(0, None, 0),
-                                   devices=pmap_devices)
-    local = sharding.replicated(pmap.local_devices_mesh())
-    return Steps(
-        train=on_devices(scanned(functools.partial(
-            train_step, graphdef, axis_name=axis, **options), unroll), out_axes=(0, None),
-            donate_argnums=(0, 1)),
-        eval=on_devices(scanned_eval(functools.partial(
-            eval_step, graphdef, config=options["config"], axis_name=axis), unroll),
-            out_axes=None, donate_argnums=1),
-        put_state=pmap.replicate,
-        get_state=lambda state: sharding.to_global(pmap.unreplicate(state), mesh),
-        put_batch=pmap.pmap_batch,
-        empty=lambda cls: jax.device_put(cls.empty(), local),
-    )
+    return Steps(**pmap.compiled(
+        scanned(functools.partial(train_step, graphdef, axis_name=pmap.PMAP_AXIS, **options),
+                unroll),
+        scanned_eval(functools.partial(eval_step, graphdef, config=options["config"],
+                                       axis_name=pmap.PMAP_AXIS), unroll), mesh, pmap_devices))
   train = scanned(functools.partial(train_step, graphdef, **options), unroll)
   evaluate = scanned_eval(functools.partial(eval_step, graphdef, config=options["config"]),
                           unroll)
