@@ -2,6 +2,7 @@
 
 import contextlib
 import glob
+import json
 import os
 import pty
 import re
@@ -162,6 +163,34 @@ def test_the_global_batch_of_a_per_device_batch_follows_the_device_count(tiny_co
   assert plan.global_batch_size(tiny_config, num_devices=4) == 32
   tiny_config.per_device_batch_size = 0  # the global batch_size, whatever the devices
   assert plan.global_batch_size(tiny_config, num_devices=4) == tiny_config.batch_size == 64
+
+
+def test_the_runs_config_keeps_yours_and_says_what_it_comes_to(tiny_config, tmp_path):
+  """The run's config (train.prepare) keeps every key as you gave it, frozen, and holds what it
+  comes to on these devices under `run`: 8 a device on 8 devices, a global batch of 64 whatever
+  batch_size says; k = 0 chosen (1 on the CPU). A config.json from before `run` reads as it was
+  (its batch_size was the global batch)."""
+  tiny_config.per_device_batch_size, tiny_config.batch_size = 8, 100
+  tiny_config.steps_per_dispatch = 0
+  config, _ = train.prepare(tiny_config, str(tmp_path / "run"))
+  assert (config.batch_size, config.per_device_batch_size, config.steps_per_dispatch) == (
+      100, 8, 0)
+  assert config.run.to_dict() == dict(num_devices=8, global_batch_size=64,
+                                      per_device_batch_size=8, steps_per_dispatch=1)
+  assert "run" not in tiny_config  # (a copy)
+  with pytest.raises(AttributeError):  # frozen: what the run is, nothing changes it
+    config.batch_size = 64
+  from {{cookiecutter.project_slug}}.training import trained
+
+  older = tmp_path / "older"
+  older.mkdir()
+  before = {key: value for key, value in json.loads(config.to_json()).items() if key != "run"}
+  (older / runs.CONFIG_FILE).write_text(json.dumps(dict(before, batch_size=64,
+                                                       steps_per_dispatch=1)))
+  (older / runs.DATA_FILE).write_text(json.dumps(dict(image_shape=[8, 8, 1], num_classes=10,
+                                                      class_names=[])))
+  read, _ = trained.read_description(str(older))
+  assert (read.run.global_batch_size, read.run.steps_per_dispatch) == (64, 1)
 
 
 @pytest.mark.slow

@@ -45,8 +45,8 @@ def measure_pipeline(config, is_tiny: bool, seconds: float = 3.0) -> dict:
   config.num_epochs = 1000  # never runs out
   splits, _ = input_pipeline.get_datasets(config)
   put = functools.partial(sharding.global_batch, mesh=sharding.make_mesh())
-  iterator = input_pipeline.as_iterator(input_pipeline.train_batches(splits["train"], config),
-                                        config, put=put)
+  iterator = input_pipeline.as_iterator(
+      input_pipeline.train_batches(splits["train"], plan.resolved(config)), config, put=put)
   jax.block_until_ready(next(iterator))  # threads started, first element read
   start, images = time.perf_counter(), 0
   while time.perf_counter() - start < (0.3 if is_tiny else seconds):
@@ -79,7 +79,7 @@ def measure_decoding(config, is_tiny: bool, seconds: float = 3.0) -> dict:
     config.data_dir = f"{root}/data"
     splits, _ = input_pipeline.get_datasets(config)
     iterator = input_pipeline.as_iterator(
-        input_pipeline.train_batches(splits["train"], config), config)
+        input_pipeline.train_batches(splits["train"], plan.resolved(config)), config)
     next(iterator)  # workers started, first element read
     start, images = time.perf_counter(), 0
     while time.perf_counter() - start < (0.3 if is_tiny else seconds):
@@ -169,8 +169,8 @@ def measure_workers(config, is_tiny: bool, seconds: float = 5.0) -> dict:
     splits, _ = input_pipeline.get_datasets(config)
     for name, shared_memory in (("", True), ("pickled_", False)):
       iterator = input_pipeline.as_iterator(
-          input_pipeline.train_batches(splits["train"], config), config, put=placer(config),
-          shared_memory=shared_memory)
+          input_pipeline.train_batches(splits["train"], plan.resolved(config)), config,
+          put=placer(config), shared_memory=shared_memory)
       delivered = deliver(iterator, 0.5 if is_tiny else seconds)
       iterator.close()
       result[f"{name}images_per_sec"] = delivered["images"] / delivered["seconds"]

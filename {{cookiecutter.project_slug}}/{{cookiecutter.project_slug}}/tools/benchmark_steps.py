@@ -100,7 +100,7 @@ def measure_steps(config, paths, ema: str, ema_decay: float) -> dict:
     step_s = statistics.median(seconds[path])
     results[path] = dict(compile_s=runner.compile_s, first_step_s=runner.first_step_s,
                          step_ms=1e3 * step_s,
-                         examples_per_sec=config.run.global_batch_size / step_s,
+                         examples_per_sec=plan.global_batch_size(config) / step_s,
                          state_mb_per_device=runner.state_mb,
                          step_peak_mb_per_device=runner.step_peak_mb)
   return results
