@@ -174,6 +174,7 @@ def set_up(config, workdir: str) -> Run:
   """Everything before the first step: the data read and described, the model and optimizer
   built (or restored from the workdir's latest checkpoint, or `config.init_from`'s) and placed,
   the steps compiled, the input started, the writers opened; what the run is, logged."""
+  # The data, and what the run will do with it.
   splits, info = input_pipeline.get_datasets(config)
   num_train_steps = input_pipeline.num_batches(
       config.num_epochs * info.num_examples["train"], config.run.global_batch_size)
@@ -182,6 +183,7 @@ def set_up(config, workdir: str) -> Run:
   # timed interval (a GPU: ~1 s of a ResNet-50 run's second interval).
   schedule = jax.jit(plan.recipe_module(config).schedule(config, num_train_steps))
   schedule(0)
+  # The state: built, or restored (the workdir's latest checkpoint), and the steps that take it.
   mesh = sharding.make_mesh(config)
   rows = sharding.process_rows(mesh, config.run.global_batch_size)  # this process's rows
   graphdef, abstract, init = optim.initial_state(config, info, mesh, num_train_steps)
@@ -196,6 +198,7 @@ def set_up(config, workdir: str) -> Run:
   speed = flops.Speed(graphdef, state, info.image_shape, config)
   log_state(config, graphdef, state, speed, num_train_steps)
   state = compiled.put_state(state)
+  # The input: its workers start here.
   train_iter = input_pipeline.as_iterator(
       input_pipeline.train_batches(splits["train"], config, first_step, rows), config,
       put=compiled.put_batch)
@@ -204,6 +207,7 @@ def set_up(config, workdir: str) -> Run:
   if config.print_shardings:
     logging.info("%s", sharding.describe_run(compiled.get_state(state),
                                              compiled.put_batch(eval_batches[0])))
+  # What the run reports (process 0 writes): metrics, progress, a profile; the eval step compiled.
   is_main = jax.process_index() == 0
   writer = writers.create_writer(workdir, write=is_main, config=config, new_run=first_step == 0)
   clock = writers.Clock()
