@@ -7,16 +7,12 @@ The logic is in `train_and_evaluate(config, workdir)`; the absl entry point is a
 
 import contextlib
 import os
-import platform
-import time
 from typing import NamedTuple
 
-import flax
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
 from absl import app, flags, logging
-from flax import nnx
 from ml_collections import config_flags
 
 from {{cookiecutter.project_slug}} import errors, plan
@@ -24,39 +20,6 @@ from {{cookiecutter.project_slug}}.data import input_pipeline
 from {{cookiecutter.project_slug}}.errors import BadData, ConfigError
 from {{cookiecutter.project_slug}}.parallel import distributed, sharding
 from {{cookiecutter.project_slug}}.training import flops, metrics, optim, runs, steps, stopping, writers
-
-
-def evaluate(compiled: steps.Steps, state, eval_batches, config, iterator=None) -> dict[str, float]:
-  """The eval split once: its loss, accuracy and number of examples."""
-  return steps.summarize(steps.evaluate(compiled, state, eval_batches, config, iterator=iterator))
-
-
-class NonFiniteLoss(FloatingPointError):
-  """A training step had a non-finite loss or gradient (its update was not applied)."""
-
-
-class Profiler:
-  """A jax.profiler trace of steps [first, first + num) (whole dispatches) into the workdir, on
-  process 0, each dispatch annotated with its last step."""
-
-  def __init__(self, config, workdir: str):
-    self.first = config.profile_first_step if jax.process_index() == 0 else 0
-    self.last, self.workdir, self.on = self.first + config.profile_num_steps - 1, workdir, False
-
-  def before(self, step: int, done: int):  # the dispatch runs steps step + 1 .. done
-    if self.first and not self.on and step < self.first <= done:
-      jax.profiler.start_trace(self.workdir)
-      self.on = True
-
-  def annotate(self, done: int):
-    return jax.profiler.StepTraceAnnotation("train", step_num=done) if self.on else (
-        contextlib.nullcontext())
-
-  def after(self, step: int, running):
-    if self.on and step >= self.last:
-      jax.block_until_ready(running)
-      jax.profiler.stop_trace()
-      self.on, self.first = False, 0
 
 
 def prepare(config: ml_collections.ConfigDict, workdir: str):
@@ -71,81 +34,6 @@ def prepare(config: ml_collections.ConfigDict, workdir: str):
     for line in changes:
       logging.warning("%s", line)
   return ml_collections.FrozenConfigDict(config), workdir
-
-
-def check_finite(nonfinite: metrics.NonFinite, since: int, config, checkpoints) -> None:
-  """Raises if a step from `since` on was not finite, unless such steps may be skipped."""
-  if nonfinite.count and not config.skip_nonfinite_steps:
-    checkpoints.wait_until_finished()
-    raise NonFiniteLoss(
-        f"non-finite loss or gradient at step {since + int(nonfinite.first)}; its update was "
-        f"not applied, and the latest checkpoint, step {checkpoints.latest_step()} in "
-        f"{checkpoints.directory}, was saved before it. Lower the learning rate, check the data, "
-        "or set --config.skip_nonfinite_steps=True.")
-
-
-def log_run(config, info, num_train_steps: int, workdir: str) -> None:
-  """What a run is about to do: the software and devices, where it writes, the data, the batch
-  and the schedule."""
-  devices = jax.device_count()
-  logging.info("jax %s, flax %s, Python %s; %d %s device%s%s", jax.__version__, flax.__version__,
-               platform.python_version(), devices, jax.default_backend(), "s" * (devices > 1),
-               f" in {jax.process_count()} processes" if jax.process_count() > 1 else "")
-  logging.info("checkpoints and TensorBoard files in %s; compilation cache %s", workdir,
-               jax.config.jax_compilation_cache_dir or "off")
-  names = ", ".join(info.class_names)
-  names = names if len(names) <= 60 else names[:60].rsplit(", ", 1)[0] + ", ..."
-  logging.info("%s: %d train and %d eval images of %s, %d classes%s", config.dataset,
-               info.num_examples["train"], info.num_examples["eval"],
-               "x".join(map(str, info.image_shape)), info.num_classes, names and f" ({names})")
-  memory = input_pipeline.host_memory(config, info, jax.process_count())
-  logging.info("input: %d worker%s a process (and as many for evaluation), ~%.3g GiB of host "
-               "memory", memory.workers, "s" * (memory.workers != 1), memory.bytes / 2**30)
-  recipe = plan.recipe_module(config)
-  logging.info("global batch %d%s; peak learning rate %.4g%s, %d warmup steps, %s decay",
-               config.run.global_batch_size, f" ({config.run.per_device_batch_size} x {devices} "
-               "devices)" if config.per_device_batch_size else "",
-               recipe.peak_learning_rate(config),
-               "" if config.lr_scaling == "none" else f" ({config.lr_scaling} scaling of "
-               f"{config.learning_rate:g} at batch {config.base_batch_size})",
-               recipe.warmup_steps(config, num_train_steps), config.schedule)
-
-
-def log_state(config, graphdef, state, speed: flops.Speed, num_train_steps: int) -> None:
-  """The model, its size and where its state lives; the steps and their FLOPs."""
-  logging.info("%d steps of %d examples, %d per call; %.3g FLOPs a step, peak %s",
-               num_train_steps, config.run.global_batch_size, config.run.steps_per_dispatch,
-               speed.flops_per_step, f"{speed.peak:.3g} FLOP/s" if speed.peak else "unknown")
-  model = nnx.merge(graphdef, state)[0]
-  logging.info("%s: %s parameters; model and optimizer state: %.3g MB a device (%s; a whole "
-               "copy: %.3g MB)", type(model).__name__,
-               f"{sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))):,}",
-               sharding.bytes_per_device(state) / 1e6, config.parallelism,
-               sum(x.nbytes for x in jax.tree.leaves(state)) / 1e6)
-  if warning := steps.mask_warning(model):
-    logging.warning("%s", warning)
-
-
-def compile_eval(compiled: steps.Steps, state, eval_batches, config) -> float:
-  """Compiles the eval step now, not mid-training, for the first and the last (shorter) element;
-  returns the seconds it took (a call returns once compiled and dispatched)."""
-  start = time.perf_counter()
-  for element in {len(e["mask"]): e for e in (eval_batches[0], eval_batches[-1])}.values():
-    compiled.eval(state, compiled.empty(metrics.of(config).eval), compiled.put_batch(element))
-  return time.perf_counter() - start
-
-
-def train_summary(fetched, step: int, since: int, lap: writers.Lap, speed, schedule) -> dict:
-  """The metrics of steps `since`..`step` (`fetched`), with their rates over `lap`."""
-  summary = steps.summarize(fetched)
-  if lap.steps:  # no rate for an interval that holds only the compiling call
-    summary["examples_per_sec"] = summary["examples"] * lap.steps / (step - since + 1) / (
-        lap.seconds)
-    summary.update(speed.report(lap.steps / lap.seconds))
-    summary["input_wait_fraction"] = lap.waited / lap.seconds
-  # The rate of the interval's last update (n = step - 1), from the schedule.
-  summary["learning_rate"] = float(schedule(step - 1))
-  return summary
 
 
 class Run(NamedTuple):
@@ -166,19 +54,21 @@ class Run(NamedTuple):
   writer: writers.Writers
   clock: writers.Clock
   progress: writers.Progress
-  profiler: Profiler
+  profiler: writers.Profiler
   eval_compile_s: float
 
 
-def set_up(config, workdir: str) -> Run:
-  """Everything before the first step: the data read and described, the model and optimizer
-  built (or restored from the workdir's latest checkpoint, or `config.init_from`'s) and placed,
-  the steps compiled, the input started, the writers opened; what the run is, logged."""
+def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
+  """Everything before the first step: the run's config (`prepare`), the data read and described,
+  the model and optimizer built (or restored from the workdir's latest checkpoint, or
+  `config.init_from`'s) and placed, the steps compiled, the input started, the writers opened;
+  what the run is, logged."""
+  config, workdir = prepare(config, workdir)
   # The data, and what the run will do with it.
   splits, info = input_pipeline.get_datasets(config)
   num_train_steps = input_pipeline.num_batches(
       config.num_epochs * info.num_examples["train"], config.run.global_batch_size)
-  log_run(config, info, num_train_steps, workdir)
+  writers.log_run(config, info, num_train_steps, workdir)
   # Compiled now, as one program: op by op, it would compile at the first log, inside the first
   # timed interval (a GPU: ~1 s of a ResNet-50 run's second interval).
   schedule = jax.jit(plan.recipe_module(config).schedule(config, num_train_steps))
@@ -196,7 +86,7 @@ def set_up(config, workdir: str) -> Run:
   first_step, state = runs.restore_or_init(checkpoints, abstract, init, workdir)
   runs.write_description(workdir, config, info)  # what predict.py, export.py, ... read
   speed = flops.Speed(graphdef, state, info.image_shape, config)
-  log_state(config, graphdef, state, speed, num_train_steps)
+  writers.log_state(config, graphdef, state, speed, num_train_steps)
   state = compiled.put_state(state)
   # The input: its workers start here.
   train_iter = input_pipeline.as_iterator(
@@ -215,7 +105,8 @@ def set_up(config, workdir: str) -> Run:
                               metrics=tuple(plan.recipe_module(config).METRICS))
   return Run(config, workdir, num_train_steps, first_step, compiled, state, checkpoints,
              train_iter, eval_batches, eval_iter, schedule, speed, writer, clock, progress,
-             Profiler(config, workdir), compile_eval(compiled, state, eval_batches, config))
+             writers.Profiler(config, workdir),
+             steps.compile_eval(compiled, state, eval_batches, config))
 
 
 def train_loop(run: Run, received: list):
@@ -251,10 +142,11 @@ def train_loop(run: Run, received: list):
     log_now = step % config.log_every_steps == 0 or is_last
     if log_now or step % config.checkpoint_every_steps == 0 or stopped_by:
       fetched = jax.device_get(running)  # one transfer, for the check and the summary
-      check_finite(fetched.nonfinite_steps, since, config, checkpoints)
+      stopping.check_finite(fetched.nonfinite_steps, since, config, checkpoints)
       if log_now:
         lap = clock.lap(step, since)
-        summary = train_summary(fetched, step, since, lap, run.speed, run.schedule)
+        summary = writers.train_summary(steps.summarize(fetched), step, since, lap, run.speed,
+                                        run.schedule)
         run.writer.write_scalars(step, {f"train_{name}": v for name, v in summary.items()})
         progress.report(step, since, summary, lap)
         running, since = compiled.empty(metrics.of(config).train), step + 1
@@ -268,7 +160,8 @@ def train_loop(run: Run, received: list):
           checkpoints.save(step, force=True, args=ocp.args.Composite(
               state=ocp.args.PyTreeSave(compiled.get_state(state))))
         if evaluate_now:
-          eval_metrics = evaluate(compiled, state, run.eval_batches, config, run.eval_iter)
+          eval_metrics = steps.summarize(steps.evaluate(compiled, state, run.eval_batches, config,
+                                                        iterator=run.eval_iter))
           run.writer.write_scalars(step, {f"eval_{name}": v for name, v in eval_metrics.items()})
           progress.report_eval(step, eval_metrics)
     if stopped_by:
@@ -280,8 +173,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   """Trains, resuming from the latest checkpoint in `workdir`; returns the final eval metrics.
   Raises `stopping.Stopped` when SIGTERM/SIGINT (or a preemption notice) stopped it, after saving
   a checkpoint."""
-  config, workdir = prepare(config, workdir)
   run = set_up(config, workdir)
+  config, workdir = run.config, run.workdir
   # Closed at the end, however it ends: the workers stopped, the progress bar cleared.
   with (stopping.stop_signals() as received, contextlib.closing(run.train_iter),
         contextlib.closing(run.eval_iter), contextlib.closing(run.progress)):
@@ -294,7 +187,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   if loop := run.clock.whole_loop(run.num_train_steps, config.run.global_batch_size):
     run.writer.write_scalars(run.num_train_steps, loop)
   if eval_metrics is None:  # nothing left to train: report the restored state
-    eval_metrics = evaluate(run.compiled, state, run.eval_batches, config)
+    eval_metrics = steps.summarize(steps.evaluate(run.compiled, state, run.eval_batches, config))
   run.writer.close()
   logging.info("Final eval: accuracy %.4f, loss %.4f, on %d examples", eval_metrics["accuracy"],
                eval_metrics["loss"], eval_metrics["examples"])
@@ -332,7 +225,7 @@ def main(argv):
   distributed.initialize()
   try:
     train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  except (BadData, ConfigError, NonFiniteLoss) as e:
+  except (BadData, ConfigError, stopping.NonFiniteLoss) as e:
     raise SystemExit(f"error: {e}") from None
   except stopping.Stopped as e:  # saved, and said
     raise SystemExit(e.exit_code) from None

@@ -100,7 +100,7 @@ def test_eval_counts_every_example_once(tiny_config):
   graphdef, state = nnx.split((model, optimizer))
   compiled = steps.make(graphdef, config, sharding.make_mesh())
   batches = input_pipeline.eval_batches(splits["eval"], config)
-  result = train.evaluate(compiled, compiled.put_state(state), batches, config)
+  result = steps.summarize(steps.evaluate(compiled, compiled.put_state(state), batches, config))
   assert result["examples"] == 1001
 
   examples = splits["eval"].take(np.arange(1001))

@@ -22,7 +22,7 @@ from write_arrayrecord import write_dataset
 
 from {{cookiecutter.project_slug}} import plan
 from {{cookiecutter.project_slug}}.data import input_pipeline
-from {{cookiecutter.project_slug}}.training import metrics, runs, stopping, writers
+from {{cookiecutter.project_slug}}.training import metrics, runs, steps, stopping, writers
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ)  # 8 CPU devices (conftest.py)
@@ -210,7 +210,7 @@ def test_a_stop_signal_on_an_eval_step_saves_first_and_leaves_the_evaluation(
   """SIGTERM during step 10 of 23, an eval step (and no regular checkpoint step): the run saves
   step 10, evaluates nothing (the grace period is for saving) and stops; resumed, it ends."""
   tiny_config.checkpoint_every_steps = 1000
-  evaluated, evaluate, update = [], train.evaluate, writers.Progress.update
+  evaluated, evaluate, update = [], steps.evaluate, writers.Progress.update
 
   def recording_evaluate(*args, **kwargs):
     evaluated.append(True)
@@ -221,7 +221,7 @@ def test_a_stop_signal_on_an_eval_step_saves_first_and_leaves_the_evaluation(
     if step == 10:
       os.kill(os.getpid(), signal.SIGTERM)
 
-  monkeypatch.setattr(train, "evaluate", recording_evaluate)
+  monkeypatch.setattr(steps, "evaluate", recording_evaluate)
   monkeypatch.setattr(writers.Progress, "update", update_then_signal)
   with pytest.raises(stopping.Stopped, match="Stopped by SIGTERM after step 10 of 23"):
     train.train_and_evaluate(tiny_config, str(tmp_path / "run"))
@@ -234,7 +234,7 @@ def test_a_stop_signal_on_an_eval_step_saves_first_and_leaves_the_evaluation(
 def test_nonfinite_loss_stops_naming_the_step_and_the_last_good_checkpoint(tiny_config, tmp_path):
   tiny_config.checkpoint_every_steps = 5
   bad_step = digits_with_a_nan(tmp_path / "data", tiny_config)
-  with pytest.raises(train.NonFiniteLoss, match=f"at step {bad_step};") as error:
+  with pytest.raises(stopping.NonFiniteLoss, match=f"at step {bad_step};") as error:
     train.train_and_evaluate(tiny_config, str(tmp_path / "run"))
   last_good = (bad_step - 1) // 5 * 5
   assert re.search(rf"the latest checkpoint, step {last_good} in \S+, was saved before it\.",

@@ -27,7 +27,7 @@ from test_preemption import final_state
 import train
 
 from {{cookiecutter.project_slug}} import errors, plan
-from {{cookiecutter.project_slug}}.training import optim, runs, stopping, writers
+from {{cookiecutter.project_slug}}.training import optim, runs, steps, stopping, writers
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -778,7 +778,7 @@ def test_the_state_is_built_in_shards_with_the_values_of_an_eager_build(tiny_con
 def test_rates_leave_out_evaluation_and_checkpoints(tiny_config, tmp_path, monkeypatch):
   """An evaluation that takes 2 s (at steps 10 and 20) does not lower the training rates of the
   log intervals that follow it (steps 11-15 and 21-23). (The final one, at step 23, is quick.)"""
-  evaluate, calls = train.evaluate, []
+  evaluate, calls = steps.evaluate, []
 
   def slow_evaluate(*args, **kwargs):
     calls.append(None)
@@ -786,7 +786,7 @@ def test_rates_leave_out_evaluation_and_checkpoints(tiny_config, tmp_path, monke
       time.sleep(2.0)
     return evaluate(*args, **kwargs)
 
-  monkeypatch.setattr(train, "evaluate", slow_evaluate)
+  monkeypatch.setattr(steps, "evaluate", slow_evaluate)
   train.train_and_evaluate(tiny_config, str(tmp_path))
   scalars = read_scalars(str(tmp_path))
   for name in ("train_examples_per_sec", "steps_per_sec"):

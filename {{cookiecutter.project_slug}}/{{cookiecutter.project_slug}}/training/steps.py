@@ -8,6 +8,7 @@ changes nothing, so k steps in one call equal k single calls."""
 import contextlib
 import functools
 import inspect
+import time
 from typing import NamedTuple
 
 import grain
@@ -324,6 +325,15 @@ def make(graphdef, config, mesh, unroll: bool | None = None, pmap_devices=None,
       put_batch=lambda batch: sharding.global_batch(batch, mesh),
       empty=lambda cls: sharding.to_global(cls.empty(), mesh),
   )
+
+
+def compile_eval(compiled: Steps, state, eval_batches, config) -> float:
+  """Compiles the eval step now, not mid-training, for the first and the last (shorter) element;
+  returns the seconds it took (a call returns once compiled and dispatched)."""
+  start = time.perf_counter()
+  for element in {len(e["mask"]): e for e in (eval_batches[0], eval_batches[-1])}.values():
+    compiled.eval(state, compiled.empty(metrics.of(config).eval), compiled.put_batch(element))
+  return time.perf_counter() - start
 
 
 def probabilities(graphdef, state, images_BHWC, mask_B=None) -> jax.Array:

@@ -1,4 +1,6 @@
-"""Stopping a run early, on every process after the same step, having saved: SIGTERM (a
+"""Stopping a run early. On a non-finite step (unless it may be skipped): `check_finite` raises
+`NonFiniteLoss`, naming the step and the checkpoint saved before it. On a signal, on every process
+after the same step, having saved: SIGTERM (a
 preemption, a scheduler's notice) and SIGINT (Ctrl-C) are collected instead of ending the process
 (`stop_signals`); after each call the loop asks `stop_now`, saves, and `train_and_evaluate` raises
 `Stopped`. JAX's preemption service, where it runs, names the step for every process; else the
@@ -73,3 +75,19 @@ def stop_now(received: list, checkpoints, dispatch: int, can_agree: bool):
     return None
   signals = multihost_utils.process_allgather(np.int32(received[0] if received else 0))
   return int(np.max(signals)) or None
+
+
+class NonFiniteLoss(FloatingPointError):
+  """A training step had a non-finite loss or gradient (its update was not applied)."""
+
+
+def check_finite(nonfinite, since: int, config, checkpoints) -> None:
+  """Raises if a step from `since` on was not finite (`nonfinite`: the interval's
+  `metrics.NonFinite`), unless such steps may be skipped."""
+  if nonfinite.count and not config.skip_nonfinite_steps:
+    checkpoints.wait_until_finished()
+    raise NonFiniteLoss(
+        f"non-finite loss or gradient at step {since + int(nonfinite.first)}; its update was "
+        f"not applied, and the latest checkpoint, step {checkpoints.latest_step()} in "
+        f"{checkpoints.directory}, was saved before it. Lower the learning rate, check the data, "
+        "or set --config.skip_nonfinite_steps=True.")

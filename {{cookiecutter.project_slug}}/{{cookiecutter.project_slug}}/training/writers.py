@@ -1,14 +1,25 @@
 """What a run writes for people: TensorBoard event files (tensorboardX: CLU's writers import
-TensorFlow), W&B beside them (wandb_writer.py), the log's progress lines and bar, and the loop's
-clock. Each writer has the methods of CLU's `MetricWriter` that the scripts call."""
+TensorFlow), W&B beside them (wandb_writer.py), the log's progress lines and bar, the loop's
+clock, a profile (`Profiler`), what a run is about to do (`log_run`, `log_state`) and each log
+interval's rates (`train_summary`). Each writer has the methods of CLU's `MetricWriter` that the
+scripts call."""
 
 import concurrent.futures
 import contextlib
+import platform
 import sys
 import time
 from typing import NamedTuple
 
+import flax
+import jax
 from absl import logging
+from flax import nnx
+
+from .. import plan
+from ..data import input_pipeline
+from ..parallel import sharding
+from . import steps
 
 
 class TensorBoardWriter:
@@ -227,3 +238,84 @@ class Progress:
 
   def more(self, summary: dict[str, float]) -> str:
     return "".join(f"  {name} {summary[name]:.4f}" for name in self.others)
+
+
+class Profiler:
+  """A jax.profiler trace of steps [first, first + num) (whole dispatches) into the workdir, on
+  process 0, each dispatch annotated with its last step."""
+
+  def __init__(self, config, workdir: str):
+    self.first = config.profile_first_step if jax.process_index() == 0 else 0
+    self.last, self.workdir, self.on = self.first + config.profile_num_steps - 1, workdir, False
+
+  def before(self, step: int, done: int):  # the dispatch runs steps step + 1 .. done
+    if self.first and not self.on and step < self.first <= done:
+      jax.profiler.start_trace(self.workdir)
+      self.on = True
+
+  def annotate(self, done: int):
+    return jax.profiler.StepTraceAnnotation("train", step_num=done) if self.on else (
+        contextlib.nullcontext())
+
+  def after(self, step: int, running):
+    if self.on and step >= self.last:
+      jax.block_until_ready(running)
+      jax.profiler.stop_trace()
+      self.on, self.first = False, 0
+
+
+def log_run(config, info, num_train_steps: int, workdir: str) -> None:
+  """What a run is about to do: the software and devices, where it writes, the data, the batch
+  and the schedule."""
+  devices = jax.device_count()
+  logging.info("jax %s, flax %s, Python %s; %d %s device%s%s", jax.__version__, flax.__version__,
+               platform.python_version(), devices, jax.default_backend(), "s" * (devices > 1),
+               f" in {jax.process_count()} processes" if jax.process_count() > 1 else "")
+  logging.info("checkpoints and TensorBoard files in %s; compilation cache %s", workdir,
+               jax.config.jax_compilation_cache_dir or "off")
+  names = ", ".join(info.class_names)
+  names = names if len(names) <= 60 else names[:60].rsplit(", ", 1)[0] + ", ..."
+  logging.info("%s: %d train and %d eval images of %s, %d classes%s", config.dataset,
+               info.num_examples["train"], info.num_examples["eval"],
+               "x".join(map(str, info.image_shape)), info.num_classes, names and f" ({names})")
+  memory = input_pipeline.host_memory(config, info, jax.process_count())
+  logging.info("input: %d worker%s a process (and as many for evaluation), ~%.3g GiB of host "
+               "memory", memory.workers, "s" * (memory.workers != 1), memory.bytes / 2**30)
+  recipe = plan.recipe_module(config)
+  logging.info("global batch %d%s; peak learning rate %.4g%s, %d warmup steps, %s decay",
+               config.run.global_batch_size, f" ({config.run.per_device_batch_size} x {devices} "
+               "devices)" if config.per_device_batch_size else "",
+               recipe.peak_learning_rate(config),
+               "" if config.lr_scaling == "none" else f" ({config.lr_scaling} scaling of "
+               f"{config.learning_rate:g} at batch {config.base_batch_size})",
+               recipe.warmup_steps(config, num_train_steps), config.schedule)
+
+
+def log_state(config, graphdef, state, speed, num_train_steps: int) -> None:
+  """The model, its size and where its state lives; the steps and their FLOPs (`speed`:
+  `flops.Speed`)."""
+  logging.info("%d steps of %d examples, %d per call; %.3g FLOPs a step, peak %s",
+               num_train_steps, config.run.global_batch_size, config.run.steps_per_dispatch,
+               speed.flops_per_step, f"{speed.peak:.3g} FLOP/s" if speed.peak else "unknown")
+  model = nnx.merge(graphdef, state)[0]
+  logging.info("%s: %s parameters; model and optimizer state: %.3g MB a device (%s; a whole "
+               "copy: %.3g MB)", type(model).__name__,
+               f"{sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))):,}",
+               sharding.bytes_per_device(state) / 1e6, config.parallelism,
+               sum(x.nbytes for x in jax.tree.leaves(state)) / 1e6)
+  if warning := steps.mask_warning(model):
+    logging.warning("%s", warning)
+
+
+def train_summary(summary: dict, step: int, since: int, lap: "Lap", speed, schedule) -> dict:
+  """The metrics of steps `since`..`step` (`summary`, `steps.summarize`'s), with their rates
+  over `lap` (`speed`: `flops.Speed`) and the learning rate of the last update (`schedule`)."""
+  summary = dict(summary)
+  if lap.steps:  # no rate for an interval that holds only the compiling call
+    summary["examples_per_sec"] = summary["examples"] * lap.steps / (step - since + 1) / (
+        lap.seconds)
+    summary.update(speed.report(lap.steps / lap.seconds))
+    summary["input_wait_fraction"] = lap.waited / lap.seconds
+  # The rate of the interval's last update (n = step - 1), from the schedule.
+  summary["learning_rate"] = float(schedule(step - 1))
+  return summary
