@@ -64,14 +64,15 @@ def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   `config.init_from`'s) and placed, the steps compiled, the input started, the writers opened;
   what the run is, logged."""
   config, workdir = prepare(config, workdir)
+  recipe = plan.recipe_module(config)  # recipe.py: the schedule, the metrics
   # The data, and what the run will do with it.
   splits, info = input_pipeline.get_datasets(config)
   num_train_steps = input_pipeline.num_batches(
       config.num_epochs * info.num_examples["train"], config.run.global_batch_size)
-  writers.log_run(config, info, num_train_steps, workdir)
+  writers.log_run(config, info, recipe, num_train_steps, workdir)
   # Compiled now, as one program: op by op, it would compile at the first log, inside the first
   # timed interval (a GPU: ~1 s of a ResNet-50 run's second interval).
-  schedule = jax.jit(plan.recipe_module(config).schedule(config, num_train_steps))
+  schedule = jax.jit(recipe.schedule(config, num_train_steps))
   schedule(0)
   # The state: built, or restored (the workdir's latest checkpoint), and the steps that take it.
   mesh = sharding.make_mesh(config)
@@ -102,7 +103,7 @@ def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   writer = writers.create_writer(workdir, write=is_main, config=config, new_run=first_step == 0)
   clock = writers.Clock()
   progress = writers.Progress(num_train_steps, writer, clock, show=is_main,
-                              metrics=tuple(plan.recipe_module(config).METRICS))
+                              metrics=tuple(recipe.METRICS))
   return Run(config, workdir, num_train_steps, first_step, compiled, state, checkpoints,
              train_iter, eval_batches, eval_iter, schedule, speed, writer, clock, progress,
              writers.Profiler(config, workdir),

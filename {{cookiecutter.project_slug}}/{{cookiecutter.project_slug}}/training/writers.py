@@ -16,7 +16,6 @@ import jax
 from absl import logging
 from flax import nnx
 
-from .. import plan
 from ..data import input_pipeline
 from ..parallel import sharding
 from . import steps
@@ -264,9 +263,9 @@ class Profiler:
       self.on, self.first = False, 0
 
 
-def log_run(config, info, num_train_steps: int, workdir: str) -> None:
+def log_run(config, info, recipe, num_train_steps: int, workdir: str) -> None:
   """What a run is about to do: the software and devices, where it writes, the data, the batch
-  and the schedule."""
+  and the schedule (`recipe`: the run's recipe module)."""
   devices = jax.device_count()
   logging.info("jax %s, flax %s, Python %s; %d %s device%s%s", jax.__version__, flax.__version__,
                platform.python_version(), devices, jax.default_backend(), "s" * (devices > 1),
@@ -281,7 +280,6 @@ def log_run(config, info, num_train_steps: int, workdir: str) -> None:
   memory = input_pipeline.host_memory(config, info, jax.process_count())
   logging.info("input: %d worker%s a process (and as many for evaluation), ~%.3g GiB of host "
                "memory", memory.workers, "s" * (memory.workers != 1), memory.bytes / 2**30)
-  recipe = plan.recipe_module(config)
   logging.info("global batch %d%s; peak learning rate %.4g%s, %d warmup steps, %s decay",
                config.run.global_batch_size, f" ({config.run.per_device_batch_size} x {devices} "
                "devices)" if config.per_device_batch_size else "",
