@@ -9,7 +9,10 @@ function gets the whole config (frozen): a key you add to configs/default.py is 
 their own copy of it, as they do of model.py).
 """
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import optax
 from clu import metrics
 
@@ -32,13 +35,24 @@ def augment(images_BHWC, keys_B, config) -> jax.Array:
   """Training's augmentation of a batch of float images (pixels in [0, 1]): `keys_B` holds one
   random key an example, made from its place in the data stream alone (so any batching, device
   or process count, and any resume give it the same draw; for a draw of your own, fold a number
-  above 2 into it: `transform` takes 1, 2 and the key itself). A random resized crop
-  (`augment_crop`; on the host instead for photos stored whole), a flip (`augment_flip`), a shift
-  (`augment_max_shift` pixels), in that order."""
-  crop = (tuple(config.augment_crop_scale), tuple(config.augment_crop_ratio))
-  crop = crop if config.augment_crop else None
-  return augmentations.transform(images_BHWC, keys_B, crop, config.augment_flip,
-                                 config.augment_max_shift)
+  above 2 into it, as the crop folds 1 and the flip 2). In this order: a random resized crop
+  (`augment_crop`; on the host instead for photos stored whole), a horizontal flip of half the
+  images (`augment_flip`), a shift by up to `augment_max_shift` pixels each way (zero fill)."""
+  if config.augment_crop:  # of a fraction of the area and an aspect in the configured ranges
+    crop = functools.partial(augmentations.random_resized_crop, scale=config.augment_crop_scale,
+                             ratio=config.augment_crop_ratio)
+    images_BHWC = jax.vmap(lambda key, image: crop(jax.random.fold_in(key, 1), image))(
+        keys_B, images_BHWC)
+  if config.augment_flip:
+    flips_B = jax.vmap(lambda key: jax.random.bernoulli(jax.random.fold_in(key, 2)))(keys_B)
+    images_BHWC = jnp.where(flips_B[:, None, None, None], images_BHWC[:, :, ::-1], images_BHWC)
+  if shift := config.augment_max_shift:
+    _, height, width, channels = images_BHWC.shape
+    shifts_B2 = jax.vmap(lambda key: jax.random.randint(key, (2,), 0, 2 * shift + 1))(keys_B)
+    padded_BHWC = jnp.pad(images_BHWC, ((0, 0), (shift, shift), (shift, shift), (0, 0)))
+    images_BHWC = jax.vmap(lambda image, s: jax.lax.dynamic_slice(
+        image, (s[0], s[1], 0), (height, width, channels)))(padded_BHWC, shifts_B2)
+  return images_BHWC
 
 
 # The metrics, evaluation's and training's: a name and a CLU metric of the step's outputs

@@ -906,10 +906,9 @@ RECIPE_CHANGES = (
     return (1 - jnp.exp(-cross_entropy_B)) ** config.focal_gamma * cross_entropy_B
   return cross_entropy_B
 '''),
-    ('''  return augmentations.transform(images_BHWC, keys_B, crop, config.augment_flip,
-                                 config.augment_max_shift)
-''', '''  images_BHWC = augmentations.transform(images_BHWC, keys_B, crop, config.augment_flip,
-                                        config.augment_max_shift)
+    ('''        image, (s[0], s[1], 0), (height, width, channels)))(padded_BHWC, shifts_B2)
+  return images_BHWC
+''', '''        image, (s[0], s[1], 0), (height, width, channels)))(padded_BHWC, shifts_B2)
   factor_B = jax.vmap(lambda key: jax.random.uniform(  # brightness x [1 - b, 1 + b]
       jax.random.fold_in(key, 3), minval=1 - config.brightness, maxval=1 + config.brightness))(
       keys_B)
@@ -925,7 +924,6 @@ RECIPE_CHANGES = (
       "lion": lambda: [optax.lion(rate, b1=momentum, weight_decay=config.weight_decay,
                                   mask=weights)]}
 '''),
-    ("import jax\nimport optax\n", "import jax\nimport jax.numpy as jnp\nimport optax\n"),
 )
 
 

@@ -7,6 +7,7 @@ changes nothing, so k steps in one call equal k single calls."""
 
 import contextlib
 import functools
+import importlib
 import inspect
 import time
 from typing import NamedTuple
@@ -18,7 +19,7 @@ import ml_collections
 from flax import nnx
 
 from .. import layers, plan
-from ..data import augment, input_pipeline
+from ..data import input_pipeline
 from ..parallel import sharding
 from . import metrics
 from .metrics import NonFinite, StepAverage
@@ -46,21 +47,35 @@ def mask_warning(model) -> str | None:
           "layers.BatchNorm(...)(x, mask=example_mask) (model.py's docstring)")
 
 
+# Folded into the seed's key before the stream positions: the augmentation keys are then none of
+# the keys that `nnx.Rngs(seed)` hands out (fold_in(key(seed), n), n = 0, 1, ...).
+AUGMENT_STREAM = 0x61756720  # b"aug "
+
+
+def to_float(images_BHWC) -> jax.Array:
+  """Stored pixels -> the model's float32 input: integers divided by 255, floats as they are."""
+  images = images_BHWC.astype(jnp.float32)
+  return images / 255.0 if jnp.issubdtype(images_BHWC.dtype, jnp.integer) else images
+
+
 def images(batch, config, train: bool) -> jax.Array:
-  """The model's input: stored pixels as floats (`augment.to_float`), in training augmented by
-  the recipe with each example's key (from its stream position: `augment.example_keys`)."""
-  images_BHWC = augment.to_float(batch["image"])
+  """The model's input: stored pixels as floats, in training augmented by the recipe with one
+  key an example, made from the seed and its place in the data stream alone (so any batching,
+  device or process count, and any resume draw the same for it)."""
+  images_BHWC = to_float(batch["image"])
   if not train:
     return images_BHWC
-  keys_B = augment.example_keys(config.seed, batch["position"])
-  return plan.recipe_module(config).augment(images_BHWC, keys_B, config)
+  key = jax.random.fold_in(jax.random.key(config.seed), AUGMENT_STREAM)
+  keys_B = jax.vmap(lambda position: jax.random.fold_in(key, position))(batch["position"])
+  recipe = importlib.import_module(config.get("recipe", "recipe"))  # recipe.py, or yours
+  return recipe.augment(images_BHWC, keys_B, config)
 
 
 def loss_and_metrics(model, batch, config, train: bool = True, collection=None):
   """The SUM of the real examples' losses (the recipe's, in float32; normalised later by the
   global count), and a collection of their metrics (training's forward pass, or `collection`).
   The recipe's loss of one example is the padding's too: masked out here, whatever it is."""
-  recipe = plan.recipe_module(config)
+  recipe = importlib.import_module(config.get("recipe", "recipe"))  # recipe.py, or yours
   logits_BK = call_model(model, batch["image"], batch["mask"]).astype(jnp.float32)
   cross_entropy_B = recipe.loss(logits_BK, batch["label"], config, train=False)
   losses_B = (recipe.loss(logits_BK, batch["label"], config, train=True) if train
@@ -212,7 +227,7 @@ def train_step(graphdef, state, running, batch, *, config, batch_norm_groups=1, 
         applied, update, lambda _, old: (old, jnp.float32(0)), current, old_state)
   measured = updated if skip_by == "select" and norms_of == "updated" else new_state
   params_squared = sum_of_squares(nnx.state(nnx.merge(graphdef, measured)[0], nnx.Param), flat)
-  step_metrics = metrics.of(config).train(
+  step_metrics = type(running)(  # training's collection (metrics.of(config).train)
       **vars(step_metrics), nonfinite_steps=NonFinite.from_step(finite, real),
       # (of the whole gradient, on every path: under pmap, the psum'd one; before clipping)
       l2_grads=StepAverage.from_step(jnp.sqrt(grads_squared) / jnp.maximum(count, 1), applied),
@@ -284,38 +299,38 @@ def make(graphdef, config, mesh, unroll: bool | None = None, pmap_devices=None,
   options["batch_norm_groups"] = devices // (config.batch_norm_devices or devices)
   if unroll is None:
     unroll = platform == "cpu"
+  pmap_axis = dict(axis_name=layers.PMAP_AXIS) if config.parallelism == "pmap" else {}
+  train = scanned(functools.partial(train_step, graphdef, **options, **pmap_axis), unroll)
+  evaluate = scanned_eval(functools.partial(eval_step, graphdef, config=options["config"],
+                                            **pmap_axis), unroll)
+  jit = functools.partial(jax.jit, compiler_options=plan.xla_options(config) or None)
   if config.parallelism == "pmap":
     from ..parallel import pmap  # (the legacy path's pieces)
 
-    return Steps(**pmap.compiled(
-        scanned(functools.partial(train_step, graphdef, axis_name=pmap.PMAP_AXIS, **options),
-                unroll),
-        scanned_eval(functools.partial(eval_step, graphdef, config=options["config"],
-                                       axis_name=pmap.PMAP_AXIS), unroll), mesh, pmap_devices))
-  train = scanned(functools.partial(train_step, graphdef, **options), unroll)
-  evaluate = scanned_eval(functools.partial(eval_step, graphdef, config=options["config"]),
-                          unroll)
+    return Steps(**pmap.compiled(train, evaluate, mesh, pmap_devices))
   # The loop holds the state as a flat list of arrays (`Flat`), merged into modules only inside
   # the steps: a dispatch flattens a list in microseconds, an nnx.State's nodes in milliseconds.
   # The steps take the state itself too (evaluate.py, aot.py), and give back what they got.
+  # The new state is laid out where the old one was (fsdp: each device's share, updated in place).
   structure = {}
+  where = lambda state: sharding.state_shardings(state, mesh, config.fsdp_min_size)  # noqa: E731
 
   def put_state(state) -> Flat:
     arrays, structure["tree"] = jax.tree.flatten(state)
+    structure["where"] = jax.tree.leaves(where(state))
     return Flat(arrays)
 
   def get_state(state):
     return jax.tree.unflatten(structure["tree"], state.arrays) if isinstance(state, Flat) else state
 
-  def as_given(new_state, given):
-    return Flat(jax.tree.leaves(new_state)) if isinstance(given, Flat) else new_state
+  def train_in_place(given, running, batches):
+    if not isinstance(given, Flat):  # a state as it is (evaluate.py, aot.py)
+      state, running = train(given, running, batches)
+      return jax.lax.with_sharding_constraint(state, where(state)), running
+    state, running = train(jax.tree.unflatten(structure["tree"], given.arrays), running, batches)
+    arrays = jax.lax.with_sharding_constraint(jax.tree.leaves(state), structure["where"])
+    return Flat(arrays), running
 
-  def train_in_place(given, running, batches):  # the new state where the old one was (fsdp)
-    state, running = train(get_state(given), running, batches)
-    where = sharding.state_shardings(state, mesh, config.fsdp_min_size)
-    return as_given(jax.lax.with_sharding_constraint(state, where), given), running
-
-  jit = functools.partial(jax.jit, compiler_options=plan.xla_options(config) or None)
   return Steps(
       train=jit(train_in_place, donate_argnums=(0, 1)),
       eval=jit(lambda given, running, batches: evaluate(get_state(given), running, batches),
@@ -342,7 +357,7 @@ def probabilities(graphdef, state, images_BHWC, mask_B=None) -> jax.Array:
   model = nnx.merge(graphdef, state)
   model.eval()
   mask_B = jnp.ones(images_BHWC.shape[:1], bool) if mask_B is None else mask_B
-  logits_BK = call_model(model, augment.to_float(images_BHWC), mask_B)
+  logits_BK = call_model(model, to_float(images_BHWC), mask_B)
   return jax.nn.softmax(logits_BK.astype(jnp.float32), axis=-1)
 
 
