@@ -289,6 +289,54 @@ def test_bake_train_imports_only_what_every_run_uses(cookies):
   assert not reached, reached
 
 
+# One training call of the default CNN, traced (the jit's first call): which of the project's
+# functions it runs (model.py, yours, and lambdas left out), by file.
+STEP_PATH = """
+import collections, json, os, sys, tempfile
+from configs import default
+import train
+from {slug}.training import metrics
+
+config = default.get_config()
+config.update(dataset="synthetic", batch_size=16, num_epochs=1)
+config.synthetic.update(image_shape=(8, 8, 1), num_classes=10, num_train=64, num_eval=16)
+here, seen = os.getcwd() + os.sep, {{}}
+
+def record(frame, event, arg):
+  code = frame.f_code
+  if (event == "call" and code.co_filename.startswith(here) and not code.co_name.startswith("<")
+      and os.path.basename(code.co_filename) != "model.py"):
+    seen.setdefault(os.path.relpath(code.co_filename, here), set()).add(code.co_qualname)
+
+run = train.set_up(config, tempfile.mkdtemp())
+batches, running = next(run.train_iter), run.compiled.empty(metrics.of(run.config).train)
+sys.setprofile(record)
+run.compiled.train(run.state, running, batches)
+sys.setprofile(None)
+run.train_iter.close(), run.eval_iter.close()
+print(json.dumps({{file: sorted(names) for file, names in seen.items()}}))
+"""
+
+
+def test_bake_one_training_call_reads_in_the_steps_the_recipe_and_the_metrics(cookies):
+  """A training call runs the step (training/steps.py), the recipe's loss and augmentation
+  (recipe.py), the metrics it merges (training/metrics.py) and BatchNorm's statistics groups
+  (layers.py), and nothing of plan.py, data/ or parallel/: those are done before the call. Prints
+  how many functions it runs (the issue's figure; no bound)."""
+  project = bake_ok(cookies)
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  result = run([sys.executable, "-c", STEP_PATH.format(slug=project.name)], cwd=project, env=env)
+  assert result.returncode == 0, result.stderr[-3000:]
+  seen = json.loads(result.stdout.strip().splitlines()[-1])
+  package = project.name
+  assert sorted(seen) == sorted(["recipe.py", f"{package}/layers.py",
+                                 f"{package}/training/metrics.py",
+                                 f"{package}/training/steps.py"]), seen
+  print(f"one training call runs {sum(map(len, seen.values()))} of the project's functions in "
+        f"{len(seen)} files (train.py's loop besides): {seen}")
+
+
 BAD_INPUTS = [
     ({"project_slug": "My-Project"}, ["project_slug", "lowercase", "'my_project'"]),
     ({"project_slug": "1abc"}, ["project_slug", "start with a lowercase letter", "'abc'"]),
