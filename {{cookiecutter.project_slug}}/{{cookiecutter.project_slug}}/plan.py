@@ -162,12 +162,14 @@ def _value(config, key: str):
 
 
 class Target:
-  """What the rules check a config against: the devices the run will use, and its workdir."""
+  """What the rules check a config against: the devices the run will use, its workdir, and what
+  the config comes to on those devices (`resolved`: `run.steps_per_dispatch`, the batches)."""
 
   def __init__(self, config, devices, workdir: str | None):
     self.devices, self.workdir, self.num_devices = devices, workdir, len(devices)
     self.num_processes = len({d.process_index for d in devices})
-    self.k = steps_per_dispatch(config, devices[0].platform)
+    self.resolved = resolved(config, devices)
+    self.k = self.resolved.run.steps_per_dispatch
 
 
 # The rules of several keys, of the devices and of the workdir: each returns what is wrong, or
@@ -257,7 +259,7 @@ def _recipe(config, target):
     return (f"config.recipe={config.get('recipe', 'recipe')!r} cannot be imported ({e}); name a "
             "module on the path with the loss, metrics and optimizer (recipe.py: 'recipe').")
   try:
-    recipe.optimizer(resolved(config, target.devices), 100)
+    recipe.optimizer(target.resolved, 100)
   except ConfigError as e:
     return str(e)
 
@@ -292,8 +294,7 @@ def _input_memory(config, target):
     if not config.get("image_size"):
       return None
     info = input_pipeline.DatasetInfo(tuple(config.image_size), 0, {})
-  memory = input_pipeline.host_memory(resolved(config, target.devices), info,
-                                      target.num_processes)
+  memory = input_pipeline.host_memory(target.resolved, info, target.num_processes)
   have = input_pipeline.available_memory()
   if memory.bytes <= have:
     return None
