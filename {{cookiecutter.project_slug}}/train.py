@@ -61,7 +61,7 @@ class Run(NamedTuple):
 def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   """Everything before the first step: the run's config (`prepare`), the data read and described,
   the model and optimizer built (or restored from the workdir's latest checkpoint, or
-  `config.init_from`'s) and placed, the steps compiled, the input started, the writers opened;
+  `config.init_from`'s) and placed, the steps compiled, the writers opened, the input started;
   what the run is, logged."""
   config, workdir = prepare(config, workdir)
   recipe = plan.recipe_module(config)  # recipe.py: the schedule, the metrics
@@ -89,25 +89,25 @@ def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   speed = flops.Speed(graphdef, state, info.image_shape, config)
   writers.log_state(config, graphdef, state, speed, num_train_steps)
   state = compiled.put_state(state)
-  # The input: its workers start here.
-  train_iter = input_pipeline.as_iterator(
-      input_pipeline.train_batches(splits["train"], config, first_step, rows), config,
-      put=compiled.put_batch)
-  eval_batches = input_pipeline.eval_batches(splits["eval"], config, rows)
-  eval_iter = steps.eval_iterator(eval_batches, config)
-  if config.print_shardings:
-    logging.info("%s", sharding.describe_run(compiled.get_state(state),
-                                             compiled.put_batch(eval_batches[0])))
-  # What the run reports (process 0 writes): metrics, progress, a profile; the eval step compiled.
+  # What the run reports (process 0 writes): metrics, progress, a profile.
   is_main = jax.process_index() == 0
   writer = writers.create_writer(workdir, write=is_main, config=config, new_run=first_step == 0)
   clock = writers.Clock()
   progress = writers.Progress(num_train_steps, writer, clock, show=is_main,
                               metrics=tuple(recipe.METRICS))
+  profiler = writers.Profiler(config, workdir)
+  # The input: its workers start here; the eval step compiled on its first and last batches.
+  train_iter = input_pipeline.as_iterator(
+      input_pipeline.train_batches(splits["train"], config, first_step, rows), config,
+      put=compiled.put_batch)
+  eval_batches = input_pipeline.eval_batches(splits["eval"], config, rows)
+  eval_iter = input_pipeline.as_iterator(eval_batches.repeat(), config)  # endless: workers once
+  if config.print_shardings:
+    logging.info("%s", sharding.describe_run(compiled.get_state(state),
+                                             compiled.put_batch(eval_batches[0])))
   return Run(config, workdir, num_train_steps, first_step, compiled, state, checkpoints,
              train_iter, eval_batches, eval_iter, schedule, speed, writer, clock, progress,
-             writers.Profiler(config, workdir),
-             steps.compile_eval(compiled, state, eval_batches, config))
+             profiler, steps.compile_eval(compiled, state, eval_batches, config))
 
 
 def train_loop(run: Run, received: list):

@@ -24,7 +24,7 @@ from configs import default
 
 from {{cookiecutter.project_slug}} import plan
 from {{cookiecutter.project_slug}}.data import arrayrecord, image_files, input_pipeline
-from {{cookiecutter.project_slug}}.training import runs, steps
+from {{cookiecutter.project_slug}}.training import runs
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -157,7 +157,7 @@ def test_evaluation_decodes_encoded_images_in_worker_processes(tmp_path):
   assert [len(e["mask"]) for e in batches] == [2, 1]  # 3 images: no batch of padding alone
   expected = [batches[i] for i in range(len(batches))]  # read here, in this process
   assert input_pipeline.default_workers(config) >= 1
-  with contextlib.closing(steps.eval_iterator(batches, config)) as iterator:
+  with contextlib.closing(input_pipeline.as_iterator(batches.repeat(), config)) as iterator:
     passes = [[next(iterator) for _ in range(len(batches))] for _ in range(2)]
     assert multiprocessing.active_children()  # the workers, alive between passes
   for elements in passes:
@@ -361,7 +361,7 @@ def test_commands_reading_with_workers_end_within_3_seconds_of_their_last_line(t
   batches = input_pipeline.eval_batches(splits["eval"], plan.resolved(config))
   closing = []
   for _ in range(5):
-    iterator = steps.eval_iterator(batches, config)
+    iterator = input_pipeline.as_iterator(batches.repeat(), config)
     assert sum(int(next(iterator)["mask"].sum()) for _ in range(len(batches))) == 128
     start = time.perf_counter()
     iterator.close()

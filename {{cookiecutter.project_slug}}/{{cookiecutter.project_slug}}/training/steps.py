@@ -12,7 +12,6 @@ import inspect
 import time
 from typing import NamedTuple
 
-import grain
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -374,12 +373,6 @@ def summarize(running) -> dict[str, float]:
           "examples": int(running.loss.count)}
 
 
-def eval_iterator(batches: grain.MapDataset, config) -> grain.DatasetIterator:
-  """An endless iterator over `batches` repeated (`evaluate` takes len(batches) a time), so its
-  workers start once. Close it when done."""
-  return input_pipeline.as_iterator(batches.repeat(), config)
-
-
 def evaluate(compiled: Steps, state, batches, config, collection=None, iterator=None):
   """The metrics (`collection`, default the recipe's) over the batches once, merged on the
   devices; read from `iterator` when given."""
@@ -387,7 +380,8 @@ def evaluate(compiled: Steps, state, batches, config, collection=None, iterator=
   every = sync_every(config)
   with contextlib.ExitStack() as stack:
     if iterator is None:
-      iterator = stack.enter_context(contextlib.closing(eval_iterator(batches, config)))
+      iterator = stack.enter_context(contextlib.closing(
+          input_pipeline.as_iterator(batches.repeat(), config)))
     for i in range(1, len(batches) + 1):
       running = compiled.eval(state, running, compiled.put_batch(next(iterator)))
       if every and i % max(every // config.run.steps_per_dispatch, 1) == 0:
