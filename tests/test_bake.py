@@ -62,6 +62,7 @@ EXPECTED_FILES = [
     "nnx_data_parallel/tools/__init__.py",
     "nnx_data_parallel/tools/benchmark_data.py",
     "nnx_data_parallel/tools/benchmark_host.py",
+    "nnx_data_parallel/tools/benchmark_kernels.py",
     "nnx_data_parallel/tools/benchmark_report.py",
     "nnx_data_parallel/tools/benchmark_steps.py",
     "nnx_data_parallel/tools/topologies.py",

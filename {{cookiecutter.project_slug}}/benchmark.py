@@ -4,6 +4,7 @@ Prints its tables and writes them to --out (JSON) and --markdown (BENCHMARKS.md)
 
   python benchmark.py [--tiny] [--out=bench.json] [--markdown=BENCHMARKS.md]
   python benchmark.py --resnet  # on a GPU: ResNet-50 against timm's, eager and torch.compile
+  python benchmark.py --kernels  # on a GPU: where the ResNet-50 step's time goes, by kernel
   python benchmark.py --data_dir=DIR --out=data.json [--config=configs/imagenet.py
       --config.KEY=VALUE ... --images_per_second=2500 --seconds=20 --pil_image_folder=DIR]
 
@@ -29,6 +30,10 @@ Prints its tables and writes them to --out (JSON) and --markdown (BENCHMARKS.md)
 - Input (benchmark_data.py): the Grain iterator alone, JPEG files decoded by its workers, and
   224x224x3 arrays read by its workers and placed on the devices: the main process's CPU-seconds
   per GB delivered, and the images/s one core of it feeds at that size.
+- Kernels (--kernels, on a GPU; benchmark_kernels.py): the ResNet-50 bare step profiled
+  (`jax.profiler`) over a few steps: the GPU's kernels a step, summed by kind (convolutions,
+  reductions, selections, ...), how busy the GPU was, and the kernels too short to be more than
+  their launch.
 - Dispatch: the host time of handing the ResNet-50 state to a compiled call, as an nnx.State and
   as the loop's flat list of arrays (`benchmark_host.measure_dispatch`).
 - Default run: `python train.py --config=configs/default.py` as a whole process, cold (no
@@ -64,6 +69,7 @@ from {{cookiecutter.project_slug}}.data import input_pipeline
 from {{cookiecutter.project_slug}}.tools import (
   benchmark_data,
   benchmark_host,
+  benchmark_kernels,
   benchmark_report,
   benchmark_steps,
 )
@@ -91,6 +97,8 @@ _RATE = flags.DEFINE_float("images_per_second", 2500.0, "--data_dir: the rate th
 _RESNET = flags.DEFINE_bool("resnet", False, "On a GPU: the ResNet-50 row alone, beside timm's "
                             "ResNet-50 in PyTorch at its batch (benchmark_torch.py: eager and "
                             "torch.compile); the comparison replaces its section of --markdown.")
+_KERNELS = flags.DEFINE_bool("kernels", False, "On a GPU: where the ResNet-50 bare step's time "
+                             "goes, its kernels by kind (a profile of a few steps).")
 _REPEATS = flags.DEFINE_integer("repeats", REPEATS, "--resnet: pairs of runs of the loop and the "
                                 "bare step.")
 _MEASURE = flags.DEFINE_string("measure", None, "Internal: 'steps:MODEL', 'memory:MODEL:PATH', "
@@ -341,6 +349,17 @@ def main(argv):
       json.dump(comparison, f, indent=2)
     if _MARKDOWN.value:
       write_markdown(_MARKDOWN.value, resnet=section)
+    return
+  if _KERNELS.value:
+    if jax.default_backend() != "gpu":
+      raise SystemExit(f"error: --kernels profiles a GPU's kernels; JAX's backend here is "
+                       f"{jax.default_backend()}.")
+    runner = benchmark_steps.Runner(resnet_config(_TINY.value), "spmd")
+    result = benchmark_kernels.profile(runner, num_steps=5)
+    print(benchmark_kernels.report(result))
+    with open(_OUT.value, "w") as f:
+      json.dump(dict(result, device_kind=jax.devices()[0].device_kind, jax=jax.__version__), f,
+                indent=2)
     return
   if _DATA_DIR.value:
     benchmark_data.main(_CONFIG.value, _DATA_DIR.value, _SECONDS.value, _RATE.value,

@@ -201,3 +201,53 @@ def test_the_resnet_comparison_is_a_section_of_its_own_that_the_whole_benchmark_
   again = section.replace("5,500", "5,600")
   benchmark.write_markdown(path, resnet=again)
   assert open(path).read() == "# Benchmarks\n\n## Train step\n\nnew\n\n" + again
+
+
+def test_kernels_are_a_gpu_streams_kernels_a_step_summed_by_kind(tmp_path):
+  """`--kernels`' reading of a profile (here a made one, as jax.profiler writes a GPU's: a plane
+  a device, a line a stream): two steps of a convolution, a reduction, a selection and a memset;
+  the host's events and the GPU's other lines are not kernels. On the CPU, --kernels says in
+  one line that it needs a GPU, before compiling anything."""
+  import jax
+
+  from {{cookiecutter.project_slug}}.tools import benchmark_kernels
+
+  names = ["sm90_xmma_fprop_implicit_gemm_bf16", "input_convert_reduce_fusion_3",
+           "loop_select_fusion_27", "memset32"]
+  step_ps = [3_000_000_000, 1_000_000_000, 2_000_000, 1_000_000]  # 3 ms, 1 ms, 2 us, 1 us
+  events, offset = [], 0
+  for _ in range(2):
+    for i, duration in enumerate(step_ps):
+      events.append(" ".join(["events { metadata_id:", str(i + 1), "offset_ps:", str(offset),
+                              "duration_ps:", str(duration), "}"]))
+      offset += duration + 500_000_000  # 0.5 ms idle after each
+  metadata = " ".join(" ".join(["event_metadata { key:", str(i + 1), "value { id:", str(i + 1),
+                                "name:", json.dumps(name), "} }"]) for i, name in enumerate(names))
+  gpu = " ".join(['planes { id: 1 name: "/device:GPU:0"',
+                  'lines { id: 1 name: "Stream #14(Compute)" timestamp_ns: 1000', *events, "}",
+                  'lines { id: 2 name: "XLA Ops" timestamp_ns: 1000', events[0], "}", metadata,
+                  "}"])
+  host = " ".join(['planes { id: 2 name: "/host:CPU" lines { id: 1 name: "python" timestamp_ns: 0',
+                   events[0], "}", metadata, "}"])
+  result = benchmark_kernels.kernels(jax.profiler.ProfileData.from_text_proto(gpu + host), 2)
+  assert result["kernels"] == 4 and result["small_kernels"] == 2
+  assert result["kernel_ms"] == pytest.approx(4.003) and result["small_ms"] == pytest.approx(0.003)
+  assert result["span_ms"] == pytest.approx((2 * 4.003 + 7 * 0.5) / 2)  # last idle not spanned
+  assert result["kinds"] == {
+      "convolutions and matrix products": dict(ms=pytest.approx(3.0), kernels=1.0),
+      "reductions": dict(ms=pytest.approx(1.0), kernels=1.0),
+      "selections": dict(ms=pytest.approx(0.002), kernels=1.0),
+      "memset and memcpy": dict(ms=pytest.approx(0.001), kernels=1.0)}
+  assert [k["name"] for k in result["longest"]] == names
+  report = benchmark_kernels.report(result)
+  assert "| convolutions and matrix products | 3.00 | 1 | 75% |" in report, report
+  assert "4 kernels, 2 of them under 5 us" in report, report
+  with pytest.raises(ValueError, match="no GPU kernels"):
+    benchmark_kernels.kernels(jax.profiler.ProfileData.from_text_proto(host), 2)
+
+  done = subprocess.run([sys.executable, "benchmark.py", "--kernels",
+                         f"--out={tmp_path / 'k.json'}"], cwd=PROJECT, capture_output=True,
+                        text=True, timeout=300)
+  assert done.returncode != 0 and not (tmp_path / "k.json").exists()
+  assert done.stderr.strip().splitlines()[-1] == (
+      "error: --kernels profiles a GPU's kernels; JAX's backend here is cpu.")
