@@ -7,7 +7,6 @@ changes nothing, so k steps in one call equal k single calls."""
 
 import contextlib
 import functools
-import importlib
 import inspect
 import time
 from typing import NamedTuple
@@ -66,15 +65,14 @@ def images(batch, config, train: bool) -> jax.Array:
     return images_BHWC
   key = jax.random.fold_in(jax.random.key(config.seed), AUGMENT_STREAM)
   keys_B = jax.vmap(lambda position: jax.random.fold_in(key, position))(batch["position"])
-  recipe = importlib.import_module(config.get("recipe", "recipe"))  # recipe.py, or yours
-  return recipe.augment(images_BHWC, keys_B, config)
+  return plan.recipe_module(config).augment(images_BHWC, keys_B, config)
 
 
 def loss_and_metrics(model, batch, config, train: bool = True, collection=None):
   """The SUM of the real examples' losses (the recipe's, in float32; normalised later by the
   global count), and a collection of their metrics (training's forward pass, or `collection`).
   The recipe's loss of one example is the padding's too: masked out here, whatever it is."""
-  recipe = importlib.import_module(config.get("recipe", "recipe"))  # recipe.py, or yours
+  recipe = plan.recipe_module(config)
   logits_BK = call_model(model, batch["image"], batch["mask"]).astype(jnp.float32)
   cross_entropy_B = recipe.loss(logits_BK, batch["label"], config, train=False)
   losses_B = (recipe.loss(logits_BK, batch["label"], config, train=True) if train
@@ -302,11 +300,11 @@ def make(graphdef, config, mesh, unroll: bool | None = None, pmap_devices=None,
   train = scanned(functools.partial(train_step, graphdef, **options, **pmap_axis), unroll)
   evaluate = scanned_eval(functools.partial(eval_step, graphdef, config=options["config"],
                                             **pmap_axis), unroll)
-  jit = functools.partial(jax.jit, compiler_options=plan.xla_options(config) or None)
   if config.parallelism == "pmap":
     from ..parallel import pmap  # (the legacy path's pieces)
 
     return Steps(**pmap.compiled(train, evaluate, mesh, pmap_devices))
+  jit = functools.partial(jax.jit, compiler_options=plan.xla_options(config) or None)
   # The loop holds the state as a flat list of arrays (`Flat`), merged into modules only inside
   # the steps: a dispatch flattens a list in microseconds, an nnx.State's nodes in milliseconds.
   # The steps take the state itself too (evaluate.py, aot.py), and give back what they got.
