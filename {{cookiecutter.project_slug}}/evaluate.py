@@ -11,6 +11,7 @@ TensorBoard in `workdir/evaluate/` at the checkpoint's step: the run's split und
 `data_dir_NAME_loss`, ...: NAME the folder's), never into the run's own evaluation curve.
 """
 
+import contextlib
 import os
 import re
 import sys
@@ -89,7 +90,9 @@ def evaluate(run: trained.Restored, source) -> dict:
   collection = metrics.with_confusion(config, run.info.num_classes)
   rows = sharding.process_rows(run.mesh, config.run.global_batch_size)
   batches = input_pipeline.eval_batches(source, config, rows)
-  running = jax.device_get(steps.evaluate(compiled, state, batches, config, collection))
+  with contextlib.closing(input_pipeline.as_iterator(batches, config)) as iterator:
+    running = jax.device_get(steps.evaluate(compiled, state, iterator, len(batches), config,
+                                            collection))
   counts = np.asarray(running.confusion.counts)
   with np.errstate(invalid="ignore"):
     per_class = np.diag(counts) / counts.sum(axis=1)  # NaN: a class without examples

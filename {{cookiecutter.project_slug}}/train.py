@@ -65,20 +65,21 @@ def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   what the run is, logged."""
   config, workdir = prepare(config, workdir)
   recipe = plan.recipe_module(config)  # recipe.py: the schedule, the metrics
-  # The data, and what the run will do with it.
+  # The devices' layout; the data, and what the run will do with it.
+  mesh = sharding.make_mesh(config)
+  rows = sharding.process_rows(mesh, config.run.global_batch_size)  # this process's rows
   splits, info = input_pipeline.get_datasets(config)
   num_train_steps = input_pipeline.num_batches(
       config.num_epochs * info.num_examples["train"], config.run.global_batch_size)
-  writers.log_run(config, info, recipe, num_train_steps, workdir)
+  memory = input_pipeline.host_memory(config, info, jax.process_count())
+  eval_batches = input_pipeline.eval_batches(splits["eval"], config, rows)
+  writers.log_run(config, info, recipe, memory, num_train_steps, workdir)
   # Compiled now, as one program: op by op, it would compile at the first log, inside the first
   # timed interval (a GPU: ~1 s of a ResNet-50 run's second interval).
   schedule = jax.jit(recipe.schedule(config, num_train_steps))
   schedule(0)
   # The state: built, or restored (the workdir's latest checkpoint), and the steps that take it.
-  mesh = sharding.make_mesh(config)
-  rows = sharding.process_rows(mesh, config.run.global_batch_size)  # this process's rows
   graphdef, abstract, init = optim.initial_state(config, info, mesh, num_train_steps)
-  compiled = steps.make(graphdef, config, mesh, crop_on_device=not info.crops_on_host)
   if config.init_from:  # read before the workdir is touched: a mismatch stops here
     from {{cookiecutter.project_slug}}.training import trained
 
@@ -88,7 +89,6 @@ def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   runs.write_description(workdir, config, info)  # what predict.py, export.py, ... read
   speed = flops.Speed(graphdef, state, info.image_shape, config)
   writers.log_state(config, graphdef, state, speed, num_train_steps)
-  state = compiled.put_state(state)
   # What the run reports (process 0 writes): metrics, progress, a profile.
   is_main = jax.process_index() == 0
   writer = writers.create_writer(workdir, write=is_main, config=config, new_run=first_step == 0)
@@ -96,11 +96,13 @@ def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   progress = writers.Progress(num_train_steps, writer, clock, show=is_main,
                               metrics=tuple(recipe.METRICS))
   profiler = writers.Profiler(config, workdir)
+  # The steps, compiled at their first call; the state placed for them.
+  compiled = steps.make(graphdef, config, mesh, crop_on_device=not info.crops_on_host)
+  state = compiled.put_state(state)
   # The input: its workers start here; the eval step compiled on its first and last batches.
   train_iter = input_pipeline.as_iterator(
       input_pipeline.train_batches(splits["train"], config, first_step, rows), config,
       put=compiled.put_batch)
-  eval_batches = input_pipeline.eval_batches(splits["eval"], config, rows)
   eval_iter = input_pipeline.as_iterator(eval_batches.repeat(), config)  # endless: workers once
   if config.print_shardings:
     logging.info("%s", sharding.describe_run(compiled.get_state(state),
@@ -112,8 +114,9 @@ def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
 
 def train_loop(run: Run, received: list):
   """The steps from the run's first to its last, logging, evaluating and saving on the way;
-  returns the last step, its state, the last evaluation's metrics (or None) and what stopped the
-  run early (`stopping.stop_now`: a signal in `received`, or a preemption notice), or None."""
+  returns the last step, its state, the last evaluation's metrics (None if stopped before one)
+  and what stopped the run early (`stopping.stop_now`: a signal in `received`, or a preemption
+  notice), or None."""
   config, compiled, checkpoints, clock, progress, profiler = (
       run.config, run.compiled, run.checkpoints, run.clock, run.progress, run.profiler)
   k, num_train_steps, state = config.run.steps_per_dispatch, run.num_train_steps, run.state
@@ -161,12 +164,15 @@ def train_loop(run: Run, received: list):
           checkpoints.save(step, force=True, args=ocp.args.Composite(
               state=ocp.args.PyTreeSave(compiled.get_state(state))))
         if evaluate_now:
-          eval_metrics = steps.summarize(steps.evaluate(compiled, state, run.eval_batches, config,
-                                                        iterator=run.eval_iter))
+          eval_metrics = steps.summarize(steps.evaluate(compiled, state, run.eval_iter,
+                                                        len(run.eval_batches), config))
           run.writer.write_scalars(step, {f"eval_{name}": v for name, v in eval_metrics.items()})
           progress.report_eval(step, eval_metrics)
     if stopped_by:
       break
+  if eval_metrics is None and not stopped_by:  # nothing left to train: the restored state's
+    eval_metrics = steps.summarize(steps.evaluate(compiled, state, run.eval_iter,
+                                                  len(run.eval_batches), config))
   return step, state, eval_metrics, stopped_by
 
 
@@ -187,8 +193,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     raise stopping.Stopped(stopped_by, step, run.num_train_steps, workdir)  # (no local: no cycle)
   if loop := run.clock.whole_loop(run.num_train_steps, config.run.global_batch_size):
     run.writer.write_scalars(run.num_train_steps, loop)
-  if eval_metrics is None:  # nothing left to train: report the restored state
-    eval_metrics = steps.summarize(steps.evaluate(run.compiled, state, run.eval_batches, config))
   run.writer.close()
   logging.info("Final eval: accuracy %.4f, loss %.4f, on %d examples", eval_metrics["accuracy"],
                eval_metrics["loss"], eval_metrics["examples"])

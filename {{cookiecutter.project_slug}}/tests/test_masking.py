@@ -1,12 +1,13 @@
 """Padding and masking are exact: padded examples change no gradient, no metric, no count."""
 
+import contextlib
 import functools
 
 import jax
 import numpy as np
 import optax
 import pytest
-from conftest import plain, plain_options
+from conftest import forward_pass, plain, plain_options
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -58,8 +59,8 @@ def test_padded_gradient_equals_unpadded_gradient(tiny_config):
 
   @jax.jit
   def masked_grad(state, batch):
-    grads, metrics = nnx.grad(steps.loss_and_metrics, has_aux=True)(
-        nnx.merge(graphdef, state), batch, plain(tiny_config))
+    grads, metrics = nnx.grad(forward_pass(plain(tiny_config)), has_aux=True)(
+        nnx.merge(graphdef, state), batch)
     return jax.tree.map(lambda g: g / metrics.loss.count, grads), metrics
 
   grads, metrics = masked_grad(jax.device_put(state, sharding.replicated(mesh)),
@@ -100,7 +101,9 @@ def test_eval_counts_every_example_once(tiny_config):
   graphdef, state = nnx.split((model, optimizer))
   compiled = steps.make(graphdef, config, sharding.make_mesh())
   batches = input_pipeline.eval_batches(splits["eval"], config)
-  result = steps.summarize(steps.evaluate(compiled, compiled.put_state(state), batches, config))
+  with contextlib.closing(input_pipeline.as_iterator(batches, config)) as iterator:
+    result = steps.summarize(steps.evaluate(compiled, compiled.put_state(state), iterator,
+                                            len(batches), config))
   assert result["examples"] == 1001
 
   examples = splits["eval"].take(np.arange(1001))
@@ -155,7 +158,7 @@ def test_the_mask_reaches_decorated_and_keyword_calls_and_a_batchnorm_without_it
   means = {}
   for cls in (DecoratedNorm, KeywordsNorm, NormNoMask):
     model = cls((8, 8, 1), 10, nnx.Rngs(0))
-    assert steps.takes_mask(model) == (cls is not NormNoMask)
+    assert steps.takes_mask(cls) == (cls is not NormNoMask)
     steps.call_model(model, jax.numpy.asarray(batch["image"]), batch["mask"])
     means[cls] = float(model.norm.mean[...][0])
   real_mean = 0.01 * batch["image"][:5].mean()  # momentum 0.99: one step from 0

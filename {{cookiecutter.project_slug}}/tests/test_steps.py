@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import owned, plain, plain_options
+from conftest import forward_pass, owned, plain, plain_options
 from flax import nnx
 from shipped_model import create_model
 
@@ -27,7 +27,8 @@ def prepared(batch, max_shift: int = 0, seed: int = 0, flip: bool = False, crop=
   crop_keys = dict(augment_crop_scale=crop[0], augment_crop_ratio=crop[1]) if crop else {}
   config = plain(augment_max_shift=max_shift, seed=seed, augment_flip=flip,
                  augment_crop=bool(crop), **crop_keys)
-  return steps.images(batch, config, train=bool(max_shift or flip or crop))
+  augment = plan.recipe_module(config).augment if max_shift or flip or crop else None
+  return steps.images(batch, config, augment)
 
 
 def test_integer_pixels_are_divided_by_255_and_floats_kept():
@@ -80,7 +81,7 @@ def test_flops_of_the_default_cnn_step_equal_the_analytic_count():
   accumulated = functools.partial(steps.train_step, graphdef, **plain_options(
       config, augment_max_shift=1, grad_accum_steps=4))
   assert flops.model_flops(accumulated, state, metrics.of(config).train.empty(), batch) == expected
-  k_steps = steps.scanned(step)
+  k_steps = functools.partial(steps.k_steps, step)
   stacked = jax.tree.map(lambda x: jnp.stack([x] * 3), batch)
   running = metrics.of(config).train.empty()
   assert flops.model_flops(k_steps, state, running, stacked) == 3 * expected
@@ -196,8 +197,8 @@ def test_skipping_a_step_keeps_no_second_copy_of_the_state(tiny_config, parallel
   def bare_update(state, batch):  # the gradient, the update and their norms, nothing else
     model, optimizer = nnx.merge(graphdef, state)
     batch = jax.tree.map(lambda x: x[0], batch)
-    grads, _ = steps.summed_gradients(model, dict(batch, image=prepared(batch)),
-                                      plain(tiny_config))
+    grads, _ = steps.summed_gradients(forward_pass(plain(tiny_config)), model,
+                                      dict(batch, image=prepared(batch)), 1)
     updates = optimizer.update(model, grads)
     norms = [optax.tree.norm(tree) for tree in (grads, nnx.state(model, nnx.Param), updates)]
     return nnx.state((model, optimizer)), norms
@@ -370,9 +371,9 @@ def test_label_smoothing_is_the_cross_entropy_of_the_smoothed_targets_of_real_ex
 
   batch = {"image": jnp.zeros((3, 1, 1, 1)), "label": jnp.array([0, 3, 2]),
            "mask": jnp.array([True, True, False])}
-  loss_sum, _ = steps.loss_and_metrics(Fixed(), batch, plain(label_smoothing=0.1))
+  loss_sum, _ = forward_pass(plain(label_smoothing=0.1))(Fixed(), batch)
   log_p = np.log(np.exp([2.0, 0.0, -1.0, 0.5]) / np.exp([2.0, 0.0, -1.0, 0.5]).sum())
   expected = sum(-(np.full(4, 0.1 / 4) + 0.9 * np.eye(4)[label]) @ log_p for label in (0, 3))
   assert float(loss_sum) == pytest.approx(expected, rel=1e-6)
-  unsmoothed, _ = steps.loss_and_metrics(Fixed(), batch, plain())
+  unsmoothed, _ = forward_pass(plain())(Fixed(), batch)
   assert float(unsmoothed) == pytest.approx(-log_p[0] - log_p[3], rel=1e-6)

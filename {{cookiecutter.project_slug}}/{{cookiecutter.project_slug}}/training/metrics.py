@@ -40,16 +40,6 @@ class NonFinite(metrics.Metric):
     return self.count
 
 
-@flax.struct.dataclass
-class StepAverage(metrics.Average):
-  """The mean of a value over the merged steps that applied their update."""
-
-  @classmethod
-  def from_step(cls, value, applied):
-    return cls(total=jnp.where(applied, value, 0.0).astype(jnp.float32),
-               count=applied.astype(jnp.int32))
-
-
 class Collections(NamedTuple):
   """The metric collections of a recipe: evaluation's, the forward pass's in training, and
   training's whole (`train_step`'s)."""
@@ -64,7 +54,7 @@ def of(config) -> Collections:
   Training's adds to its METRICS the plain cross-entropy (when a smoothed loss is optimised, the
   loss of evaluation to compare with), the steps skipped, and the global norms (big_vision's) of
   the gradient (before any clipping), of the parameters and of the update as applied, averaged
-  over the steps that applied theirs."""
+  over the steps that applied theirs (`steps.train_step`)."""
   return _collections(config.get("recipe", "recipe"))
 
 
@@ -76,8 +66,8 @@ def _collections(recipe: str) -> Collections:
       eval=metrics.Collection.create(**fields),
       train_loss=metrics.Collection.create(**train_loss),
       train=metrics.Collection.create(**train_loss, nonfinite_steps=NonFinite,
-                                      l2_grads=StepAverage, l2_params=StepAverage,
-                                      l2_updates=StepAverage))
+                                      l2_grads=metrics.Average, l2_params=metrics.Average,
+                                      l2_updates=metrics.Average))
 
 
 def with_confusion(config, num_classes: int) -> type[metrics.Collection]:

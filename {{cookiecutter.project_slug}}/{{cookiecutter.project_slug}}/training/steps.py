@@ -5,7 +5,6 @@ image [k, B, H, W, C] (stored dtype), label [k, B], mask [k, B] (False on paddin
 [k, B] (each example's place in the stream: it keys the augmentation). A batch of padding alone
 changes nothing, so k steps in one call equal k single calls."""
 
-import contextlib
 import functools
 import inspect
 import time
@@ -14,29 +13,30 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import ml_collections
+from clu import metrics as clu_metrics
 from flax import nnx
 
 from .. import layers, plan
-from ..data import input_pipeline
 from ..parallel import sharding
 from . import metrics
-from .metrics import NonFinite, StepAverage
+from .metrics import NonFinite
 
 
-def takes_mask(model) -> bool:
-  """Whether the model's `__call__` takes `example_mask=` (or `**kwargs`)."""
-  parameters = inspect.signature(type(model).__call__).parameters.values()
+@functools.cache  # (a class's signature: read once, not at every trace)
+def takes_mask(model_class) -> bool:
+  """Whether the model class's `__call__` takes `example_mask=` (or `**kwargs`)."""
+  parameters = inspect.signature(model_class.__call__).parameters.values()
   return any(p.name == "example_mask" or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 def call_model(model, images_BHWC, mask_B) -> jax.Array:
   """The one place that calls the model, with the mask when it takes one."""
-  return model(images_BHWC, **({"example_mask": mask_B} if takes_mask(model) else {}))
+  return model(images_BHWC, **({"example_mask": mask_B} if takes_mask(type(model)) else {}))
 
 
 def mask_warning(model) -> str | None:
   """A warning for a model holding BatchNorm that cannot be given the mask, else None."""
-  if takes_mask(model) or not any(isinstance(node, nnx.BatchNorm)
+  if takes_mask(type(model)) or not any(isinstance(node, nnx.BatchNorm)
                                   for _, node in nnx.iter_graph(model)):
     return None
   return (f"warning: {type(model).__name__} holds BatchNorm but its __call__ takes no "
@@ -50,35 +50,31 @@ def mask_warning(model) -> str | None:
 AUGMENT_STREAM = 0x61756720  # b"aug "
 
 
-def to_float(images_BHWC) -> jax.Array:
-  """Stored pixels -> the model's float32 input: integers divided by 255, floats as they are."""
-  images = images_BHWC.astype(jnp.float32)
-  return images / 255.0 if jnp.issubdtype(images_BHWC.dtype, jnp.integer) else images
-
-
-def images(batch, config, train: bool) -> jax.Array:
-  """The model's input: stored pixels as floats, in training augmented by the recipe with one
-  key an example, made from the seed and its place in the data stream alone (so any batching,
-  device or process count, and any resume draw the same for it)."""
-  images_BHWC = to_float(batch["image"])
-  if not train:
+def images(batch, config, augment=None) -> jax.Array:
+  """The model's input: stored pixels as float32 (integers divided by 255, floats as they are),
+  in training augmented by `augment` (the recipe's) with one key an example, made from the seed
+  and its place in the data stream alone (so any batching, device or process count, and any
+  resume draw the same for it)."""
+  images_BHWC = batch["image"].astype(jnp.float32)
+  if jnp.issubdtype(batch["image"].dtype, jnp.integer):
+    images_BHWC = images_BHWC / 255.0
+  if augment is None:
     return images_BHWC
   key = jax.random.fold_in(jax.random.key(config.seed), AUGMENT_STREAM)
   keys_B = jax.vmap(lambda position: jax.random.fold_in(key, position))(batch["position"])
-  return plan.recipe_module(config).augment(images_BHWC, keys_B, config)
+  return augment(images_BHWC, keys_B, config)
 
 
-def loss_and_metrics(model, batch, config, train: bool = True, collection=None):
+def loss_and_metrics(model, batch, config, recipe, collection, train: bool = True):
   """The SUM of the real examples' losses (the recipe's, in float32; normalised later by the
-  global count), and a collection of their metrics (training's forward pass, or `collection`).
-  The recipe's loss of one example is the padding's too: masked out here, whatever it is."""
-  recipe = plan.recipe_module(config)
+  global count), and `collection` (CLU metrics) of their outputs. The recipe's loss of one
+  example is the padding's too: masked out here, whatever it is."""
   logits_BK = call_model(model, batch["image"], batch["mask"]).astype(jnp.float32)
   cross_entropy_B = recipe.loss(logits_BK, batch["label"], config, train=False)
   losses_B = (recipe.loss(logits_BK, batch["label"], config, train=True) if train
               else cross_entropy_B)
   loss_sum = jnp.sum(jnp.where(batch["mask"], losses_B, 0.0))
-  step_metrics = (collection or metrics.of(config).train_loss).single_from_model_output(
+  step_metrics = collection.single_from_model_output(
       loss=losses_B, cross_entropy=cross_entropy_B, logits=logits_BK, labels=batch["label"],
       mask=batch["mask"])
   return loss_sum, step_metrics
@@ -90,15 +86,15 @@ def micro_batches(batch, num: int):
   return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, num, *x.shape[1:]), 0, 1), batch)
 
 
-def summed_gradients(model, batch, config, axis_name=None):
-  """Gradient of the summed loss, and metrics, over `batch` in `config.grad_accum_steps` pieces
-  run in one loop (gradient accumulation). A piece without a real example (over all devices
-  under pmap) adds nothing and leaves the model's state (BatchNorm statistics, RNG counters) as
-  it was. Under pmap (`axis_name`) the sums are those of every device: each piece's summed over
-  the devices before the pieces are added up, the order in which XLA sums spmd's, so the two
-  agree to the bit (summed after, they part by rounding, which training amplifies)."""
-  grad_fn = nnx.grad(functools.partial(loss_and_metrics, config=config), has_aux=True)
-  num_micro_batches = config.grad_accum_steps
+def summed_gradients(loss_fn, model, batch, num_micro_batches: int, axis_name=None):
+  """Gradient of the summed loss, and metrics (`loss_fn(model, batch)`: the two), over `batch` in
+  `num_micro_batches` pieces run in one loop (gradient accumulation). A piece without a real
+  example (over all devices under pmap) adds nothing and leaves the model's state (BatchNorm
+  statistics, RNG counters) as it was. Under pmap (`axis_name`) the sums are those of every
+  device: each piece's summed over the devices before the pieces are added up, the order in which
+  XLA sums spmd's, so the two agree to the bit (summed after, they part by rounding, which
+  training amplifies)."""
+  grad_fn = nnx.grad(loss_fn, has_aux=True)
   if num_micro_batches == 1:
     sums = grad_fn(model, batch)
     return sums if axis_name is None else jax.lax.psum(sums, axis_name)
@@ -130,12 +126,13 @@ def summed_gradients(model, batch, config, axis_name=None):
 
 
 def step_options(config, crop_on_device: bool = True) -> dict:
-  """`train_step`'s keyword argument `config`: frozen (hashable, read-only), with the recipe's
-  crop off where the input pipeline crops (photos stored whole: `crop_on_device` False)."""
+  """The steps' keyword arguments `config`, frozen (hashable, read-only), with the recipe's crop
+  off where the input pipeline crops (photos stored whole: `crop_on_device` False), and `recipe`,
+  the module it names (`plan.recipe_module`: recipe.py unless the config names another)."""
   config = ml_collections.ConfigDict(config)
   if not crop_on_device:
     config.augment_crop = False
-  return dict(config=ml_collections.FrozenConfigDict(config))
+  return dict(config=ml_collections.FrozenConfigDict(config), recipe=plan.recipe_module(config))
 
 
 def sum_of_squares(tree, flat: bool = False) -> jax.Array:
@@ -165,8 +162,8 @@ STEP_FORMS = {
 }
 
 
-def train_step(graphdef, state, running, batch, *, config, batch_norm_groups=1, axis_name=None,
-               skip_by="select", norms_of="kept", flat_norms=False):
+def train_step(graphdef, state, running, batch, *, config, recipe, batch_norm_groups=1,
+               axis_name=None, skip_by="select", norms_of="kept", flat_norms=False):
   """One optimizer step on one batch; returns the state and `running` with this step's metrics.
   The gradient is sum(real examples' gradients) / (number of real examples), both summed globally
   (pmap: `axis_name`): exact for any padding and device count. BatchNorm's statistics are those of
@@ -178,20 +175,26 @@ def train_step(graphdef, state, running, batch, *, config, batch_norm_groups=1, 
   `STEP_FORMS` chooses per backend. With a moving
   average (state (model, optimizer, average)) its `AVERAGED` variables move by 1 - `ema_decay`, or
   with `ema_warmup` by 1 - min(`ema_decay`, (1 + n) / (10 + n)) at update n (as TensorFlow's).
-  `config`: the run's, frozen (`step_options`); the loss, augmentation and metrics: its recipe's.
+  `config`: the run's, frozen; `recipe`: the loss, augmentation and metrics (`step_options`).
   The model trains in the mode it was built in (NNX's default: Dropout on, BatchNorm on batch
   statistics; a layer built with `deterministic=True` stays so); evaluation calls model.eval().
   Random layers draw one mask over the global batch, by row, on spmd and fsdp (the same for one
   device or many, one process or several); on pmap each device its own (`fold_in_device_index`)."""
   old_state = jax.tree.map(lambda x: x, state)  # kept for a step that changes nothing
   model, optimizer, *average = nnx.merge(graphdef, state)  # in the mode it was built in
-  batch = dict(batch, image=images(batch, config, train=True))
+  batch = dict(batch, image=images(batch, config, recipe.augment))
+  loss_fn = functools.partial(loss_and_metrics, config=config, recipe=recipe,
+                              collection=metrics.of(config).train_loss)
   if axis_name is not None:
     from ..parallel import pmap  # (the pmap path alone)
 
     restore_keys = pmap.fold_in_device_index(model, axis_name)
-  with layers.statistics_groups(batch_norm_groups):
-    grads, step_metrics = summed_gradients(model, batch, config, axis_name)
+  groups = layers.STATISTICS_GROUPS.set(batch_norm_groups)  # (read by BatchNorm while traced)
+  try:
+    grads, step_metrics = summed_gradients(loss_fn, model, batch, config.grad_accum_steps,
+                                           axis_name)
+  finally:
+    layers.STATISTICS_GROUPS.reset(groups)
   if axis_name is not None:
     restore_keys()
   count = step_metrics.loss.count
@@ -224,45 +227,38 @@ def train_step(graphdef, state, running, batch, *, config, batch_norm_groups=1, 
         applied, update, lambda _, old: (old, jnp.float32(0)), current, old_state)
   measured = updated if skip_by == "select" and norms_of == "updated" else new_state
   params_squared = sum_of_squares(nnx.state(nnx.merge(graphdef, measured)[0], nnx.Param), flat)
+  # The global norms, averaged over the steps that applied their update (the gradient's: the whole
+  # gradient's on every path, under pmap the psum'd one; before clipping).
+  norms = dict(l2_grads=jnp.sqrt(grads_squared) / jnp.maximum(count, 1),
+               l2_params=jnp.sqrt(params_squared), l2_updates=jnp.sqrt(updates_squared))
   step_metrics = type(running)(  # training's collection (metrics.of(config).train)
       **vars(step_metrics), nonfinite_steps=NonFinite.from_step(finite, real),
-      # (of the whole gradient, on every path: under pmap, the psum'd one; before clipping)
-      l2_grads=StepAverage.from_step(jnp.sqrt(grads_squared) / jnp.maximum(count, 1), applied),
-      l2_params=StepAverage.from_step(jnp.sqrt(params_squared), applied),
-      l2_updates=StepAverage.from_step(jnp.sqrt(updates_squared), applied))
+      **{name: clu_metrics.Average(total=jnp.where(applied, norm, 0.0),
+                                   count=applied.astype(jnp.int32))
+         for name, norm in norms.items()})
   return new_state, running.merge(step_metrics)
 
 
-def eval_step(graphdef, state, running, batch, *, config, axis_name=None):
+def eval_step(graphdef, state, running, batch, *, config, recipe, axis_name=None):
   """Metrics of the model: the first object of the state (model, optimizer), (model,) or
   (model, optimizer, average), the moving average in the last."""
   objects = nnx.merge(graphdef, state)
   model = objects[2] if len(objects) > 2 else objects[0]
   model.eval()
-  _, step_metrics = loss_and_metrics(model, dict(batch, image=images(batch, config, False)),
-                                     config, train=False, collection=type(running))
+  _, step_metrics = loss_and_metrics(model, dict(batch, image=images(batch, config)), config,
+                                     recipe, type(running), train=False)
   if axis_name is not None:
     step_metrics = jax.lax.psum(step_metrics, axis_name)
   return running.merge(step_metrics)
 
 
-def scanned(step, unroll: bool = False):
-  """`step(state, running, batch)` -> `(state, running)`, made to run one step per batch of
-  batches stacked on a leading axis (`lax.scan`; `unroll`: as straight-line code)."""
-
-  def run(state, running, batches):
-    if jax.tree.leaves(batches)[0].shape[0] == 1:
-      return step(state, running, jax.tree.map(lambda x: x[0], batches))
-    body = lambda carry, batch: (step(*carry, batch), None)  # noqa: E731
-    return jax.lax.scan(body, (state, running), batches, unroll=unroll)[0]
-
-  return run
-
-
-def scanned_eval(step, unroll: bool = False):
-  """`step(state, running, batch)` -> `running`, over stacked batches (the state is read only)."""
-  run = scanned(lambda state, running, batch: (state, step(state, running, batch)), unroll)
-  return lambda state, running, batches: run(state, running, batches)[1]
+def k_steps(step, state, running, batches, unroll: bool = False):
+  """`step(state, running, batch)` -> `(state, running)`, run once per batch of the batches
+  stacked on a leading axis (`lax.scan`; `unroll`: as straight-line code)."""
+  if jax.tree.leaves(batches)[0].shape[0] == 1:
+    return step(state, running, jax.tree.map(lambda x: x[0], batches))
+  body = lambda carry, batch: (step(*carry, batch), None)  # noqa: E731
+  return jax.lax.scan(body, (state, running), batches, unroll=unroll)[0]
 
 
 class Flat(NamedTuple):
@@ -291,20 +287,26 @@ def make(graphdef, config, mesh, unroll: bool | None = None, pmap_devices=None,
   platform = (pmap_devices or mesh.devices.flat)[0].platform
   options = dict(step_options(config, crop_on_device),
                  **STEP_FORMS.get(platform, STEP_FORMS["tpu"]))
+  compiler_options = plan.xla_options(config) or None  # (jit's; pmap takes none)
   devices = (len(pmap_devices or jax.devices()) if config.parallelism == "pmap"
              else mesh.devices.size)
   options["batch_norm_groups"] = devices // (config.batch_norm_devices or devices)
-  if unroll is None:
-    unroll = platform == "cpu"
+  unroll = platform == "cpu" if unroll is None else unroll
   pmap_axis = dict(axis_name=layers.PMAP_AXIS) if config.parallelism == "pmap" else {}
-  train = scanned(functools.partial(train_step, graphdef, **options, **pmap_axis), unroll)
-  evaluate = scanned_eval(functools.partial(eval_step, graphdef, config=options["config"],
-                                            **pmap_axis), unroll)
+  one_step = functools.partial(train_step, graphdef, **options, **pmap_axis)
+  one_eval = functools.partial(eval_step, graphdef, config=options["config"],
+                               recipe=options["recipe"], **pmap_axis)
+  train = functools.partial(k_steps, one_step, unroll=unroll)
+
+  def evaluate(state, running, batches):  # (the state is read only)
+    step = lambda state, running, batch: (state, one_eval(state, running, batch))  # noqa: E731
+    return k_steps(step, state, running, batches, unroll)[1]
+
   if config.parallelism == "pmap":
     from ..parallel import pmap  # (the legacy path's pieces)
 
     return Steps(**pmap.compiled(train, evaluate, mesh, pmap_devices))
-  jit = functools.partial(jax.jit, compiler_options=plan.xla_options(config) or None)
+  jit = functools.partial(jax.jit, compiler_options=compiler_options)
   # The loop holds the state as a flat list of arrays (`Flat`), merged into modules only inside
   # the steps: a dispatch flattens a list in microseconds, an nnx.State's nodes in milliseconds.
   # The steps take the state itself too (evaluate.py, aot.py), and give back what they got.
@@ -354,7 +356,7 @@ def probabilities(graphdef, state, images_BHWC, mask_B=None) -> jax.Array:
   model = nnx.merge(graphdef, state)
   model.eval()
   mask_B = jnp.ones(images_BHWC.shape[:1], bool) if mask_B is None else mask_B
-  logits_BK = call_model(model, to_float(images_BHWC), mask_B)
+  logits_BK = call_model(model, images({"image": images_BHWC}, None), mask_B)
   return jax.nn.softmax(logits_BK.astype(jnp.float32), axis=-1)
 
 
@@ -371,17 +373,13 @@ def summarize(running) -> dict[str, float]:
           "examples": int(running.loss.count)}
 
 
-def evaluate(compiled: Steps, state, batches, config, collection=None, iterator=None):
-  """The metrics (`collection`, default the recipe's) over the batches once, merged on the
-  devices; read from `iterator` when given."""
+def evaluate(compiled: Steps, state, iterator, num_batches: int, config, collection=None):
+  """The metrics (`collection`, default the recipe's) over the next `num_batches` elements of
+  `iterator` (`input_pipeline.as_iterator`: the eval split once), merged on the devices."""
   running = compiled.empty(collection or metrics.of(config).eval)
   every = sync_every(config)
-  with contextlib.ExitStack() as stack:
-    if iterator is None:
-      iterator = stack.enter_context(contextlib.closing(
-          input_pipeline.as_iterator(batches.repeat(), config)))
-    for i in range(1, len(batches) + 1):
-      running = compiled.eval(state, running, compiled.put_batch(next(iterator)))
-      if every and i % max(every // config.run.steps_per_dispatch, 1) == 0:
-        jax.block_until_ready(running)
+  for i in range(1, num_batches + 1):
+    running = compiled.eval(state, running, compiled.put_batch(next(iterator)))
+    if every and i % max(every // config.run.steps_per_dispatch, 1) == 0:
+      jax.block_until_ready(running)
   return running

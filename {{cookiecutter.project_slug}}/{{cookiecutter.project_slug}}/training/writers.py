@@ -16,7 +16,6 @@ import jax
 from absl import logging
 from flax import nnx
 
-from ..data import input_pipeline
 from ..parallel import sharding
 from . import steps
 
@@ -263,9 +262,10 @@ class Profiler:
       self.on, self.first = False, 0
 
 
-def log_run(config, info, recipe, num_train_steps: int, workdir: str) -> None:
-  """What a run is about to do: the software and devices, where it writes, the data, the batch
-  and the schedule (`recipe`: the run's recipe module)."""
+def log_run(config, info, recipe, memory, num_train_steps: int, workdir: str) -> None:
+  """What a run is about to do: the software and devices, where it writes, the data and the
+  input's workers (`memory`: `input_pipeline.host_memory`), the batch and the schedule (`recipe`:
+  the run's recipe module)."""
   devices = jax.device_count()
   logging.info("jax %s, flax %s, Python %s; %d %s device%s%s", jax.__version__, flax.__version__,
                platform.python_version(), devices, jax.default_backend(), "s" * (devices > 1),
@@ -277,7 +277,6 @@ def log_run(config, info, recipe, num_train_steps: int, workdir: str) -> None:
   logging.info("%s: %d train and %d eval images of %s, %d classes%s", config.dataset,
                info.num_examples["train"], info.num_examples["eval"],
                "x".join(map(str, info.image_shape)), info.num_classes, names and f" ({names})")
-  memory = input_pipeline.host_memory(config, info, jax.process_count())
   logging.info("input: %d worker%s a process (and as many for evaluation), ~%.3g GiB of host "
                "memory", memory.workers, "s" * (memory.workers != 1), memory.bytes / 2**30)
   logging.info("global batch %d%s; peak learning rate %.4g%s, %d warmup steps, %s decay",
