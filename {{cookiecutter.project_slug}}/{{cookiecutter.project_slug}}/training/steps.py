@@ -37,7 +37,7 @@ def call_model(model, images_BHWC, mask_B) -> jax.Array:
 def mask_warning(model) -> str | None:
   """A warning for a model holding BatchNorm that cannot be given the mask, else None."""
   if takes_mask(type(model)) or not any(isinstance(node, nnx.BatchNorm)
-                                  for _, node in nnx.iter_graph(model)):
+                                        for _, node in nnx.iter_graph(model)):
     return None
   return (f"warning: {type(model).__name__} holds BatchNorm but its __call__ takes no "
           "example_mask, so its batch statistics include the padding of partial batches; give "
