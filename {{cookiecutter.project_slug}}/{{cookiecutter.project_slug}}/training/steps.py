@@ -296,9 +296,7 @@ def make(graphdef, config, mesh, unroll: bool | None = None, pmap_devices=None,
   one_step = functools.partial(train_step, graphdef, **options, **pmap_axis)
   one_eval = functools.partial(eval_step, graphdef, config=options["config"],
                                recipe=options["recipe"], **pmap_axis)
-
-  def train(state, running, batches):
-    return k_steps(one_step, state, running, batches, unroll)
+  train = functools.partial(k_steps, one_step, unroll=unroll)
 
   def evaluate(state, running, batches):  # (the state is read only)
     step = lambda state, running, batch: (state, one_eval(state, running, batch))  # noqa: E731
