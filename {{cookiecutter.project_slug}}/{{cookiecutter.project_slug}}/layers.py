@@ -24,8 +24,8 @@ def bound(axis_name: str) -> bool:
 
 class BatchNorm(nnx.BatchNorm):
   """nnx.BatchNorm whose batch statistics are those of the real examples (`mask`: [batch], False on
-  padding) of the global batch, or of each group of devices (`STATISTICS_GROUPS`)
-  (`config.batch_norm_devices`), alike on spmd, fsdp and pmap (pmap: over `PMAP_AXIS`).
+  padding) of the global batch, or of each group of devices (`STATISTICS_GROUPS`, from
+  `config.batch_norm_devices`), alike on spmd, fsdp and pmap (pmap: over `PMAP_AXIS`).
 
   Sums and counts are taken per group (jit: the batch cut into `groups` contiguous slices, a
   device's each; pmap: psum over the group); the running statistics are the global batch's, so
