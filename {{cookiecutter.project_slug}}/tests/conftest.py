@@ -78,17 +78,6 @@ def plain_options(config=None, **changes):
   return steps.step_options(plain(config, **changes))
 
 
-def forward_pass(config):
-  """`steps.loss_and_metrics` of the config's recipe, as training calls it: `(model, batch)` ->
-  the summed loss, the forward pass's metrics."""
-  import functools
-
-  from {{cookiecutter.project_slug}}.training import metrics, steps
-
-  return functools.partial(steps.loss_and_metrics, **steps.step_options(config),
-                           collection=metrics.of(config).train_loss)
-
-
 # The recipe's options, all on (off in configs/default.py): the runs of `two_epochs` check that
 # they keep every path, resume and process count exact. The global batch: 8 x 8 devices = 64,
 # as tiny.py's; its peak learning rate 2 x tiny.py's.

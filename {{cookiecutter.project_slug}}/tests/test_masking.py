@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import forward_pass, plain, plain_options
+from conftest import plain_options
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -59,8 +59,8 @@ def test_padded_gradient_equals_unpadded_gradient(tiny_config):
 
   @jax.jit
   def masked_grad(state, batch):
-    grads, metrics = nnx.grad(forward_pass(plain(tiny_config)), has_aux=True)(
-        nnx.merge(graphdef, state), batch)
+    grads, metrics = nnx.grad(steps.loss_and_metrics, has_aux=True)(
+        nnx.merge(graphdef, state), batch, **plain_options(tiny_config))
     return jax.tree.map(lambda g: g / metrics.loss.count, grads), metrics
 
   grads, metrics = masked_grad(jax.device_put(state, sharding.replicated(mesh)),

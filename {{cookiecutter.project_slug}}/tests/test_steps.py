@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import forward_pass, owned, plain, plain_options
+from conftest import owned, plain, plain_options
 from flax import nnx
 from shipped_model import create_model
 
@@ -197,7 +197,8 @@ def test_skipping_a_step_keeps_no_second_copy_of_the_state(tiny_config, parallel
   def bare_update(state, batch):  # the gradient, the update and their norms, nothing else
     model, optimizer = nnx.merge(graphdef, state)
     batch = jax.tree.map(lambda x: x[0], batch)
-    grads, _ = steps.summed_gradients(forward_pass(plain(tiny_config)), model,
+    loss_fn = functools.partial(steps.loss_and_metrics, **plain_options(tiny_config))
+    grads, _ = steps.summed_gradients(loss_fn, model,
                                       dict(batch, image=prepared(batch)), 1)
     updates = optimizer.update(model, grads)
     norms = [optax.tree.norm(tree) for tree in (grads, nnx.state(model, nnx.Param), updates)]
@@ -371,9 +372,9 @@ def test_label_smoothing_is_the_cross_entropy_of_the_smoothed_targets_of_real_ex
 
   batch = {"image": jnp.zeros((3, 1, 1, 1)), "label": jnp.array([0, 3, 2]),
            "mask": jnp.array([True, True, False])}
-  loss_sum, _ = forward_pass(plain(label_smoothing=0.1))(Fixed(), batch)
+  loss_sum, _ = steps.loss_and_metrics(Fixed(), batch, **plain_options(label_smoothing=0.1))
   log_p = np.log(np.exp([2.0, 0.0, -1.0, 0.5]) / np.exp([2.0, 0.0, -1.0, 0.5]).sum())
   expected = sum(-(np.full(4, 0.1 / 4) + 0.9 * np.eye(4)[label]) @ log_p for label in (0, 3))
   assert float(loss_sum) == pytest.approx(expected, rel=1e-6)
-  unsmoothed, _ = forward_pass(plain())(Fixed(), batch)
+  unsmoothed, _ = steps.loss_and_metrics(Fixed(), batch, **plain_options())
   assert float(unsmoothed) == pytest.approx(-log_p[0] - log_p[3], rel=1e-6)

@@ -65,16 +65,16 @@ def images(batch, config, augment=None) -> jax.Array:
   return augment(images_BHWC, keys_B, config)
 
 
-def loss_and_metrics(model, batch, config, recipe, collection, train: bool = True):
+def loss_and_metrics(model, batch, config, recipe, train: bool = True, collection=None):
   """The SUM of the real examples' losses (the recipe's, in float32; normalised later by the
-  global count), and `collection` (CLU metrics) of their outputs. The recipe's loss of one
-  example is the padding's too: masked out here, whatever it is."""
+  global count), and a collection of their metrics (training's forward pass, or `collection`).
+  The recipe's loss of one example is the padding's too: masked out here, whatever it is."""
   logits_BK = call_model(model, batch["image"], batch["mask"]).astype(jnp.float32)
   cross_entropy_B = recipe.loss(logits_BK, batch["label"], config, train=False)
   losses_B = (recipe.loss(logits_BK, batch["label"], config, train=True) if train
               else cross_entropy_B)
   loss_sum = jnp.sum(jnp.where(batch["mask"], losses_B, 0.0))
-  step_metrics = collection.single_from_model_output(
+  step_metrics = (collection or metrics.of(config).train_loss).single_from_model_output(
       loss=losses_B, cross_entropy=cross_entropy_B, logits=logits_BK, labels=batch["label"],
       mask=batch["mask"])
   return loss_sum, step_metrics
@@ -183,18 +183,14 @@ def train_step(graphdef, state, running, batch, *, config, recipe, batch_norm_gr
   old_state = jax.tree.map(lambda x: x, state)  # kept for a step that changes nothing
   model, optimizer, *average = nnx.merge(graphdef, state)  # in the mode it was built in
   batch = dict(batch, image=images(batch, config, recipe.augment))
-  loss_fn = functools.partial(loss_and_metrics, config=config, recipe=recipe,
-                              collection=metrics.of(config).train_loss)
+  loss_fn = functools.partial(loss_and_metrics, config=config, recipe=recipe)
   if axis_name is not None:
     from ..parallel import pmap  # (the pmap path alone)
 
     restore_keys = pmap.fold_in_device_index(model, axis_name)
-  groups = layers.STATISTICS_GROUPS.set(batch_norm_groups)  # (read by BatchNorm while traced)
-  try:
+  with layers.statistics_groups(batch_norm_groups):
     grads, step_metrics = summed_gradients(loss_fn, model, batch, config.grad_accum_steps,
                                            axis_name)
-  finally:
-    layers.STATISTICS_GROUPS.reset(groups)
   if axis_name is not None:
     restore_keys()
   count = step_metrics.loss.count
@@ -246,7 +242,7 @@ def eval_step(graphdef, state, running, batch, *, config, recipe, axis_name=None
   model = objects[2] if len(objects) > 2 else objects[0]
   model.eval()
   _, step_metrics = loss_and_metrics(model, dict(batch, image=images(batch, config)), config,
-                                     recipe, type(running), train=False)
+                                     recipe, train=False, collection=type(running))
   if axis_name is not None:
     step_metrics = jax.lax.psum(step_metrics, axis_name)
   return running.merge(step_metrics)
