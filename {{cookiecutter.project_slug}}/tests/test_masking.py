@@ -159,7 +159,7 @@ def test_the_mask_reaches_decorated_and_keyword_calls_and_a_batchnorm_without_it
   for cls in (DecoratedNorm, KeywordsNorm, NormNoMask):
     model = cls((8, 8, 1), 10, nnx.Rngs(0))
     assert steps.takes_mask(cls) == (cls is not NormNoMask)
-    steps.call_model(model, jax.numpy.asarray(batch["image"]), batch["mask"])
+    steps.forward(model, {"image": jax.numpy.asarray(batch["image"]), "mask": batch["mask"]}, None)
     means[cls] = float(model.norm.mean[...][0])
   real_mean = 0.01 * batch["image"][:5].mean()  # momentum 0.99: one step from 0
   np.testing.assert_allclose([means[DecoratedNorm], means[KeywordsNorm]], real_mean, rtol=1e-5)

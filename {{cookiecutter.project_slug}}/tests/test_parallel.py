@@ -374,16 +374,16 @@ def test_batchnorm_leaves_the_padding_out(tiny_config, parallelism):
 
 
 def grouped_batch_norm(x, mask, weights, groups, parallelism):
-  """A layers.BatchNorm with `weights` (scale, bias) on `x` under `statistics_groups(groups)`:
-  one array (jit), or pmap's 8 devices a share each. Its output and running statistics."""
+  """A layers.BatchNorm of `groups` with `weights` (scale, bias) on `x`: one array (jit), or
+  pmap's 8 devices a share each. Its output and running statistics."""
   norm = layers.BatchNorm(x.shape[-1], momentum=0.5, rngs=nnx.Rngs(0))
   norm.scale[...], norm.bias[...] = weights
+  norm.groups = groups
   graphdef, state = nnx.split(norm)
 
   def call(state, x, mask):
     norm = nnx.merge(graphdef, state)
-    with layers.statistics_groups(groups):
-      y = norm(x, mask=mask)
+    y = norm(x, mask=mask)
     return y, norm.mean[...], norm.var[...]
 
   if parallelism == "jit":
@@ -397,7 +397,7 @@ def grouped_batch_norm(x, mask, weights, groups, parallelism):
 @pytest.mark.parametrize("parallelism", ["jit", "pmap"])
 @pytest.mark.parametrize("groups", [8, 4, 1])
 def test_batchnorm_normalises_each_group_by_its_real_examples(parallelism, groups):
-  """Under `statistics_groups(g)` each of g equal slices of the batch (a device's share, a
+  """With `groups` g each of g equal slices of the batch (a device's share, a
   group of devices' under pmap) is normalised as nnx.BatchNorm normalises that slice alone,
   padding left out; a padded example comes out as the bias (a slice of padding alone too: no
   NaN); the running statistics are the global batch's real examples', whatever the groups."""

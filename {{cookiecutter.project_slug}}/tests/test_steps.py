@@ -21,14 +21,27 @@ from {{cookiecutter.project_slug}}.parallel import sharding
 from {{cookiecutter.project_slug}}.training import flops, metrics, optim, steps
 
 
+class Pixels:
+  """A model whose logits are its input: `steps.forward` gives the images the model is given."""
+
+  def __call__(self, images_BHWC):
+    return images_BHWC
+
+
 def prepared(batch, max_shift: int = 0, seed: int = 0, flip: bool = False, crop=None):
-  """The train step's input (`steps.images`) with the tests' recipe's augmentations as given (crop:
-  (scale range, aspect range)); none given: the stored pixels as floats alone."""
+  """The train step's input (`steps.forward`'s) with the tests' recipe's augmentations as given
+  (crop: (scale range, aspect range)); none given: the stored pixels as floats alone."""
   crop_keys = dict(augment_crop_scale=crop[0], augment_crop_ratio=crop[1]) if crop else {}
   config = plain(augment_max_shift=max_shift, seed=seed, augment_flip=flip,
                  augment_crop=bool(crop), **crop_keys)
   augment = plan.recipe_module(config).augment if max_shift or flip or crop else None
-  return steps.images(batch, config, augment)
+  return steps.forward(Pixels(), batch, config, augment)
+
+
+def eval_options(config) -> dict:
+  """The eval step's options, as `steps.make` gives them: the train step's but its collection."""
+  options = steps.step_options(config)
+  return dict(config=options["config"], recipe=options["recipe"])
 
 
 def test_integer_pixels_are_divided_by_255_and_floats_kept():
@@ -198,8 +211,7 @@ def test_skipping_a_step_keeps_no_second_copy_of_the_state(tiny_config, parallel
     model, optimizer = nnx.merge(graphdef, state)
     batch = jax.tree.map(lambda x: x[0], batch)
     loss_fn = functools.partial(steps.loss_and_metrics, **plain_options(tiny_config))
-    grads, _ = steps.summed_gradients(loss_fn, model,
-                                      dict(batch, image=prepared(batch)), 1)
+    grads, _ = nnx.grad(loss_fn, has_aux=True)(model, batch)
     updates = optimizer.update(model, grads)
     norms = [optax.tree.norm(tree) for tree in (grads, nnx.state(model, nnx.Param), updates)]
     return nnx.state((model, optimizer)), norms
@@ -294,8 +306,7 @@ def test_evaluation_uses_the_moving_average(tiny_config):
   for p, a, s in zip(jax.tree.leaves(model), jax.tree.leaves(average), jax.tree.leaves(start),
                      strict=True):
     np.testing.assert_allclose(a, 0.5 * s + 0.5 * p, rtol=1e-6, atol=1e-7)
-  evaluate = jax.jit(functools.partial(steps.eval_step, graphdef,
-                                       **steps.step_options(tiny_config)))
+  evaluate = jax.jit(functools.partial(steps.eval_step, graphdef, **eval_options(tiny_config)))
   got = evaluate(state, metrics.of(tiny_config).eval.empty(), batch).compute()
   as_average = nnx.State(dict(state))
   as_average[0] = average
@@ -353,8 +364,7 @@ def test_training_logs_the_plain_cross_entropy_beside_the_smoothed_loss(tiny_con
                                      **steps.step_options(tiny_config)))
     _, running = step(state, metrics.of(tiny_config).train.empty(), batch)
     results[smoothing] = steps.summarize(running)
-  evaluated = jax.jit(functools.partial(steps.eval_step, graphdef,
-                                        **steps.step_options(tiny_config)))(
+  evaluated = jax.jit(functools.partial(steps.eval_step, graphdef, **eval_options(tiny_config)))(
       state, metrics.of(tiny_config).eval.empty(), batch).compute()  # the same start: logits
   for summary in results.values():
     assert summary["cross_entropy"] == pytest.approx(float(evaluated["loss"]), rel=1e-6)
@@ -371,7 +381,7 @@ def test_label_smoothing_is_the_cross_entropy_of_the_smoothed_targets_of_real_ex
       return jnp.tile(jnp.array([[2.0, 0.0, -1.0, 0.5]]), (images.shape[0], 1))
 
   batch = {"image": jnp.zeros((3, 1, 1, 1)), "label": jnp.array([0, 3, 2]),
-           "mask": jnp.array([True, True, False])}
+           "mask": jnp.array([True, True, False]), "position": jnp.arange(3)}
   loss_sum, _ = steps.loss_and_metrics(Fixed(), batch, **plain_options(label_smoothing=0.1))
   log_p = np.log(np.exp([2.0, 0.0, -1.0, 0.5]) / np.exp([2.0, 0.0, -1.0, 0.5]).sum())
   expected = sum(-(np.full(4, 0.1 / 4) + 0.9 * np.eye(4)[label]) @ log_p for label in (0, 3))

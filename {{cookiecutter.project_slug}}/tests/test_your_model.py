@@ -59,7 +59,7 @@ def test_your_model_maps_images_to_logits():
   sources, info = input_pipeline.get_datasets(config)
   model = optim.create_model(config, info.image_shape, info.num_classes, nnx.Rngs(0))
   images = jnp.asarray(sources["eval"].images[:5], jnp.float32) / 255
-  logits = steps.call_model(model, images, jnp.ones(5, bool))
+  logits = steps.forward(model, {"image": images, "mask": jnp.ones(5, bool)}, None)
   assert logits.shape == (5, info.num_classes) and bool(jnp.all(jnp.isfinite(logits)))
   assert steps.mask_warning(model) is None, steps.mask_warning(model)
 
@@ -119,7 +119,8 @@ def draws_randomness(graphdef, state, images) -> bool:
     if rekey:
       keys = nnx.state(model, nnx.RngKey)
       nnx.update(model, jax.tree.map(lambda k: jax.random.fold_in(k, 1), keys))
-    return np.asarray(steps.call_model(model, images, jnp.ones(len(images), bool)))
+    return np.asarray(steps.forward(model, {"image": images, "mask": jnp.ones(len(images), bool)},
+                                    None))
 
   return not np.array_equal(forward(False), forward(True))
 

@@ -1,27 +1,11 @@
 """Layers a model.py uses for the project's guarantees to hold: `BatchNorm`, whose statistics are
 those of the real examples (give it the `example_mask` the steps pass to the model)."""
 
-import contextlib
-import contextvars
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 PMAP_AXIS = "devices"  # pmap's axis (pmap.py maps the steps over it; BatchNorm reduces over it)
-# Into how many groups of devices training splits the global batch for BatchNorm's statistics
-# (set by the train step while it traces the model: `statistics_groups`); 1: the global batch.
-_GROUPS = contextvars.ContextVar("batch_norm_groups", default=1)
-
-
-@contextlib.contextmanager
-def statistics_groups(groups: int):
-  """BatchNorm's batch statistics, within the block, over `groups` equal groups of devices."""
-  token = _GROUPS.set(groups)
-  try:
-    yield
-  finally:
-    _GROUPS.reset(token)
 
 
 def bound(axis_name: str) -> bool:
@@ -35,13 +19,16 @@ def bound(axis_name: str) -> bool:
 
 class BatchNorm(nnx.BatchNorm):
   """nnx.BatchNorm whose batch statistics are those of the real examples (`mask`: [batch], False on
-  padding) of the global batch, or of each group of devices under `statistics_groups`
-  (`config.batch_norm_devices`), alike on spmd, fsdp and pmap (pmap: over `PMAP_AXIS`).
+  padding) of the global batch, or of each of `groups` equal groups of devices (the train step
+  sets it from `config.batch_norm_devices`), alike on spmd, fsdp and pmap (pmap: over
+  `PMAP_AXIS`).
 
   Sums and counts are taken per group (jit: the batch cut into `groups` contiguous slices, a
   device's each; pmap: psum over the group); the running statistics are the global batch's, so
   the state is one value on every device. A padded example comes out as the bias: a group of
   padding alone stays finite."""
+
+  groups: int = 1  # into how many groups of devices the global batch is split for the statistics
 
   def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
     if use_running_average is None:
@@ -49,7 +36,7 @@ class BatchNorm(nnx.BatchNorm):
     if mask is not None:  # [batch] -> [batch, 1, ...]: one flag per example
       mask = mask.reshape(-1, *[1] * (x.ndim - 1))
     axis_name = self.axis_name or (PMAP_AXIS if bound(PMAP_AXIS) else None)
-    groups = _GROUPS.get()
+    groups = self.groups
     if use_running_average or (mask is None and axis_name is None and groups == 1):
       return super().__call__(x, use_running_average, mask=mask)
     if mask is None:
@@ -57,8 +44,8 @@ class BatchNorm(nnx.BatchNorm):
     devices = jax.lax.axis_size(axis_name) if axis_name else 1
     split = f"pmap's {devices} devices" if axis_name else f"a batch of {x.shape[0]}"
     if (devices if axis_name else x.shape[0]) % groups:
-      raise ValueError(f"BatchNorm cannot split {split} into {groups} equal groups: give "
-                       "statistics_groups a divisor of the devices.")
+      raise ValueError(f"BatchNorm cannot split {split} into {groups} equal groups: set its "
+                       "groups to a divisor of the devices.")
     local = groups if axis_name is None else 1  # groups in the array this device sees
     shape = (local, x.shape[0] // local, *x.shape[1:])
     x32 = x.astype(jnp.float32).reshape(shape)

@@ -15,7 +15,8 @@ from clu import metrics
 class NonFinite(metrics.Metric):
   """Training steps with a non-finite loss or gradient (their updates were not applied): how
   many of the merged steps, and the index among them of the first, or -1. Steps without a
-  real example are not counted."""
+  real example are not counted. A step's (`steps.train_step`): steps 1 (0 without a real
+  example), count 1 if it was not finite, first 0 if so."""
 
   steps: jax.Array
   count: jax.Array
@@ -24,12 +25,6 @@ class NonFinite(metrics.Metric):
   @classmethod
   def empty(cls):
     return cls(steps=jnp.array(0), count=jnp.array(0), first=jnp.array(-1))
-
-  @classmethod
-  def from_step(cls, finite, real=True):
-    bad = real & ~finite
-    return cls(steps=jnp.where(real, 1, 0), count=jnp.where(bad, 1, 0),
-               first=jnp.where(bad, 0, -1))
 
   def merge(self, other):
     first = jnp.where(self.first >= 0, self.first,

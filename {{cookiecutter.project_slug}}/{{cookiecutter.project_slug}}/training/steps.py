@@ -29,11 +29,6 @@ def takes_mask(model_class) -> bool:
   return any(p.name == "example_mask" or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
-def call_model(model, images_BHWC, mask_B) -> jax.Array:
-  """The one place that calls the model, with the mask when it takes one."""
-  return model(images_BHWC, **({"example_mask": mask_B} if takes_mask(type(model)) else {}))
-
-
 def mask_warning(model) -> str | None:
   """A warning for a model holding BatchNorm that cannot be given the mask, else None."""
   if takes_mask(type(model)) or not any(isinstance(node, nnx.BatchNorm)
@@ -50,31 +45,34 @@ def mask_warning(model) -> str | None:
 AUGMENT_STREAM = 0x61756720  # b"aug "
 
 
-def images(batch, config, augment=None) -> jax.Array:
-  """The model's input: stored pixels as float32 (integers divided by 255, floats as they are),
-  in training augmented by `augment` (the recipe's) with one key an example, made from the seed
-  and its place in the data stream alone (so any batching, device or process count, and any
-  resume draw the same for it)."""
+def forward(model, batch, config, augment=None) -> jax.Array:
+  """The model's float32 logits `[B, K]` of a batch. Its input: the stored pixels as float32
+  (integers divided by 255, floats as they are), in training augmented by `augment` (the
+  recipe's) with one key an example, made from the seed and its place in the data stream alone
+  (so any batching, device or process count, and any resume draw the same for it). The model is
+  given the mask (`batch["mask"]`) when it takes one (`takes_mask`)."""
   images_BHWC = batch["image"].astype(jnp.float32)
   if jnp.issubdtype(batch["image"].dtype, jnp.integer):
     images_BHWC = images_BHWC / 255.0
-  if augment is None:
-    return images_BHWC
-  key = jax.random.fold_in(jax.random.key(config.seed), AUGMENT_STREAM)
-  keys_B = jax.vmap(lambda position: jax.random.fold_in(key, position))(batch["position"])
-  return augment(images_BHWC, keys_B, config)
+  if augment is not None:
+    key = jax.random.fold_in(jax.random.key(config.seed), AUGMENT_STREAM)
+    keys_B = jax.vmap(lambda position: jax.random.fold_in(key, position))(batch["position"])
+    images_BHWC = augment(images_BHWC, keys_B, config)
+  masked = {"example_mask": batch["mask"]} if takes_mask(type(model)) else {}
+  return model(images_BHWC, **masked).astype(jnp.float32)
 
 
-def loss_and_metrics(model, batch, config, recipe, train: bool = True, collection=None):
+def loss_and_metrics(model, batch, config, recipe, collection, train: bool = True):
   """The SUM of the real examples' losses (the recipe's, in float32; normalised later by the
-  global count), and a collection of their metrics (training's forward pass, or `collection`).
-  The recipe's loss of one example is the padding's too: masked out here, whatever it is."""
-  logits_BK = call_model(model, batch["image"], batch["mask"]).astype(jnp.float32)
+  global count), and `collection` (a CLU collection's class) of their metrics. In training
+  (`train`) the images are augmented and the loss is training's. The recipe's loss of one
+  example is the padding's too: masked out here, whatever it is."""
+  logits_BK = forward(model, batch, config, recipe.augment if train else None)
   cross_entropy_B = recipe.loss(logits_BK, batch["label"], config, train=False)
   losses_B = (recipe.loss(logits_BK, batch["label"], config, train=True) if train
               else cross_entropy_B)
   loss_sum = jnp.sum(jnp.where(batch["mask"], losses_B, 0.0))
-  step_metrics = (collection or metrics.of(config).train_loss).single_from_model_output(
+  step_metrics = collection.single_from_model_output(
       loss=losses_B, cross_entropy=cross_entropy_B, logits=logits_BK, labels=batch["label"],
       mask=batch["mask"])
   return loss_sum, step_metrics
@@ -86,18 +84,14 @@ def micro_batches(batch, num: int):
   return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, num, *x.shape[1:]), 0, 1), batch)
 
 
-def summed_gradients(loss_fn, model, batch, num_micro_batches: int, axis_name=None):
-  """Gradient of the summed loss, and metrics (`loss_fn(model, batch)`: the two), over `batch` in
-  `num_micro_batches` pieces run in one loop (gradient accumulation). A piece without a real
+def accumulated_gradients(grad_fn, model, batch, num_micro_batches: int, axis_name=None):
+  """`grad_fn(model, batch)` (the gradient of the summed loss, and metrics), summed over `batch`
+  in `num_micro_batches` pieces run in one loop (gradient accumulation). A piece without a real
   example (over all devices under pmap) adds nothing and leaves the model's state (BatchNorm
   statistics, RNG counters) as it was. Under pmap (`axis_name`) the sums are those of every
   device: each piece's summed over the devices before the pieces are added up, the order in which
   XLA sums spmd's, so the two agree to the bit (summed after, they part by rounding, which
   training amplifies)."""
-  grad_fn = nnx.grad(loss_fn, has_aux=True)
-  if num_micro_batches == 1:
-    sums = grad_fn(model, batch)
-    return sums if axis_name is None else jax.lax.psum(sums, axis_name)
   micro = micro_batches(batch, num_micro_batches)
   # A forward pass changes BatchNorm's statistics and the RNG counters, never the parameters:
   # only that part of the model is carried from micro-batch to micro-batch.
@@ -126,13 +120,16 @@ def summed_gradients(loss_fn, model, batch, num_micro_batches: int, axis_name=No
 
 
 def step_options(config, crop_on_device: bool = True) -> dict:
-  """The steps' keyword arguments `config`, frozen (hashable, read-only), with the recipe's crop
-  off where the input pipeline crops (photos stored whole: `crop_on_device` False), and `recipe`,
-  the module it names (`plan.recipe_module`: recipe.py unless the config names another)."""
+  """The train step's keyword arguments, resolved once: `config`, frozen (hashable, read-only),
+  with the recipe's crop off where the input pipeline crops (photos stored whole:
+  `crop_on_device` False); `recipe`, the module it names (`plan.recipe_module`: recipe.py unless
+  the config names another); `collection`, the class of the forward pass's metrics
+  (`metrics.of(config).train_loss`). The eval step takes the first two."""
   config = ml_collections.ConfigDict(config)
   if not crop_on_device:
     config.augment_crop = False
-  return dict(config=ml_collections.FrozenConfigDict(config), recipe=plan.recipe_module(config))
+  return dict(config=ml_collections.FrozenConfigDict(config), recipe=plan.recipe_module(config),
+              collection=metrics.of(config).train_loss)
 
 
 def sum_of_squares(tree, flat: bool = False) -> jax.Array:
@@ -162,35 +159,43 @@ STEP_FORMS = {
 }
 
 
-def train_step(graphdef, state, running, batch, *, config, recipe, batch_norm_groups=1,
-               axis_name=None, skip_by="select", norms_of="kept", flat_norms=False):
+def train_step(graphdef, state, running, batch, *, config, recipe, collection,
+               batch_norm_groups=1, axis_name=None, skip_by="select", norms_of="kept",
+               flat_norms=False):
   """One optimizer step on one batch; returns the state and `running` with this step's metrics.
   The gradient is sum(real examples' gradients) / (number of real examples), both summed globally
-  (pmap: `axis_name`): exact for any padding and device count. BatchNorm's statistics are those of
-  `batch_norm_groups` groups of devices. A non-finite step, or a batch of padding alone, leaves the
-  state as it was: by selection (`skip_by='select'`: no conditional, which a GPU would sync on) or
-  under `lax.cond` ('cond'); the parameters' norm is taken from the state after the choice
+  (pmap: `axis_name`): exact for any padding and device count; with `config.grad_accum_steps` > 1
+  accumulated over that many pieces of the batch (`accumulated_gradients`). BatchNorm's
+  statistics are those of `batch_norm_groups` groups of devices (the `groups` of the model's
+  `layers.BatchNorm`). A non-finite step, or a batch of padding alone, leaves the state as it
+  was: by selection (`skip_by='select'`: no conditional, which a GPU would sync on) or under
+  `lax.cond` ('cond'); the parameters' norm is taken from the state after the choice
   (`norms_of='kept'`) or before it ('updated'), the update's from the update the optimizer
   returns; each norm one reduction (`flat_norms`, not fsdp's split leaves) or one a leaf;
-  `STEP_FORMS` chooses per backend. With a moving
-  average (state (model, optimizer, average)) its `AVERAGED` variables move by 1 - `ema_decay`, or
-  with `ema_warmup` by 1 - min(`ema_decay`, (1 + n) / (10 + n)) at update n (as TensorFlow's).
-  `config`: the run's, frozen; `recipe`: the loss, augmentation and metrics (`step_options`).
+  `STEP_FORMS` chooses per backend. With a moving average (state (model, optimizer, average))
+  its `AVERAGED` variables move by 1 - `ema_decay`, or with `ema_warmup` by 1 - min(`ema_decay`,
+  (1 + n) / (10 + n)) at update n (as TensorFlow's). `config`: the run's, frozen; `recipe`: the
+  loss and augmentation; `collection`: the forward pass's metrics (`step_options`).
   The model trains in the mode it was built in (NNX's default: Dropout on, BatchNorm on batch
   statistics; a layer built with `deterministic=True` stays so); evaluation calls model.eval().
   Random layers draw one mask over the global batch, by row, on spmd and fsdp (the same for one
   device or many, one process or several); on pmap each device its own (`fold_in_device_index`)."""
   old_state = jax.tree.map(lambda x: x, state)  # kept for a step that changes nothing
   model, optimizer, *average = nnx.merge(graphdef, state)  # in the mode it was built in
-  batch = dict(batch, image=images(batch, config, recipe.augment))
-  loss_fn = functools.partial(loss_and_metrics, config=config, recipe=recipe)
+  model.set_attributes(layers.BatchNorm, groups=batch_norm_groups, raise_if_not_found=False)
+  grad_fn = nnx.grad(functools.partial(loss_and_metrics, config=config, recipe=recipe,
+                                       collection=collection), has_aux=True)
   if axis_name is not None:
     from ..parallel import pmap  # (the pmap path alone)
 
     restore_keys = pmap.fold_in_device_index(model, axis_name)
-  with layers.statistics_groups(batch_norm_groups):
-    grads, step_metrics = summed_gradients(loss_fn, model, batch, config.grad_accum_steps,
-                                           axis_name)
+  if config.grad_accum_steps > 1:
+    grads, step_metrics = accumulated_gradients(grad_fn, model, batch, config.grad_accum_steps,
+                                                axis_name)
+  else:
+    grads, step_metrics = grad_fn(model, batch)
+    if axis_name is not None:
+      grads, step_metrics = jax.lax.psum((grads, step_metrics), axis_name)
   if axis_name is not None:
     restore_keys()
   count = step_metrics.loss.count
@@ -227,8 +232,10 @@ def train_step(graphdef, state, running, batch, *, config, recipe, batch_norm_gr
   # gradient's on every path, under pmap the psum'd one; before clipping).
   norms = dict(l2_grads=jnp.sqrt(grads_squared) / jnp.maximum(count, 1),
                l2_params=jnp.sqrt(params_squared), l2_updates=jnp.sqrt(updates_squared))
+  bad = real & ~finite  # (a step of padding alone is not counted)
   step_metrics = type(running)(  # training's collection (metrics.of(config).train)
-      **vars(step_metrics), nonfinite_steps=NonFinite.from_step(finite, real),
+      **vars(step_metrics), nonfinite_steps=NonFinite(
+          steps=jnp.where(real, 1, 0), count=jnp.where(bad, 1, 0), first=jnp.where(bad, 0, -1)),
       **{name: clu_metrics.Average(total=jnp.where(applied, norm, 0.0),
                                    count=applied.astype(jnp.int32))
          for name, norm in norms.items()})
@@ -241,8 +248,7 @@ def eval_step(graphdef, state, running, batch, *, config, recipe, axis_name=None
   objects = nnx.merge(graphdef, state)
   model = objects[2] if len(objects) > 2 else objects[0]
   model.eval()
-  _, step_metrics = loss_and_metrics(model, dict(batch, image=images(batch, config)), config,
-                                     recipe, train=False, collection=type(running))
+  _, step_metrics = loss_and_metrics(model, batch, config, recipe, type(running), train=False)
   if axis_name is not None:
     step_metrics = jax.lax.psum(step_metrics, axis_name)
   return running.merge(step_metrics)
@@ -352,8 +358,8 @@ def probabilities(graphdef, state, images_BHWC, mask_B=None) -> jax.Array:
   model = nnx.merge(graphdef, state)
   model.eval()
   mask_B = jnp.ones(images_BHWC.shape[:1], bool) if mask_B is None else mask_B
-  logits_BK = call_model(model, images({"image": images_BHWC}, None), mask_B)
-  return jax.nn.softmax(logits_BK.astype(jnp.float32), axis=-1)
+  logits_BK = forward(model, {"image": images_BHWC, "mask": mask_B}, None)
+  return jax.nn.softmax(logits_BK, axis=-1)
 
 
 def sync_every(config) -> int:
