@@ -68,7 +68,7 @@ class Loaded(NamedTuple):
 
 
 def model_input(pixel_dtype: str) -> str:
-  """What the model is given of stored pixels of `pixel_dtype` (steps.images)."""
+  """What the model is given of stored pixels of `pixel_dtype` (steps.forward)."""
   return "pixels / 255" if np.issubdtype(pixel_dtype, np.integer) else "pixels as stored"
 
 
