@@ -254,16 +254,19 @@ def test_nonfinite_steps_can_be_skipped(tiny_config, tmp_path):
   assert all(np.isfinite(x).all() for x in state.values() if x.dtype.kind == "f")
 
 
-def step_flag(finite: bool, real: bool = True):
-  """A step's `metrics.NonFinite`, as `steps.train_step` makes it."""
-  bad = real and not finite
-  return metrics.NonFinite(steps=jax.numpy.array(int(real)), count=jax.numpy.array(int(bad)),
-                           first=jax.numpy.array(0 if bad else -1))
+# A step's `metrics.NonFinite` (steps, count, first), as the train step makes it: a finite step, a
+# non-finite one, one of padding alone (counted as no step; test_steps.py's
+# test_a_skipped_step_leaves_the_whole_state_bitwise_unchanged checks the step's own).
+FINITE, NOT_FINITE, PADDING = (1, 0, -1), (1, 1, 0), (0, 0, -1)
+
+
+def step_flag(fields: tuple):
+  return metrics.NonFinite(*map(jax.numpy.array, fields))
 
 
 def test_nonfinite_steps_are_counted_and_the_first_found_however_merged():
   finite = [True, True, False, True, False, True]  # steps 0-5; 2 and 4 not finite
-  flags = [step_flag(ok) for ok in finite]
+  flags = [step_flag(FINITE if ok else NOT_FINITE) for ok in finite]
   one_by_one = metrics.NonFinite.empty()
   for flag in flags:
     one_by_one = one_by_one.merge(flag)
@@ -273,7 +276,7 @@ def test_nonfinite_steps_are_counted_and_the_first_found_however_merged():
   for merged in (one_by_one, halves):
     assert (int(merged.steps), int(merged.count), int(merged.first)) == (6, 2, 2)
   assert (int(late.count), int(late.first)) == (1, 1)
-  padding_first = step_flag(True, real=False).merge(flags[2])
+  padding_first = step_flag(PADDING).merge(flags[2])
   assert (int(padding_first.steps), int(padding_first.count), int(padding_first.first)) == (1, 1, 0)
   clean = metrics.NonFinite.empty().merge(flags[0]).merge(flags[1])
   assert (int(clean.count), int(clean.first)) == (0, -1)
