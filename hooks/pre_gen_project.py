@@ -21,6 +21,9 @@ CHOICES = {
 }
 
 SLUG_RE = re.compile(r"[a-z][a-z0-9_]*[a-z0-9]")
+# The longest slug whose import lines fit ruff's 100 columns everywhere in the project (a slug
+# derived from the project's name is cut to it, at a word).
+SLUG_MAX = 40
 # Modules the generated project imports or holds at its top level (the machinery is the package
 # named by the slug): a slug with one of these names would shadow one of them.
 TAKEN = {
@@ -47,6 +50,10 @@ def error() -> str | None:
     return (f"project_slug {slug!r} is not a valid directory and distribution name: it must "
             "start with a lowercase letter, contain only lowercase letters, digits and '_', "
             f"and end with a letter or digit (e.g. {suggest(slug)!r})")
+  if len(slug) > SLUG_MAX:
+    return (f"project_slug {slug!r} is {len(slug)} characters; give one of at most {SLUG_MAX}, "
+            f"so that the project's import lines fit its line length (e.g. "
+            f"{suggest(slug[:SLUG_MAX])!r})")
   if slug in TAKEN_LOWER:
     return (f"project_slug {slug!r} would shadow {TAKEN_LOWER[slug]!r}, which the project "
             f"imports or contains (e.g. {suggest(slug)!r})")

@@ -216,6 +216,19 @@ def test_bake_quotes_backslashes_unicode(cookies):
   assert_lint_and_compile(project)
 
 
+@pytest.mark.parametrize("answers, slug", [
+    ({"project_name": "Zoë's Quoted Back-Slash Unicode Project, Named At Greater Length"},
+     "zoe_s_quoted_back_slash_unicode_project"),
+    ({"project_slug": "zoe_s_quoted_back_slash_unicode_projects"}, None),
+], ids=["long-name", "longest-slug"])
+def test_bake_a_long_name_lints_clean(cookies, answers, slug):
+  """A long project name gives a slug cut at a word to 40 characters at most (the hook's
+  SLUG_MAX), and a project of the longest slug lints clean (import lines wrap or fit)."""
+  project = bake_ok(cookies, **answers)
+  assert project.name == (slug or answers["project_slug"]) and len(project.name) <= 40
+  assert_lint_and_compile(project)
+
+
 def project_imports(project: Path) -> dict[str, set[str]]:
   """Each module of the baked project -> the project's modules it imports (anywhere in it,
   relative imports resolved), from its source."""
@@ -342,13 +355,14 @@ BAD_INPUTS = [
     ({"project_slug": "My-Project"}, ["project_slug", "lowercase", "'my_project'"]),
     ({"project_slug": "1abc"}, ["project_slug", "start with a lowercase letter", "'abc'"]),
     ({"project_slug": "jax"}, ["project_slug", "shadow", "'jax'"]),
+    ({"project_slug": "a" * 41}, ["project_slug", "41 characters", "at most 40"]),
     ({"parallelism": "dp"}, ["parallelism", "'dp'", "choices: spmd, pmap, fsdp"]),
     ({"python_min": "3.9"}, ["python_min", "'3.9'", "choices: 3.11, 3.12, 3.13"]),
     ({"project_name": "", "project_slug": "no_name"}, ["project_name must not be empty"]),
     ({"author": "  "}, ["author must not be empty"]),
 ]
-BAD_IDS = ["slug-case", "slug-digit", "slug-jax", "parallelism", "python_min", "no-name",
-           "no-author"]
+BAD_IDS = ["slug-case", "slug-digit", "slug-jax", "slug-long", "parallelism", "python_min",
+           "no-name", "no-author"]
 CHOICE_VARIABLES = {"license", "python_min", "parallelism"}
 
 
@@ -452,11 +466,13 @@ USER_MODELS = TEMPLATE / "tests" / "user_models"
 
 
 @pytest.mark.baked_suite
-@pytest.mark.parametrize("model", ["residual_dropout", "mlp", "convnext"])
+@pytest.mark.parametrize("model", ["residual_dropout", "mlp", "convnext", "vit"])
 def test_baked_fast_tier_passes_with_a_model_of_your_own(cookies, model):
   """model.py replaced by a user's (tests/user_models/: a residual CNN with the masked BatchNorm
   and Dropout, written as the baked README says; an MLP without convolutions, with Dropout; a
-  ConvNeXt: depthwise convolutions, LayerNorm, a hand-written stochastic depth): the fast tier
+  ConvNeXt: depthwise convolutions, LayerNorm, a hand-written stochastic depth; a ViT of stock
+  NNX layers alone, nnx.MultiHeadAttention with attention dropout among them, no
+  `deterministic=` anywhere: the step's model.train() and model.eval() set it): the fast tier
   passes, the tests of the machinery on their own models, the your-model tier on this one; and
   the your-model tier's slow test: train.py stopped by Ctrl-C and resumed by the same command."""
   project = bake_ok(cookies)
@@ -470,11 +486,38 @@ def test_baked_fast_tier_passes_with_a_model_of_your_own(cookies, model):
   print(output.strip().splitlines()[-1])
 
 
+FOCAL_LOSS = """\
+  cross_entropy_B = optax.softmax_cross_entropy_with_integer_labels(logits_BK, labels_B)
+  if not train:
+    return cross_entropy_B
+  return (1 - jnp.exp(-cross_entropy_B)) ** config.focal_gamma * cross_entropy_B
+"""
+
+
+@pytest.mark.baked_suite
+def test_a_key_you_add_for_recipe_py_reaches_every_test_of_the_your_model_tier(cookies):
+  """recipe.py's promise (a key you add to configs/default.py is read there as config.KEY, with
+  nothing to pass on), kept by the tests: a focal loss reading config.focal_gamma, and the
+  your-model tier passes whole on it."""
+  project = bake_ok(cookies)
+  default = project / "configs" / "default.py"
+  default.write_text(default.read_text().replace(
+      "  return config\n", "  config.focal_gamma = 2.0  # recipe.loss's\n  return config\n"))
+  recipe = project / "recipe.py"
+  plain = "  return optax.softmax_cross_entropy_with_integer_labels(logits_BK, labels_B)\n"
+  assert recipe.read_text().count(plain) == 1
+  recipe.write_text(recipe.read_text().replace(plain, FOCAL_LOSS))
+  output = run_tier(project, "fast", "-rA", "tests/test_your_model.py")
+  ours = re.findall(r"^PASSED tests/test_your_model.py::(\w+)", output, re.MULTILINE)
+  assert len(ours) == 5, output[-5000:]
+
+
 @pytest.mark.baked_suite
 def test_the_your_model_tier_names_the_path_and_leaf_of_a_model_that_differs(cookies):
   """A test of the test: a model.py whose plain nnx.BatchNorm takes each device's statistics
   under pmap, the whole batch's elsewhere (tests/user_models/differs.py), fails the your-model
-  tier's comparison, naming pmap and the leaves beyond their bounds, and no other path."""
+  tier's comparison: a summary line first (pmap, in how many leaves; the paths that agree), the
+  likely causes, then at most 5 of the leaves beyond their bounds, and no other path."""
   project = bake_ok(cookies)
   (project / "model.py").write_text((USER_MODELS / "differs.py").read_text())
   env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
@@ -483,8 +526,14 @@ def test_the_your_model_tier_names_the_path_and_leaf_of_a_model_that_differs(coo
              cwd=project, timeout=900, env=env)
   output = proc.stdout + proc.stderr
   assert proc.returncode == 1 and "1 failed" in output, output[-3000:]
-  assert re.search(r"^E\s+pmap: 0/hidden/kernel differs by \S+ \(norm\), bound \S+ = 0.0001 x ",
-                   output, re.MULTILINE), output[-3000:]
-  assert re.search(r"^E\s+pmap: loss \S+, accuracy \S+ of 148 examples; one device: ", output,
-                   re.MULTILINE), output[-3000:]
-  assert not re.search(r"^E\s+(spmd|fsdp): ", output, re.MULTILINE), output[-3000:]
+  # The failure: its summary line first, the likely causes, then at most 5 leaves a path.
+  report = output[output.index("FAILURES"):].splitlines()[2:]
+  assert report[0] == ("pmap differs from one device in its metrics, 7 of 10 leaves; spmd and "
+                       "fsdp agree"), output[-3000:]
+  assert report[1].startswith("Likely causes: a statistic over the batch a device sees"), report
+  assert re.fullmatch(r"pmap: loss \S+, accuracy \S+ of 148 examples; one device: .*", report[2])
+  assert re.fullmatch(r"pmap: 0/hidden/kernel differs by \S+ \(norm\), bound \S+ = 0.0001 x .*",
+                      report[3]), report
+  leaves = [line for line in report if re.match(r"pmap: \d/\S+ differs by ", line)]
+  assert len(leaves) == 5 and "pmap: ... and 2 more leaves" in report, report
+  assert not re.search(r"^(E\s+)?(spmd|fsdp): ", output, re.MULTILINE), output[-3000:]

@@ -2,7 +2,9 @@
 Replace them freely.
 
 Contract with train.py: `create_model(config, image_shape, num_classes, rngs)` returns an
-`nnx.Module` mapping images `[batch, height, width, channels]` to logits `[batch, num_classes]`.
+`nnx.Module` mapping images `[batch, height, width, channels]` to logits `[batch, num_classes]`
+(train.py checks both, abstractly, before it compiles anything). Training calls `model.train()`
+and evaluation `model.eval()`, as Flax's examples do: stock layers need no `deterministic=`.
 A model whose `__call__` has an `example_mask` parameter (or `**kwargs`) also gets the mask
 `[batch]` (False on padding), for layers that pool over the batch
 (`layers.BatchNorm(...)(x, mask=example_mask)`). The loss is computed in float32 whatever

@@ -19,7 +19,15 @@ from {{cookiecutter.project_slug}} import errors, plan
 from {{cookiecutter.project_slug}}.data import input_pipeline
 from {{cookiecutter.project_slug}}.errors import BadData, ConfigError
 from {{cookiecutter.project_slug}}.parallel import distributed, sharding
-from {{cookiecutter.project_slug}}.training import flops, metrics, optim, runs, steps, stopping, writers
+from {{cookiecutter.project_slug}}.training import (
+  flops,
+  metrics,
+  optim,
+  runs,
+  steps,
+  stopping,
+  writers,
+)
 
 
 def prepare(config: ml_collections.ConfigDict, workdir: str):
@@ -74,6 +82,7 @@ def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   memory = input_pipeline.host_memory(config, info, jax.process_count())
   eval_batches = input_pipeline.eval_batches(splits["eval"], config, rows)
   writers.log_run(config, info, recipe, memory, num_train_steps, workdir)
+  optim.check_model(config, info)  # model.py on this data, abstractly: before any compile
   # Compiled now, as one program: op by op, it would compile at the first log, inside the first
   # timed interval (a GPU: ~1 s of a ResNet-50 run's second interval).
   schedule = jax.jit(recipe.schedule(config, num_train_steps))

@@ -113,9 +113,10 @@ def test_the_tpu_pod_script_runs_train_py_on_every_host_with_the_arguments(tmp_p
            "HOST_DIR": str(tmp_path / "host")})
   assert done.returncode == 0, done.stderr
   copy, ssh = log.read_text().splitlines()
+  code = ("import train, model, {{cookiecutter.project_slug}} as package; "
+          "print(package.__file__)")
   imported = subprocess.run(  # from the copy (an editable install would find the original)
-      [sys.executable, "-c", "import train, model, {{cookiecutter.project_slug}} as package; "
-       "print(package.__file__)"],
+      [sys.executable, "-c", code],
       cwd=tmp_path / "host" / "nnx-dp", capture_output=True, text=True, timeout=120,
       env={**os.environ, "PYTHONPATH": ""})
   assert imported.returncode == 0, imported.stderr[-3000:]

@@ -384,3 +384,25 @@ def test_commands_reading_with_workers_end_within_3_seconds_of_their_last_line(t
   assert max(exits) <= 3, exits
   for pid in pids:  # every unit its workers made: received and unlinked, or removed
     assert not glob.glob(os.path.join(shm.DIRECTORY, f"{shm.PREFIX}-{pid}-*"))
+
+
+@pytest.mark.parametrize("layout", ["class_folders", "train_and_val"])
+def test_a_folder_of_images_given_as_a_dataset_points_to_write_arrayrecord(tmp_path, layout):
+  """--config.dataset=<not a source> --config.data_dir=<class folders of images>: one line that
+  says to write them with write_arrayrecord.py --image_folder first, and how to train on them."""
+  for split in (("train", "val") if layout == "train_and_val" else ("",)):
+    os.makedirs(folder := tmp_path / "photos" / split / "cat")
+    Image.fromarray(np.zeros((4, 4), np.uint8)).save(folder / "0.png")
+  config = owned(default.get_config())
+  config.dataset, config.data_dir = "imagefolder", str(tmp_path / "photos")
+  with pytest.raises(plan.ConfigError) as refused:
+    plan.validate_config(config)
+  assert str(refused.value) == (
+      f"config.dataset='imagefolder' is unknown; config.data_dir={config.data_dir!r} holds "
+      "folders of images: write them as ArrayRecord files first (python write_arrayrecord.py "
+      f"--image_folder={config.data_dir} --out_dir=data/mine), then train on them with "
+      "--config.dataset=arrayrecord --config.data_dir=data/mine.")
+  config.data_dir = str(tmp_path)  # no image in a class folder: the sources are named
+  with pytest.raises(plan.ConfigError, match=r"^config.dataset='imagefolder' is unknown; use one "
+                     r"of \('digits', "):
+    plan.validate_config(config)

@@ -22,9 +22,11 @@ from {{cookiecutter.project_slug}}.training import trained
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def train(workdir, processes: int, *overrides: str) -> dict[str, dict[int, float]]:
-  """Runs train.py on 8 CPU devices in all (1 x 8 or 2 x 4); returns its scalars."""
-  args = ["--config=configs/tiny.py", *OWN, f"--workdir={workdir}", *overrides]
+def train(workdir, processes: int, *overrides: str,
+          own: bool = True) -> dict[str, dict[int, float]]:
+  """Runs train.py on 8 CPU devices in all (1 x 8 or 2 x 4), on the tests' own model and
+  recipe (`own`; else model.py and recipe.py); returns its scalars."""
+  args = ["--config=configs/tiny.py", *(OWN if own else ()), f"--workdir={workdir}", *overrides]
   if processes == 1:
     command = [sys.executable, "train.py", *args]
     env = dict(os.environ)  # 8 devices (conftest.py)

@@ -73,23 +73,18 @@ def jitted_single_step(graphdef, options):
 
 
 @functools.cache
-def compiled_steps(graphdef, config_items: tuple, unroll=None) -> tuple[steps.Steps,
-                                                                         jax.sharding.Mesh]:
-  """`steps.make` for a graphdef and the config's items, made once per test session."""
-  config = ml_collections.ConfigDict(dict(config_items))
+def compiled_steps(graphdef, config: ml_collections.FrozenConfigDict,
+                   unroll=None) -> tuple[steps.Steps, jax.sharding.Mesh]:
+  """`steps.make` for a graphdef and a config, made once per test session."""
   mesh = sharding.make_mesh(config)
   return steps.make(graphdef, config, mesh, unroll), mesh
 
 
 def steps_for(config, parallelism, graphdef, k=1, unroll=None):
+  """The steps of `config` (whole: a key you add for recipe.py reaches the step) on
+  `parallelism`, k steps a call."""
   config.parallelism, config.steps_per_dispatch = parallelism, k
-  return compiled_steps(graphdef, tuple(
-      (key, config[key]) for key in ("parallelism", "steps_per_dispatch", "grad_accum_steps",
-                                     "augment_max_shift", "seed", "fsdp_devices",
-                                     "fsdp_min_size", "augment_flip", "augment_crop",
-                                     "augment_crop_scale", "augment_crop_ratio",
-                                     "label_smoothing", "ema_decay", "ema_warmup",
-                                     "batch_norm_devices", "recipe")), unroll)
+  return compiled_steps(graphdef, ml_collections.FrozenConfigDict(config), unroll)
 
 
 def run(config, parallelism, batch_list, graphdef=None, state=None, k=1, unroll=None):

@@ -22,7 +22,13 @@ from write_arrayrecord import write_dataset
 
 from {{cookiecutter.project_slug}} import plan
 from {{cookiecutter.project_slug}}.data import input_pipeline
-from {{cookiecutter.project_slug}}.training import metrics, runs, steps, stopping, writers
+from {{cookiecutter.project_slug}}.training import (
+  metrics,
+  runs,
+  steps,
+  stopping,
+  writers,
+)
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ)  # 8 CPU devices (conftest.py)

@@ -660,6 +660,93 @@ def test_bad_config_is_one_line_before_anything_is_read_or_written(tmp_path, mon
   assert not workdir.exists()
 
 
+# A user's model.py (an MLP), and its mistakes: (name, the line replaced, its replacement, the
+# flags, what the one line says; {path}: the file's, {line}: the replaced line's number).
+USER_MODEL = """from flax import nnx
+
+
+class MLP(nnx.Module):
+  def __init__(self, image_shape, num_classes, *, rngs):
+    height, width, channels = image_shape
+    self.hidden = nnx.Linear(height * width * channels, 32, rngs=rngs)
+    self.out = nnx.Linear(32, num_classes, rngs=rngs)
+
+  def __call__(self, images_BHWC):
+    x = images_BHWC.reshape(images_BHWC.shape[0], -1)
+    return self.out(nnx.relu(self.hidden(x)))
+
+
+def create_model(config, image_shape, num_classes, rngs):
+  return MLP(image_shape, num_classes, rngs=rngs)
+"""
+THREE_CLASSES = ("--config.dataset=synthetic", "--config.synthetic.num_classes=3",
+                 "--config.synthetic.image_shape=(8,8,1)", "--config.synthetic.num_train=256",
+                 "--config.synthetic.num_eval=64")
+BROKEN_MODELS = [
+    ("syntax_error", "    height, width, channels = image_shape",
+     "    height, width, channels = image_shape +", (), "{path}:{line}: SyntaxError: "),
+    ("fails_at_import", "from flax import nnx", "from flax import nnx_typo", (),
+     "{path}:{line}: ImportError: cannot import name 'nnx_typo' from 'flax'"),
+    ("wrong_signature", "def create_model(config, image_shape, num_classes, rngs):",
+     "def create_model(config, image_shape, rngs):", (),
+     "{path}:{line}: create_model(config, image_shape, rngs) cannot be called as "
+     "create_model(config, image_shape, num_classes, rngs) (too many positional arguments); "
+     "keep that signature"),
+    ("fails_to_build", "    self.out = nnx.Linear(32, num_classes, rngs=rngs)",
+     "    self.out = nnx.Linear(32, num_classes, rngs=rngs, bias=False)", (),
+     "{path}:{line}: create_model(config, image_shape=(8, 8, 1), num_classes=10, rngs) failed: "
+     "TypeError: Linear.__init__() got an unexpected keyword argument 'bias'"),
+    ("fails_on_a_batch", "    x = images_BHWC.reshape(images_BHWC.shape[0], -1)",
+     "    x = images_BHWC.reshape(images_BHWC.shape[0], 7, -1)", (),
+     "{path}:{line}: the model failed on a batch of images [64, 8, 8, 1] float32: TypeError: "),
+    ("logits_of_every_token", "    return self.out(nnx.relu(self.hidden(x)))",
+     "    return self.out(nnx.relu(self.hidden(x)))[:, None].repeat(17, axis=1)", (),
+     "{path}: the model returned [64, 17, 10] float32 for a batch of 64 images; expected logits "
+     "[64, 10] of a floating dtype; reduce the other axes (pool, or take the class token) "
+     "before the head."),
+    ("ten_classes_on_three", "  return MLP(image_shape, num_classes, rngs=rngs)",
+     "  return MLP(image_shape, 10, rngs=rngs)", THREE_CLASSES,
+     "{path}: the model returned [64, 10] float32 for a batch of 64 images; expected logits "
+     "[64, 3] of a floating dtype; the data has 3 classes: build the head with create_model's "
+     "num_classes, not 10."),
+    ("integer_logits", "    return self.out(nnx.relu(self.hidden(x)))",
+     "    return self.out(nnx.relu(self.hidden(x))).argsort(axis=-1)", (),
+     "{path}: the model returned [64, 10] int32 for a batch of 64 images; expected logits "
+     "[64, 10] of a floating dtype."),
+]
+
+
+@pytest.mark.parametrize("name, line, replacement, flags_, message", BROKEN_MODELS,
+                         ids=[case[0] for case in BROKEN_MODELS])
+def test_a_broken_model_is_one_line_naming_its_line_before_anything_compiles(
+    tmp_path, monkeypatch, name, line, replacement, flags_, message):
+  """model.py that does not import, a create_model of another signature or that fails, a model
+  that fails on a batch or returns other than `[batch, classes]` floats: one line that names the
+  file and line (or the shape it returned and the one expected), through train.py's entry
+  point, before anything is written or compiled (no program lowered: JAX's own events; abstract
+  evaluation traces alone)."""
+  assert USER_MODEL.count(line + "\n") == 1, line
+  source = USER_MODEL.replace(line + "\n", replacement + "\n")
+  path = tmp_path / f"broken_{name}.py"
+  path.write_text(source)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.chdir(PROJECT)
+  lowered = []
+  listener = lambda event, *_, **__: lowered.append(event)  # noqa: E731
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    error = run_in_process("--config=configs/tiny.py", f"--config.model.module={path.stem}",
+                           "--config.recipe=shipped_recipe", f"--workdir={tmp_path / 'run'}",
+                           *flags_)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  wanted = message.format(path=path, line=source.splitlines().index(replacement) + 1)
+  assert error.startswith(f"error: {wanted}") and "\n" not in error, error
+  assert not (tmp_path / "run").exists()
+  assert not [e for e in lowered if e in ("/jax/core/compile/jaxpr_to_mlir_module_duration",
+                                          "/jax/core/compile/backend_compile_duration")], lowered
+
+
 @pytest.mark.parametrize("config", [["--config=configs/tiny.py"], ["--config", "configs/tiny.py"]])
 def test_an_unknown_key_is_named_with_the_closest_key(monkeypatch, config):
   """However --config is spelt: the first --config.KEY that the file lacks, the nearest key."""
@@ -733,6 +820,22 @@ def test_a_checkpoint_of_another_model_is_refused_and_kept(straight_runs, tmp_pa
                           "different model: 0/convs/1/bias/value is (16,) there and (32,) in "
                           "this config") and "\n" not in error, error
   assert {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()} == before
+
+
+def test_a_refused_checkpoint_names_a_parameter_before_an_rng_counter(straight_runs, tmp_path,
+                                                                      monkeypatch):
+  """A model with a Dropout added (its RNG stream's key and count, absent there) and another
+  optimizer (its state's leaves differ): the leaf named is the optimizer's, not the RNG
+  counter that sorts first; and how many more differ."""
+  workdir = tmp_path / "run"
+  shutil.copytree(straight_runs["spmd"][0] / "checkpoints", workdir / "checkpoints")
+  monkeypatch.chdir(PROJECT)
+  error = run_in_process("--config=configs/tiny.py", *OWN, f"--workdir={workdir}",
+                         "--config.num_epochs=2", "--config.model.dropout=0.5",
+                         "--config.optimizer=sgd", "--config.momentum=0")
+  named = re.match(r"error: workdir .* of a different model: (\S+) is .* in this config and "
+                   r"model \((\d+) more leaves differ\); use a new --workdir", error)
+  assert named and named[1].startswith("1/") and int(named[2]) >= 2, error
 
 
 @pytest.mark.slow

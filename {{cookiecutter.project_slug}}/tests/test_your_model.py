@@ -21,6 +21,8 @@ import numpy as np
 import pytest
 from flax import nnx
 from PIL import Image
+from test_multiprocess import assert_same_run
+from test_multiprocess import train as train_processes
 from test_parallel import as_numpy, batches, run
 from test_preemption import final_state
 
@@ -55,12 +57,17 @@ def straight(tmp_path_factory):
 
 
 def test_your_model_maps_images_to_logits():
-  config = config_as_shipped()
+  """The check that train.py makes before compiling anything (`optim.check_model`: abstract),
+  then the model run in train mode and in eval mode (as the steps set them): finite logits."""
+  config = plan.resolved(config_as_shipped())
   sources, info = input_pipeline.get_datasets(config)
+  optim.check_model(config, info)
   model = optim.create_model(config, info.image_shape, info.num_classes, nnx.Rngs(0))
   images = jnp.asarray(sources["eval"].images[:5], jnp.float32) / 255
-  logits = steps.forward(model, {"image": images, "mask": jnp.ones(5, bool)}, None)
-  assert logits.shape == (5, info.num_classes) and bool(jnp.all(jnp.isfinite(logits)))
+  for set_mode in (model.train, model.eval):
+    set_mode()
+    logits = steps.forward(model, {"image": images, "mask": jnp.ones(5, bool)}, None)
+    assert logits.shape == (5, info.num_classes) and bool(jnp.all(jnp.isfinite(logits)))
   assert steps.mask_warning(model) is None, steps.mask_warning(model)
 
 
@@ -105,9 +112,18 @@ def differences(got, want, start) -> list[str]:
 
 
 def with_randomness_off(graphdef, state):
-  """The same state, its modules' `deterministic` on (what model.eval() sets: nnx.Dropout's, and
-  any random layer's of yours that honours it), BatchNorm still on batch statistics."""
+  """The same state, its modules' `deterministic` on (what model.eval() sets: nnx.Dropout's,
+  nnx.MultiHeadAttention's, and any random layer's of yours that honours it), in training too:
+  the model's class given a `train()` that sets it back on after Flax's (the step calls
+  model.train()); BatchNorm still on batch statistics."""
   objects = nnx.merge(graphdef, state)
+  model_class = type(objects[0])
+
+  def train(self, **attributes):
+    model_class.train(self, **attributes)
+    self.set_attributes(deterministic=True, raise_if_not_found=False)
+
+  objects[0].__class__ = type(model_class.__name__, (model_class,), {"train": train})
   objects[0].set_attributes(deterministic=True, raise_if_not_found=False)
   return nnx.split(objects)
 
@@ -145,21 +161,54 @@ def takes_the_same_steps_on_every_path(batch_norm_devices: int, paths=("spmd", "
       "draw nothing when it is True, as nnx.Dropout does")
   data = batches([64, 20, 64])
   copy = lambda state: jax.tree.map(jnp.copy, state)  # (the steps donate it)  # noqa: E731
-  reference = {}
-  wrong = []
+  reference, wrong = {}, {}
   for parallelism in paths:
     graph, start = quiet if parallelism == "pmap" else (graphdef, state)
     if graph not in reference:
       reference[graph] = run(config, "single", data, graph, copy(start))
     single, single_metrics = reference[graph]
     got, metrics = run(config, parallelism, data, graph, copy(start))
-    wrong += [f"{parallelism}: {line}" for line in differences(got, single, start)]
+    leaves = differences(got, single, start)
     if (metrics["examples"] != 148 or metrics["accuracy"] != single_metrics["accuracy"]
         or metrics["loss"] != pytest.approx(single_metrics["loss"], rel=1e-5)):
-      wrong.append(f"{parallelism}: loss {metrics['loss']:.7g}, accuracy {metrics['accuracy']:.7g}"
-                   f" of {metrics['examples']} examples; one device: {single_metrics['loss']:.7g}"
-                   f", {single_metrics['accuracy']:.7g} of 148")
-  assert not wrong, "a path takes another step than one device:\n" + "\n".join(wrong)
+      leaves.insert(0, f"loss {metrics['loss']:.7g}, accuracy {metrics['accuracy']:.7g} of "
+                    f"{metrics['examples']} examples; one device: {single_metrics['loss']:.7g}, "
+                    f"{single_metrics['accuracy']:.7g} of 148")
+    if leaves:
+      wrong[parallelism] = (leaves, len(jax.tree.leaves(single)))
+  if wrong:
+    pytest.fail(path_report(wrong, paths), pytrace=False)
+
+
+# What makes a path take another step than one device, said once under the summary.
+LIKELY_CAUSES = (
+    "Likely causes: a statistic over the batch a device sees (a plain nnx.BatchNorm: use "
+    "layers.BatchNorm with example_mask), code that reads x.shape[0] (a device's batch under "
+    "pmap, the global one elsewhere), random keys drawn from the data, or a random layer that "
+    "ignores `deterministic`.")
+
+
+def path_report(wrong: dict, paths, shown: int = 5) -> str:
+  """What a failing path comparison prints: a summary line (each failing path, in how many of
+  its leaves; the paths that agree), the likely causes in one sentence, then per path its
+  metrics' line when they differ and at most `shown` leaves."""
+  summary = "; ".join(
+      f"{path} differs from one device in "
+      + ", ".join(filter(None, [
+          "its metrics" if lines[0].startswith("loss ") else "",
+          f"{sum(not x.startswith('loss ') for x in lines)} of {total} leaves"]))
+      for path, (lines, total) in wrong.items())
+  agree = [path for path in paths if path not in wrong]
+  if agree:
+    summary += f"; {' and '.join(agree)} agree{'s' if len(agree) == 1 else ''}"
+  details = []
+  for path, (lines, _) in wrong.items():
+    metrics_line = [x for x in lines[:1] if x.startswith("loss ")]
+    leaves = lines[len(metrics_line):]
+    details += [f"{path}: {line}" for line in metrics_line + leaves[:shown]]
+    if len(leaves) > shown:
+      details.append(f"{path}: ... and {len(leaves) - shown} more leaves")
+  return "\n".join([summary, LIKELY_CAUSES, *details])
 
 
 def test_your_model_takes_the_same_steps_on_every_path():
@@ -206,14 +255,34 @@ def test_predict_evaluate_and_export_work_on_your_model(straight, tmp_path):
   paths = [str(tmp_path / f"{i}.png") for i in range(len(images))]
   for path, image in zip(paths, images, strict=True):
     Image.fromarray(image[..., 0]).save(path)
-  predicted = [p for _, p in predict.predict(run, paths)]
-  np.testing.assert_allclose(np.stack(predicted), wanted, atol=1e-6)
+  predicted = np.stack([p for _, p in predict.predict(run, paths)])
+  if not np.allclose(predicted, wanted, atol=1e-6, rtol=0):
+    pytest.fail(
+        f"predict.py's probabilities of {len(images)} images (in a batch padded to "
+        f"{run.config.run.global_batch_size}) differ from those of the same images alone in "
+        f"their batch in {np.sum(~np.isclose(predicted, wanted, atol=1e-6, rtol=0))} of "
+        f"{predicted.size} entries (by up to {np.abs(predicted - wanted).max():.3g}): the model's "
+        "output for an image depends on the rest of its batch (its padding included); in eval "
+        "mode (model.eval()) take no statistic over the batch (BatchNorm: its running "
+        "averages).", pytrace=False)
   export.write(run, str(tmp_path / "model.npz"))
   artifact = np.load(tmp_path / "model.npz")
   exported = jax.export.deserialize(bytearray(artifact["program"]))
   arrays = [artifact[f"array_{i}"].view(aval.dtype)
             for i, aval in enumerate(exported.in_avals[:-1])]
   np.testing.assert_allclose(exported.call(arrays, images), wanted, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_your_model_trains_alike_on_one_process_and_two(tmp_path):
+  """train.py on model.py and recipe.py (configs/tiny.py), its random layers drawing: 2
+  processes of 4 devices over loopback (launch.py) train as 1 process of 8, the same losses,
+  accuracies and example counts at every step (each process reads the rows its devices hold,
+  so every example meets the same random draws)."""
+  single = train_processes(tmp_path / "one", 1, own=False)
+  multi = train_processes(tmp_path / "two", 2, own=False)
+  assert_same_run(multi, single)
+  assert set(single["eval_examples"].values()) == {360}
 
 
 @pytest.mark.slow

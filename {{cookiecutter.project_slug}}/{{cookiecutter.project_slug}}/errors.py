@@ -6,6 +6,7 @@ import difflib
 import glob
 import importlib.util
 import os
+import traceback
 
 import ml_collections
 from absl import app, flags
@@ -18,6 +19,33 @@ class ConfigError(ValueError):
 
 class BadData(ValueError):
   """Too many records of a dataset could not be read; the message names the first and the fix."""
+
+
+def where(error: BaseException, path: str) -> str:
+  """`path:LINE`: the line of the file `path` (a user's model.py) where `error` was raised or
+  last passed through (a SyntaxError's own line); `path` alone when it never did. The path is
+  said as `shown` says it."""
+  if isinstance(error, SyntaxError) and error.filename and error.lineno:
+    if os.path.abspath(error.filename) == os.path.abspath(path):
+      return f"{shown(path)}:{error.lineno}"
+  lines = [line for frame, line in traceback.walk_tb(error.__traceback__)
+           if os.path.abspath(frame.f_code.co_filename) == os.path.abspath(path)]
+  return f"{shown(path)}:{lines[-1]}" if lines else shown(path)
+
+
+def shown(path: str) -> str:
+  """`path` relative to the working directory when it lies under it, else as it is."""
+  relative = os.path.relpath(path)
+  return path if relative.startswith("..") else relative
+
+
+def one_line(error: BaseException, limit: int = 400) -> str:
+  """`error` as `Type: message` on one line (its whitespace collapsed), at most `limit` long."""
+  message = " ".join(str(error).split())
+  if isinstance(error, SyntaxError):
+    message = error.msg
+  text = f"{type(error).__name__}: {message}" if message else type(error).__name__
+  return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def unknown_key(argv) -> str | None:

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from . import errors
 from .data import input_pipeline
 from .errors import ConfigError
 from .parallel import sharding
@@ -113,8 +114,6 @@ _ABSENT = object()  # a key that your own config (or model.py's part of it) drop
 # One rule per key: (keys, the test of a value, what the value must be). The message reads
 # "config.KEY=VALUE <what>".
 VALUE_RULES = (
-    (("dataset",), lambda v: v in input_pipeline.SOURCES,
-     f"is unknown; use one of {tuple(input_pipeline.SOURCES)}."),
     (("parallelism",), lambda v: v in PARALLELISMS,
      f"is unknown; use one of {PARALLELISMS}."),
     (("batch_size", "base_batch_size", "grad_accum_steps", "num_epochs", "log_every_steps",
@@ -173,7 +172,30 @@ class Target:
 
 
 # The rules of several keys, of the devices and of the workdir: each returns what is wrong, or
-# None. Each reads only keys that VALUE_RULES have passed.
+# None. Each reads only keys that VALUE_RULES (and the rules before it) have passed.
+def _dataset_name(config, target):
+  if config.dataset in input_pipeline.SOURCES:
+    return None
+  fix = f"use one of {tuple(input_pipeline.SOURCES)}."
+  if config.data_dir and _holds_image_folders(config.data_dir):
+    fix = (f"config.data_dir={config.data_dir!r} holds folders of images: write them as "
+           f"ArrayRecord files first (python write_arrayrecord.py --image_folder="
+           f"{config.data_dir} --out_dir=data/mine), then train on them with "
+           "--config.dataset=arrayrecord --config.data_dir=data/mine.")
+  return f"config.dataset={config.dataset!r} is unknown; {fix}"
+
+
+def _holds_image_folders(directory: str) -> bool:
+  """Whether `directory` (or its train/) holds class folders with image files in them."""
+  from .data.image_files import IMAGE_SUFFIXES
+
+  train = os.path.join(directory, "train")
+  root = train if os.path.isdir(train) else directory
+  return os.path.isdir(root) and any(entry.is_dir() and any(name.lower().endswith(IMAGE_SUFFIXES)
+                                    for name in os.listdir(entry.path))
+             for entry in os.scandir(root))
+
+
 def _data_dir_read(config, target):
   readers = [name for name in input_pipeline.SOURCES
              if getattr(input_pipeline.source(name), "READS_DATA_DIR", False)]
@@ -235,15 +257,26 @@ def _model(config, target):
   name = config.model.get("module", "model")
   try:
     module = model_module(config)
-  except ImportError as e:
+  except ModuleNotFoundError as e:
+    if e.name != name:  # (a module that model.py imports: below)
+      return _model_broken(name, e)
     return (f"config.model.module={name!r} cannot be imported ({e}); name a module on the path "
             "whose create_model builds the model (model.py: 'model').")
+  except Exception as e:  # a SyntaxError, or anything that running the file raised
+    return _model_broken(name, e)
   if not callable(getattr(module, "create_model", None)):
     return (f"config.model.module={name!r} ({module.__file__}) has no create_model(config, "
             "image_shape, num_classes, rngs); define it there (model.py's docstring).")
   names = getattr(module, "MODELS", None)
   if names is not None and config.model.get("name", names[0]) not in names:
     return f"config.model.name={config.model.name!r} is none of {name}.py's {names}; choose one."
+
+
+def _model_broken(name: str, error: Exception) -> str:
+  spec = importlib.util.find_spec(name)
+  path = spec.origin if spec and spec.origin else f"{name}.py"
+  return (f"{errors.where(error, path)}: {errors.one_line(error)} (importing "
+          f"config.model.module={name!r}); fix that line.")
 
 
 def _nesterov(config, target):
@@ -350,7 +383,8 @@ def _local_workdir(config, target):
             f"{'not writable' if os.path.isdir(existing) else 'a file'}); give another directory.")
 
 
-RULES = (_model, _data_dir_read, _warmup, _fsdp_devices, _batch_norm_devices, _xla_options,
+RULES = (_dataset_name, _model, _data_dir_read,
+         _warmup, _fsdp_devices, _batch_norm_devices, _xla_options,
          _intervals, _nesterov, _recipe, _batch_divides, _dataset,
          _input_memory, _wandb, _init_from, _remote_workdir, _local_workdir)
 

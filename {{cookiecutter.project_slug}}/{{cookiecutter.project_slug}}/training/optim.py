@@ -1,18 +1,69 @@
 """The training state and how it is made: the model (model.py), its optimizer (recipe.py), and
 the moving average of its parameters; built under jit, each shard where it lives."""
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .. import plan
+from .. import errors, plan
 from ..errors import ConfigError
 from ..layers import BatchNorm
 from ..parallel import sharding
+from .steps import takes_mask
 
 
 def create_model(config, image_shape, num_classes, rngs: nnx.Rngs) -> nnx.Module:
   return plan.model_module(config).create_model(config, image_shape, num_classes, rngs)
+
+
+def check_model(config, info) -> None:
+  """model.py checked before anything compiles, abstractly (`jax.eval_shape`: no array made):
+  `create_model(config, image_shape, num_classes, rngs)` builds the model, which in train mode
+  maps float32 images `[B, H, W, C]` to floating logits `[B, K]`, K the data's classes. Raises
+  ConfigError, one line naming model.py's line (or the shape returned and the one wanted)."""
+  module = plan.model_module(config)
+  shown, signature = errors.shown(module.__file__), inspect.signature(module.create_model)
+  try:
+    signature.bind(config, info.image_shape, info.num_classes, None)
+  except TypeError as e:
+    line = inspect.getsourcelines(module.create_model)[1]
+    raise ConfigError(f"{shown}:{line}: create_model{signature} cannot be called as "
+                      f"create_model(config, image_shape, num_classes, rngs) ({e}); keep that "
+                      "signature (model.py's docstring).") from None
+  batch, classes = (config.run.global_batch_size if "run" in config else 2), info.num_classes
+  images_BHWC = jax.ShapeDtypeStruct((batch, *info.image_shape), jnp.float32)
+  failed = [f"create_model(config, image_shape={info.image_shape}, num_classes={classes}, "
+            "rngs) failed"]
+
+  def build_and_call(images_BHWC):
+    model = create_model(config, info.image_shape, classes, nnx.Rngs(config.seed))
+    failed[0] = f"the model failed on a batch of images {list(images_BHWC.shape)} float32"
+    model.train()
+    masked = {"example_mask": jnp.ones(batch, bool)} if takes_mask(type(model)) else {}
+    return model(images_BHWC, **masked)
+
+  try:
+    logits = jax.eval_shape(build_and_call, images_BHWC)
+  except Exception as e:
+    raise ConfigError(f"{errors.where(e, module.__file__)}: {failed[0]}: "
+                      f"{errors.one_line(e)}") from None
+  shape = getattr(logits, "shape", None)
+  if shape == (batch, classes) and jnp.issubdtype(logits.dtype, jnp.floating):
+    return
+  got = (f"{list(shape)} {logits.dtype}" if shape is not None else
+         f"a {type(logits).__name__} of {jax.tree.map(lambda x: list(x.shape), logits)}")
+  hint = ""
+  if shape is not None and len(shape) == 2 and shape[0] == batch and shape[1] != classes:
+    names = f" ({', '.join(info.class_names[:10])}{', ...' if classes > 10 else ''})" if (
+        info.class_names) else ""
+    hint = (f"; the data has {classes} classes{names}: build the head with create_model's "
+            f"num_classes, not {shape[1]}")
+  elif shape is not None and len(shape) > 2:
+    hint = "; reduce the other axes (pool, or take the class token) before the head"
+  raise ConfigError(f"{shown}: the model returned {got} for a batch of {batch} images; expected "
+                    f"logits [{batch}, {classes}] of a floating dtype{hint}.")
 
 
 def build_state(config, image_shape, num_classes, num_train_steps: int) -> tuple:

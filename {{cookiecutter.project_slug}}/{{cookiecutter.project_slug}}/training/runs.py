@@ -71,13 +71,19 @@ def check_checkpoint_fits(checkpoints, step: int, abstract_state, workdir: str) 
   """Raises ConfigError if the checkpoint of `step` holds a different model or optimizer."""
   saved = shapes(checkpoints.item_metadata(step)["state"])
   wanted = shapes(abstract_state)
-  for name in sorted(saved.keys() | wanted.keys()):
-    if saved.get(name) != wanted.get(name):
-      raise ConfigError(
-          f"workdir {workdir!r} holds a checkpoint (step {step}) of a different model: {name} is "
-          f"{saved.get(name, 'absent')} there and {wanted.get(name, 'absent')} in this config and "
-          f"model; use a new --workdir, or the config and model that wrote it ({MODEL_FILE} in the "
-          "workdir is a copy of the run's model).")
+  # Named first: a parameter or statistic (a shape, a layer); an RNG stream's key or count only
+  # where nothing else differs (a random layer added or removed changes those too).
+  differ = sorted((name for name in saved.keys() | wanted.keys()
+                   if saved.get(name) != wanted.get(name)),
+                  key=lambda name: ("/rngs/" in name, name))
+  if differ:
+    name, more = differ[0], len(differ) - 1
+    raise ConfigError(
+        f"workdir {workdir!r} holds a checkpoint (step {step}) of a different model: {name} is "
+        f"{saved.get(name, 'absent')} there and {wanted.get(name, 'absent')} in this config and "
+        f"model{f' ({more} more leaves differ)' if more else ''}; use a new --workdir, or the "
+        f"config and model that wrote it ({MODEL_FILE} in the workdir is a copy of the run's "
+        "model).")
 
 
 def restore_state(checkpoints, step: int, abstract, workdir: str):

@@ -176,12 +176,14 @@ def train_step(graphdef, state, running, batch, *, config, recipe, collection,
   its `AVERAGED` variables move by 1 - `ema_decay`, or with `ema_warmup` by 1 - min(`ema_decay`,
   (1 + n) / (10 + n)) at update n (as TensorFlow's). `config`: the run's, frozen; `recipe`: the
   loss and augmentation; `collection`: the forward pass's metrics (`step_options`).
-  The model trains in the mode it was built in (NNX's default: Dropout on, BatchNorm on batch
-  statistics; a layer built with `deterministic=True` stays so); evaluation calls model.eval().
+  The model trains in train mode, set as Flax's examples set it (`model.train()`: every layer's
+  `deterministic` and `use_running_average` False, so nnx.Dropout, nnx.MultiHeadAttention and
+  BatchNorm need no keyword of yours); evaluation runs in eval mode (`model.eval()`).
   Random layers draw one mask over the global batch, by row, on spmd and fsdp (the same for one
   device or many, one process or several); on pmap each device its own (`fold_in_device_index`)."""
   old_state = jax.tree.map(lambda x: x, state)  # kept for a step that changes nothing
-  model, optimizer, *average = nnx.merge(graphdef, state)  # in the mode it was built in
+  model, optimizer, *average = nnx.merge(graphdef, state)
+  model.train()
   model.set_attributes(layers.BatchNorm, groups=batch_norm_groups, raise_if_not_found=False)
   grad_fn = nnx.grad(functools.partial(loss_and_metrics, config=config, recipe=recipe,
                                        collection=collection), has_aux=True)
