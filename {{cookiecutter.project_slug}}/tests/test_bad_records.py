@@ -2,6 +2,7 @@
 test_image_folder.py), is named in the log (source, split, row) and skipped: masked like padding,
 every other example read once; more than a small share stops the run in one line."""
 
+import collections
 import io
 import logging
 import re
@@ -15,6 +16,7 @@ from flax import serialization
 from PIL import Image
 from test_train import OWN, run_cli, run_in_process
 
+import train
 import write_arrayrecord
 from configs import default, tiny
 
@@ -178,3 +180,96 @@ def test_a_record_that_is_not_msgpack_is_read_around(tmp_path):
   assert list(taken["failed"]) == [3]
   assert not taken["image"][3].any() and taken["image"][[0, 1, 2, 4]].any(axis=(1, 2, 3)).all()
   assert isinstance(serialization.msgpack_restore(source.records[4]), dict)
+
+
+# Records that read but are not examples of the data (8x8x1 uint8 digits, 10 classes): 3 eval
+# rows of each kind, and what the log says of each.
+NOT_AN_EXAMPLE = {
+    **dict.fromkeys((4, 40, 140), ("missing", "not a record of image and label: holds ['label', "
+                                   "'picture']")),
+    **dict.fromkeys((9, 90, 190), ("shape", "an image of uint8 [7, 8, 1], not the data's uint8 "
+                                   "[8, 8, 1]")),
+    **dict.fromkeys((16, 160, 260), ("dtype", "an image of float32 [8, 8, 1], not the data's "
+                                     "uint8 [8, 8, 1]")),
+    **dict.fromkeys((25, 250), ("label 99", "label 99 outside [0, 10), the data's classes")),
+    359: ("label -1", "label -1 outside [0, 10), the data's classes"),
+}
+
+
+def not_an_example(image: np.ndarray, label: int, kind: str) -> bytes:
+  if kind == "missing":
+    return serialization.msgpack_serialize({"picture": image, "label": np.asarray(label)})
+  if kind in ("shape", "dtype"):
+    image = image[:7] if kind == "shape" else image.astype(np.float32)
+    return serialization.msgpack_serialize({"image": image, "label": np.asarray(label)})
+  return write_arrayrecord.encode(image, int(kind.split()[1]))
+
+
+def write_digits_with_records_of_every_bad_kind(root) -> str:
+  """The digits stored decoded (write_arrayrecord's records), the eval rows of NOT_AN_EXAMPLE
+  each made its kind of bad record."""
+  root.mkdir(parents=True)
+  sources, _ = input_pipeline.get_datasets(default.get_config())
+  for split, source in sources.items():
+    records = ((i, not_an_example(image, label, NOT_AN_EXAMPLE[i][0])
+                if split == "eval" and i in NOT_AN_EXAMPLE else
+                write_arrayrecord.encode(image, label))
+               for i, (image, label) in enumerate(zip(source.images, source.labels, strict=True)))
+    write_arrayrecord.write_records(str(root), split, records, len(source.labels), 2)
+  write_arrayrecord.write_metadata(str(root), (8, 8, 1), 10, {"train": 1437, "eval": 360},
+                                   pixel_dtype="uint8")
+  return str(root)
+
+
+def test_records_of_every_bad_kind_are_named_and_masked_and_the_run_ends(tmp_path, monkeypatch,
+                                                                          caplog):
+  """A record without an image, an image of another shape or dtype, a label outside the classes
+  (99, -1): each named (source, row, why) and masked, every other example evaluated once; the
+  run ends normally (12 bad of the 1797 read: under 1%)."""
+  monkeypatch.setattr(input_pipeline, "_records", collections.Counter())  # this run's alone
+  config = owned(tiny.get_config())
+  config.dataset, config.num_workers, config.eval_every_steps = "arrayrecord", 0, 1000
+  config.data_dir = write_digits_with_records_of_every_bad_kind(tmp_path / "data")
+  caplog.set_level(logging.WARNING)
+  metrics = train.train_and_evaluate(config, str(tmp_path / "run"))
+  assert metrics["examples"] == 360 - len(NOT_AN_EXAMPLE) == 348
+  skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipped ")]
+  assert [re.sub(r": \d+ of \d+ records read here so far$", "", line) for line in skipped] == [
+      f"skipped arrayrecord {config.data_dir} eval row {row}, unreadable ({why})"
+      for row, (_, why) in sorted(NOT_AN_EXAMPLE.items())], skipped  # the eval split, in order
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bad_share", [0.008, 0.3])
+def test_the_stop_is_counted_over_all_workers_the_same_for_0_1_and_2(tmp_path, monkeypatch,
+                                                                     bad_share):
+  """The training split read through the input (as_iterator) with 0, 1 and 2 worker processes
+  (an element in 1 unit, or in 8: a device's share each): the bad records counted in the main
+  process an element at a time, over all workers, give the same verdict at the same element
+  (0.8% bad: read around, each named; 30%: the same one-line stop)."""
+  bad = {i: "garbage" for i in range(0, 1437, round(1 / bad_share))}
+  config = owned(tiny.get_config())
+  config.dataset, config.steps_per_dispatch = "arrayrecord", 1
+  config.data_dir = write_arrayrecord_digits(tmp_path / "data", bad, damaged_split="train")
+  splits, _ = input_pipeline.get_datasets(config)
+  verdicts = {}
+  for workers in (0, 1, 2):
+    config.num_workers = workers
+    batches = input_pipeline.eval_batches(splits["train"], plan.resolved(config))
+    assert batches.shares == (8 if workers else 1)
+    monkeypatch.setattr(input_pipeline, "_records", collections.Counter())
+    iterator = input_pipeline.as_iterator(batches, config)
+    try:
+      verdicts[workers] = sum(int(next(iterator)["mask"].sum()) for _ in range(len(batches)))
+    except BadData as e:
+      verdicts[workers] = str(e)
+    finally:
+      iterator.close()
+  assert verdicts[0] == verdicts[1] == verdicts[2], verdicts
+  if bad_share < 0.01:
+    assert verdicts[0] == 1437 - len(bad)
+  else:
+    assert verdicts[0] == (  # rows 0, 3, ..., 63 bad: 22 in the first element, 64 rows
+        "22 of the 64 records read in this process could not be read, more than 1% "
+        "(input_pipeline.MAX_BAD_SHARE); the last: arrayrecord "
+        f"{config.data_dir} train row 63: UnidentifiedImageError: cannot identify image file")

@@ -58,6 +58,13 @@ def test_the_sbatch_layout_is_one_the_decision_serves(plain_machine):  # noqa: F
   assert int(options["cpus-per-task"]) >= 2
 
 
+def assert_memory_backed_shm(pods, container):
+  """/dev/shm a memory-backed volume (a pod's own is 64 MB: the input's workers need more)."""
+  shm = next(m["name"] for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm")
+  volumes = {v["name"]: v for v in pods["template"]["spec"]["volumes"]}
+  assert volumes[shm]["emptyDir"]["medium"] == "Memory"
+
+
 def test_the_gpu_jobset_names_its_coordinator_and_its_processes():
   document, container = jobset("gke-gpu-jobset.yaml")
   job = document["spec"]["replicatedJobs"][0]
@@ -65,9 +72,7 @@ def test_the_gpu_jobset_names_its_coordinator_and_its_processes():
   assert pods["parallelism"] == pods["completions"] and pods["completionMode"] == "Indexed"
   args = container["args"]
   assert f"--num_processes={pods['parallelism']}" in args
-  shm = next(m["name"] for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm")
-  volumes = {v["name"]: v for v in pods["template"]["spec"]["volumes"]}
-  assert volumes[shm]["emptyDir"]["medium"] == "Memory"  # (a pod's own: 64 MB)
+  assert_memory_backed_shm(pods, container)
   assert "--process_id=$(JOB_COMPLETION_INDEX)" in args
   address = {e["name"]: e["value"] for e in container["env"]}["JAX_COORDINATOR_ADDRESS"]
   name = document["metadata"]["name"]
@@ -83,6 +88,7 @@ def test_the_tpu_jobset_fills_its_slice():
   chips = int(container["resources"]["limits"]["google.com/tpu"])
   assert pods["parallelism"] * chips == rows * columns
   assert not any(a.startswith("--coordinator_address") for a in container["args"])
+  assert_memory_backed_shm(pods, container)
 
 
 GCLOUD = r"""#!/bin/bash

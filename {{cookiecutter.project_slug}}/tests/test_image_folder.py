@@ -7,6 +7,7 @@ import io
 import json
 import multiprocessing
 import os
+import re
 import subprocess
 import sys
 import time
@@ -382,8 +383,72 @@ def test_commands_reading_with_workers_end_within_3_seconds_of_their_last_line(t
     exits.append(after)
     pids.append(evaluated.args)
   assert max(exits) <= 3, exits
-  for pid in pids:  # every unit its workers made: received and unlinked, or removed
-    assert not glob.glob(os.path.join(shm.DIRECTORY, f"{shm.PREFIX}-{pid}-*"))
+  for pid in pids:  # every unit its workers made, and its lock: received and unlinked, removed
+    assert not glob.glob(os.path.join(shm.DIRECTORY, f"{shm.PREFIX}-{pid}.*"))
+
+
+def children_of(pid: int) -> list[int]:
+  """The processes whose parent is `pid` (from /proc)."""
+  found = []
+  for stat in glob.glob("/proc/[0-9]*/stat"):
+    with contextlib.suppress(OSError):
+      with open(stat) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+      if int(fields[1]) == pid:
+        found.append(int(stat.split("/")[2]))
+  return found
+
+
+def alive(pid: int) -> bool:
+  """Whether process `pid` runs (a zombie, dead but not yet reaped, does not)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except OSError:
+    return False
+
+
+@pytest.mark.slow
+def test_a_killed_run_leaves_no_worker_and_the_next_run_removes_what_it_left(tmp_path):
+  """train.py reading photos with 2 Grain workers, SIGKILLed after its first checkpoint: within
+  10 s none of its worker processes is alive; the next command (evaluate.py on its workdir,
+  workers reading) removes what it left in /dev/shm (its lock, any unit in flight), in one line."""
+  from {{cookiecutter.project_slug}}.data import shm
+  from {{cookiecutter.project_slug}}.tools.benchmark_data import write_jpeg_folder
+
+  write_jpeg_folder(str(tmp_path / "photos"), 256, 96)
+  done = convert(f"--out_dir={tmp_path / 'data'}", f"--image_folder={tmp_path / 'photos'}",
+                 "--keep_encoded", "--eval_fraction=0.5")
+  assert done.returncode == 0, done.stderr
+  workdir = tmp_path / "run"
+  process = subprocess.Popen([
+      sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={workdir}",
+      "--config.model.module=shipped_model", "--config.dataset=arrayrecord",
+      f"--config.data_dir={tmp_path / 'data'}", "--config.num_workers=2",
+      "--config.batch_size=64", "--config.num_epochs=50"], cwd=PROJECT,
+      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  try:
+    deadline = time.monotonic() + 300
+    while not (workdir / "checkpoints" / "10").is_dir():
+      assert process.poll() is None and time.monotonic() < deadline, "no checkpoint"
+      time.sleep(0.1)
+    workers = children_of(process.pid)
+    left = glob.glob(os.path.join(shm.DIRECTORY, f"{shm.PREFIX}-{process.pid}.*"))
+    assert len(workers) >= 4 and left, (workers, left)  # 2 a reader (training, evaluation)
+    process.kill()
+    process.wait(timeout=60)
+    killed = time.monotonic()
+    while [pid for pid in workers if alive(pid)] and time.monotonic() < killed + 10:
+      time.sleep(0.1)
+    assert not [pid for pid in workers if alive(pid)], "workers outlived their run"
+  finally:
+    process.kill()
+  evaluated = subprocess.run([sys.executable, "evaluate.py", f"--workdir={workdir}"],
+                             cwd=PROJECT, capture_output=True, text=True, timeout=300)
+  assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+  assert re.search(r"removed \d+ units? \(\S+ MiB\) that 1 run no longer running left in "
+                   f"{shm.DIRECTORY}", evaluated.stderr), evaluated.stderr[-3000:]
+  assert not glob.glob(os.path.join(shm.DIRECTORY, f"{shm.PREFIX}-{process.pid}.*"))
 
 
 @pytest.mark.parametrize("layout", ["class_folders", "train_and_val"])
@@ -406,3 +471,55 @@ def test_a_folder_of_images_given_as_a_dataset_points_to_write_arrayrecord(tmp_p
   with pytest.raises(plan.ConfigError, match=r"^config.dataset='imagefolder' is unknown; use one "
                      r"of \('digits', "):
     plan.validate_config(config)
+
+
+def test_a_shared_memory_too_small_for_the_workers_is_one_line(monkeypatch):
+  """Grain's workers need /dev/shm for their queues' semaphores even when images travel
+  pickled: less than that free is one line naming the room, the need and the fixes."""
+  from {{cookiecutter.project_slug}}.data import shm
+
+  config = owned(default.get_config())
+  config.num_workers = 2
+  monkeypatch.setattr(shm, "free_bytes", lambda: 64 * 2**10)
+  with pytest.raises(plan.ConfigError) as refused:
+    plan.validate_config(config)
+  assert str(refused.value) == (
+      f"{shm.DIRECTORY} has 64 KiB free; the 2 + 2 Grain worker processes of training and "
+      f"evaluation need {shm.fallback_bytes(2) // 2**10} KiB there at the least (their queues' "
+      "semaphores): give it room (docker run --shm-size=16g; a pod: an emptyDir of medium "
+      "Memory at /dev/shm, as clusters/gke-gpu-jobset.yaml), or read without workers: "
+      "--config.num_workers=0.")
+  config.num_workers = 0
+  plan.validate_config(config)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", ["64k", "1m"])
+def test_a_small_shared_memory_is_one_line_or_a_run_that_ends(tmp_path, size):
+  """train.py with 2 workers on photos, given a /dev/shm of its own (a private mount namespace:
+  unshare -m, as root) of 64 KiB (a pod's is 64 MB): one `error:` line at start; of 1 MiB:
+  the run ends, its units pickled once /dev/shm is nearly full."""
+  if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+    pytest.skip("needs `unshare -m` (root) to give the run a /dev/shm of its own")
+  from {{cookiecutter.project_slug}}.tools.benchmark_data import write_jpeg_folder
+
+  write_jpeg_folder(str(tmp_path / "photos"), 256, 96)
+  done = convert(f"--out_dir={tmp_path / 'data'}", f"--image_folder={tmp_path / 'photos'}",
+                 "--keep_encoded", "--eval_fraction=0.5")
+  assert done.returncode == 0, done.stderr
+  train_py = " ".join([
+      sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={tmp_path / 'run'}",
+      "--config.model.module=shipped_model", "--config.dataset=arrayrecord",
+      f"--config.data_dir={tmp_path / 'data'}", "--config.num_workers=2",
+      "--config.batch_size=64", "--config.num_epochs=20"])
+  out = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size={size} tmpfs "
+                        f"/dev/shm && exec {train_py}"], cwd=PROJECT, capture_output=True,
+                       text=True, timeout=600)
+  assert "Traceback" not in out.stderr, out.stderr[-3000:]
+  if size == "64k":
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        "error: /dev/shm has 64 KiB free; the 2 + 2 Grain worker processes"), out.stderr[-3000:]
+  else:
+    assert out.returncode == 0 and "Final eval" in out.stderr, out.stderr[-3000:]
+    assert "/dev/shm is full (" in out.stderr, out.stderr[-3000:]

@@ -3,6 +3,8 @@ import functools
 import glob
 import logging
 import os
+import subprocess
+import sys
 
 import ml_collections
 import numpy as np
@@ -214,22 +216,41 @@ def test_a_unit_goes_through_shared_memory_and_a_full_one_sends_it_pickled(monke
   assert not glob.glob(f"{shm.DIRECTORY}/{prefix}-*")
 
 
-def test_units_a_killed_run_left_are_said_not_removed(tmp_path, monkeypatch, caplog):
-  """Units of a main process not running here: one warning, with the command; nothing removed
-  (a run in another container sharing /dev/shm would look dead from here)."""
+# A run that holds its lock (shm.hold_run_lock) and makes one unit, then waits to be killed.
+RUN_THAT_MAKES_A_UNIT = """
+import os, sys, time
+from {{cookiecutter.project_slug}}.data import shm
+shm.DIRECTORY = sys.argv[1]
+prefix = shm.iterator_prefix()
+with open(os.path.join(shm.DIRECTORY, prefix + "-1-0"), "wb") as f:
+  f.write(bytes(2**20))
+print(shm.RUN, flush=True)
+time.sleep(120)
+"""
+
+
+def test_what_a_killed_run_left_is_removed_by_the_next_run_and_a_live_runs_kept(
+    tmp_path, monkeypatch, caplog):
+  """Two runs (real processes) hold their locks and make a unit each; one is SIGKILLed: the next
+  run removes that one's unit and lock, says so in one line, and keeps the live run's."""
   monkeypatch.setattr(shm, "DIRECTORY", str(tmp_path))
-  dead = next(pid for pid in range(4_000_000, 4_100_000) if not os.path.exists(f"/proc/{pid}"))
-  left = tmp_path / f"{shm.PREFIX}-{dead}-0a1b2c3d-{dead + 1}-0"
-  left.write_bytes(bytes(2**20))
-  (tmp_path / f"{shm.PREFIX}-{os.getpid()}-0a1b2c3d-1-0").write_bytes(b"ours")  # not said
-  caplog.set_level(logging.WARNING)
-  shm.warn_of_leftovers.cache_clear()
-  shm.warn_of_leftovers()
-  shm.warn_of_leftovers()  # once a process
-  assert [r.getMessage() for r in caplog.records] == [
-      f"{tmp_path} holds 1 unit (1 MiB) of runs not running here (killed?); if no other run of "
-      f"this project shares it, remove them: rm {tmp_path}/{shm.PREFIX}-*"]
-  assert left.exists()
+  runs = [subprocess.Popen([sys.executable, "-c", RUN_THAT_MAKES_A_UNIT, str(tmp_path)],
+                           stdout=subprocess.PIPE, text=True) for _ in range(2)]
+  try:
+    killed, alive = [run.stdout.readline().strip() for run in runs]
+    runs[0].kill()
+    runs[0].wait(timeout=60)
+    caplog.set_level(logging.WARNING)
+    shm.remove_leftovers.cache_clear()
+    shm.remove_leftovers()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"removed 1 unit (1 MiB) that 1 run no longer running left in {tmp_path}"]
+    assert not glob.glob(f"{tmp_path}/{shm.PREFIX}-{killed}*")
+    assert len(glob.glob(f"{tmp_path}/{shm.PREFIX}-{alive}*")) == 2  # its lock and its unit
+  finally:
+    for run in runs:
+      run.kill()
+      run.wait(timeout=60)
 
 
 def test_digits_split(tiny_config):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from . import errors
-from .data import input_pipeline
+from .data import input_pipeline, shm
 from .errors import ConfigError
 from .parallel import sharding
 
@@ -340,6 +340,20 @@ def _input_memory(config, target):
           + "a lower --config.prefetch_batches, or a smaller batch or steps_per_dispatch.")
 
 
+def _shared_memory(config, target):
+  """Grain's workers need some room in /dev/shm even when every image travels pickled."""
+  workers = input_pipeline.default_workers(config)
+  if not workers or target.devices[0] not in jax.devices() or not shm.available():
+    return None
+  free, need = shm.free_bytes(), shm.fallback_bytes(workers)
+  if free < need:
+    return (f"{shm.DIRECTORY} has {free / 2**10:.0f} KiB free; the {workers} + {workers} Grain "
+            f"worker processes of training and evaluation need {need / 2**10:.0f} KiB there at "
+            "the least (their queues' semaphores): give it room (docker run --shm-size=16g; a "
+            "pod: an emptyDir of medium Memory at /dev/shm, as clusters/gke-gpu-jobset.yaml), "
+            "or read without workers: --config.num_workers=0.")
+
+
 def _wandb(config, target):
   if config.wandb_project and not _installed("wandb"):
     return (f"config.wandb_project={config.wandb_project!r} needs the `wandb` package: pip "
@@ -386,7 +400,7 @@ def _local_workdir(config, target):
 RULES = (_dataset_name, _model, _data_dir_read,
          _warmup, _fsdp_devices, _batch_norm_devices, _xla_options,
          _intervals, _nesterov, _recipe, _batch_divides, _dataset,
-         _input_memory, _wandb, _init_from, _remote_workdir, _local_workdir)
+         _input_memory, _shared_memory, _wandb, _init_from, _remote_workdir, _local_workdir)
 
 
 def validate_config(config: ml_collections.ConfigDict, workdir: str | None = None,

@@ -23,14 +23,15 @@ READS_DATA_DIR = True  # (plan.py: config.data_dir is this source's)
 class RecordSource:
   """Examples in ArrayRecord files (msgpack, one a record). Images stored encoded are decoded
   here, in the reading workers; photos stored whole are cropped by `crops`, by stream position.
-  `take` also says which records could not be read, and why (`failed`)."""
+  `take` also says which records could not be used, and why (`failed`): unreadable, or not an
+  example of this data (`problem`)."""
 
   def __init__(self, paths: list[str], image_shape: tuple[int, int, int],
                crops: "Crops | None" = None, name: str = "arrayrecord",
-               pixel_dtype: str = "uint8"):
+               pixel_dtype: str = "uint8", num_classes: int | None = None):
     self.records = grain.sources.ArrayRecordDataSource(paths)
     self.image_shape, self.pixel_dtype = tuple(image_shape), pixel_dtype
-    self.crops, self.name = crops, name
+    self.crops, self.name, self.num_classes = crops, name, num_classes
 
   def __len__(self) -> int:
     return len(self.records)
@@ -54,13 +55,36 @@ class RecordSource:
     from .image_files import decode_batch
 
     examples = self.read([int(i) for i in indices])
-    unread = {i: why for i, why in enumerate(examples) if isinstance(why, str)}
+    unread = {i: why for i, example in enumerate(examples)
+              if (why := example if isinstance(example, str) else self.problem(example))}
     blank = {"image": np.zeros(self.image_shape, self.pixel_dtype), "label": 0}  # masked later
-    examples = [blank if isinstance(ex, str) else ex for ex in examples]
+    examples = [blank if i in unread else ex for i, ex in enumerate(examples)]
     images, failed = decode_batch([ex["image"] for ex in examples], self.image_shape,
                                   self.crops, positions)
     return {"image": images, "label": np.array([ex["label"] for ex in examples], np.int32),
             "failed": failed | unread}
+
+
+  def problem(self, example) -> str | None:
+    """Why a record that was read is not an example of this data (its keys, its image's shape
+    or dtype, its label outside [0, classes)), or None."""
+    if not (isinstance(example, dict) and {"image", "label"} <= example.keys()):
+      held = sorted(example) if isinstance(example, dict) else type(example).__name__
+      return f"not a record of image and label: holds {held}"
+    image, label = example["image"], example["label"]
+    if isinstance(image, np.ndarray):
+      if image.shape != self.image_shape or image.dtype != self.pixel_dtype:
+        return (f"an image of {image.dtype} {list(image.shape)}, not the data's "
+                f"{self.pixel_dtype} {list(self.image_shape)}")
+    elif not isinstance(image, bytes):
+      return f"an image of type {type(image).__name__}, not an array or encoded bytes"
+    if isinstance(label, bool) or not (isinstance(label, int) or (
+        isinstance(label, (np.ndarray, np.generic)) and label.shape == ()
+        and np.issubdtype(label.dtype, np.integer))):
+      return f"a label of {type(label).__name__} {getattr(label, 'shape', '')}, not an integer"
+    if self.num_classes is not None and not 0 <= label < self.num_classes:
+      return f"label {label} outside [0, {self.num_classes}), the data's classes"
+    return None
 
 
 def arrayrecord_paths(data_dir: str, split: str) -> list[str]:
@@ -78,7 +102,7 @@ def load(config) -> Loaded:
   crops = host_crops(config) if crops_on_host else {}
   sources = {split: RecordSource(arrayrecord_paths(config.data_dir, split), meta["image_shape"],
                                  crops.get(split), f"arrayrecord {config.data_dir} {split}",
-                                 meta.get("pixel_dtype", "uint8"))
+                                 meta.get("pixel_dtype", "uint8"), meta["num_classes"])
              for split in ("train", "eval")}
   return Loaded(sources, tuple(meta["image_shape"]), meta["num_classes"],
                 tuple(meta.get("class_names", ())), crops_on_host)

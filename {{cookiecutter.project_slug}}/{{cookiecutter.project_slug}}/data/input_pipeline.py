@@ -20,6 +20,7 @@ import math
 import os
 import signal
 import threading
+import time
 from typing import TYPE_CHECKING, NamedTuple
 
 import grain
@@ -170,9 +171,10 @@ class LoadUnit:
       taken = self.source.take(indices, positions_S[read_S])
     else:
       taken = self.source.take(indices)
-    if "failed" in taken:  # records read from files: the unreadable ones named, then masked
-      mask_S = skip_failed(self.source, taken.pop("failed"), indices, np.flatnonzero(read_S),
-                           mask_S)
+    failed = taken.pop("failed", None)  # records read from files: which could not be used
+    if failed is not None:
+      mask_S, bad_records = skip_failed(self.source, failed, indices, np.flatnonzero(read_S),
+                                        mask_S)
     image, label = taken["image"], taken["label"].astype(np.int32)
     if not mask_S.all():  # padding: zeros
       image = np.zeros((len(mask_S), *image.shape[1:]), image.dtype)
@@ -183,46 +185,66 @@ class LoadUnit:
             "position": positions_S.astype(np.uint32)}
     # The batches that fill the last element (`trim`): left out (all but the first at least).
     kept = min(k, self.num_batches - element * k) if self.trim else k
-    return {key: value.reshape(k, per_share, *value.shape[1:])[:kept]
+    unit = {key: value.reshape(k, per_share, *value.shape[1:])[:kept]
             for key, value in unit.items()}
+    return unit if failed is None else unit | bad_records
 
 
-# A record that cannot be read is skipped, and named in the log; a process stops once more than
-# MAX_BAD_SHARE of the records it read, and more than MAX_BAD_RECORDS, failed.
+# A record that cannot be used (unreadable, or not an example of the data) is masked, and named
+# in the log; a process stops once more than MAX_BAD_SHARE of the records it read, and more than
+# MAX_BAD_RECORDS, failed: counted in the main process an element at a time as they arrive
+# (`count_bad_records`), over all its workers, in the stream's order: the same verdict, at the
+# same element, for any number of workers.
 MAX_BAD_SHARE, MAX_BAD_RECORDS = 0.01, 10
 _records, _records_lock = collections.Counter(), threading.Lock()  # this process's
 
 
 def skip_failed(source, failed: dict[int, str], indices: np.ndarray, slots: np.ndarray,
-                mask_S: np.ndarray) -> np.ndarray:
-  """`mask_S` without the examples that `source.take` could not read (`failed`: their places in
-  `indices`, read into `slots`), each named in a warning; every record read is counted."""
+                mask_S: np.ndarray) -> tuple[np.ndarray, dict]:
+  """`mask_S` without the examples that `source.take` could not use (`failed`: their places in
+  `indices`, read into `slots`), and what the unit carries to `count_bad_records`: `read`, the
+  real examples it read, and `bad`, (where, why) of each that failed."""
   failed = {j: why for j, why in failed.items() if mask_S[slots[j]]}  # not padding's stand-in
+  bad = np.empty(len(failed), object)  # (pickled, never in shared memory: shm.Outbox)
+  bad[:] = [(f"{source.name} row {indices[j]}", why) for j, why in failed.items()]
+  carried = {"read": np.array(int(mask_S.sum())), "bad": bad}
+  if failed:
+    mask_S = mask_S.copy()
+    mask_S[slots[list(failed)]] = False
+  return mask_S, carried
+
+
+def count_bad_records(units: list[dict], count: bool = True) -> list[dict]:
+  """In the main process, each element once, in order (`units`: its shares): its bad records
+  named in a warning and counted with the records read; raises BadData once too many failed.
+  Returns the units without what they carried for this (all that happens without `count`)."""
+  carried = [unit for unit in units if "bad" in unit]
+  units = [{key: value for key, value in unit.items() if key not in ("read", "bad")}
+           for unit in units]
+  if not carried or not count:
+    return units
+  bad_records = [record for unit in carried for record in unit["bad"]]
   with _records_lock:
-    _records["read"] += int(mask_S.sum())
-    _records["failed"] += len(failed)
+    _records["read"] += sum(int(unit["read"]) for unit in carried)
+    _records["failed"] += len(bad_records)
     read, bad = _records["read"], _records["failed"]
-  if not failed:
-    return mask_S
-  for j, why in failed.items():
-    logging.warning("skipped %s row %d, unreadable (%s): %d of %d records read here so far",
-                    source.name, indices[j], why, bad, read)
-  if bad > MAX_BAD_RECORDS and bad > MAX_BAD_SHARE * read:
-    j, why = next(iter(failed.items()))
-    share = format(MAX_BAD_SHARE, ".0%")
+  for where, why in bad_records:
+    logging.warning("skipped %s, unreadable (%s): %d of %d records read here so far", where, why,
+                    bad, read)
+  if bad_records and bad > MAX_BAD_RECORDS and bad > MAX_BAD_SHARE * read:
+    where, why = bad_records[-1]
     raise BadData(f"{bad} of the {read} records read in this process could not be read, more "
-                  f"than {share} (input_pipeline.MAX_BAD_SHARE); the last: "
-                  f"{source.name} row {indices[j]}: {why}")
-  mask_S = mask_S.copy()
-  mask_S[slots[list(failed)]] = False
-  return mask_S
+                  f"than {MAX_BAD_SHARE:.0%} (input_pipeline.MAX_BAD_SHARE); the last: "
+                  f"{where}: {why}")
+  return units
 
 
 @dataclasses.dataclass(frozen=True)
 class Elements:
   """A stream's elements, k batches stacked each (`train_batches`, `eval_batches`), made of
   `units` (a Grain MapDataset of `LoadUnit`s, `shares` an element): `as_iterator` reads them;
-  `len`, indexing and iteration read them here, in this process, stacked, for a look."""
+  `len`, indexing and iteration read them here, in this process, stacked: iteration as the input
+  reads them (bad records named and counted), indexing for a look (their shapes: not counted)."""
 
   units: grain.MapDataset
   shares: int  # units an element
@@ -231,11 +253,15 @@ class Elements:
     return len(self.units) // self.shares
 
   def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-    start = range(len(self))[i] * self.shares
-    return self.stack([self.units[u] for u in range(start, start + self.shares)])
+    return self.element(i, count=False)
 
   def __iter__(self):
-    return (self[i] for i in range(len(self)))
+    return (self.element(i) for i in range(len(self)))
+
+  def element(self, i: int, count: bool = True) -> dict[str, np.ndarray]:
+    start = range(len(self))[i] * self.shares
+    return self.stack(count_bad_records([self.units[u] for u in range(start, start + self.shares)],
+                                        count))
 
   def repeat(self) -> "Elements":
     return dataclasses.replace(self, units=self.units.repeat())
@@ -339,11 +365,20 @@ def available_memory() -> int:
   return min(total, int(limit)) if limit.isdigit() else total
 
 
-def leave_interrupts_to_the_main_process(worker_index: int, num_workers: int) -> None:
-  """In each Grain worker: Ctrl-C sends SIGINT to the whole process group, workers too; the main
-  process alone takes it (it saves, then stops the workers), so no worker prints a traceback."""
+def start_worker(worker_index: int, num_workers: int, main: int) -> None:
+  """In each Grain worker, as it starts: Ctrl-C (SIGINT, sent to the whole process group) is left
+  to the main process (it saves, then stops the workers), so no worker prints a traceback; and
+  the worker ends within a second of its main process (`main`, its id), however that ended
+  (SIGKILL, the OOM killer), even before the worker started: a thread watches its parent."""
   del worker_index, num_workers
   signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+  def end_with_the_parent():
+    while os.getppid() == main:
+      time.sleep(0.5)
+    os._exit(1)
+
+  threading.Thread(target=end_with_the_parent, daemon=True, name="end-with-the-run").start()
 
 
 class Iterator:
@@ -379,20 +414,22 @@ def as_iterator(batches: Elements, config, put=None, num_workers: int | None = N
   prefix = receive = None
   if workers:
     if shared_memory and shm.available():
-      shm.warn_of_leftovers()
+      shm.remove_leftovers()
       # Each worker keeps mapped as many of its units as the main process holds (the elements
       # placed ahead, the one in use, the one being received), so that it frees them.
       keep = (config.prefetch_to_device + 2) * -(-batches.shares // workers) + 1
-      dataset = dataset.map(shm.Outbox(prefix := shm.iterator_prefix(), keep))
+      dataset = dataset.map(shm.Outbox(prefix := shm.iterator_prefix(), keep,
+                                       reserve=shm.fallback_bytes(workers)))
       receive = shm.receive
     # What is left (labels, masks, small images) travels pickled, not in Grain's shared memory.
     pickled = grain.experimental.DatasetOptions(min_shm_size=2**62)
     dataset = grain.experimental.WithOptionsIterDataset(dataset, pickled)
     dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers),
-                                  worker_init_fn=leave_interrupts_to_the_main_process)
+                                  worker_init_fn=functools.partial(start_worker, main=os.getpid()))
   place = batches.stack if put is None else put
-  dataset = dataset.batch(batches.shares, batch_fn=place if receive is None else
-                          lambda units: place([receive(unit) for unit in units]))
+  receive = receive or (lambda unit: unit)
+  dataset = dataset.batch(batches.shares, batch_fn=lambda units: place(
+      count_bad_records([receive(unit) for unit in units])))
   if put is not None and config.prefetch_to_device:
     dataset = grain.experimental.ThreadPrefetchIterDataset(
         dataset, prefetch_buffer_size=config.prefetch_to_device)
