@@ -106,7 +106,7 @@ def main(argv):
   distributed.initialize()
   try:
     run = trained.Restored(FLAGS.workdir, FLAGS.step,
-                           current_model=FLAGS.use_current_model)
+                           runs_model=FLAGS.use_runs_model)
     if FLAGS.image_folder:
       source = image_folder_source(FLAGS.image_folder, run)
     else:
@@ -166,8 +166,9 @@ def tag_prefix(image_folder: str | None, data_dir: str | None) -> str:
 if __name__ == "__main__":  # flags defined here: the functions above can be imported
   flags.DEFINE_string("workdir", None, "A training run's workdir.", required=True)
   flags.DEFINE_integer("step", None, "The checkpoint's step (default: the latest).")
-  flags.DEFINE_bool("use_current_model", False, "Build the model with model.py as it is now, "
-                    "not the run's own copy (workdir/model.py) where the two differ.")
+  flags.DEFINE_bool("use_runs_model", False, "Build the model with the run's own copy of "
+                    "model.py (WORKDIR/model.py) where it differs from yours: this EXECUTES that "
+                    "file's code; use it only on a workdir you trust.")
   flags.DEFINE_string("data_dir", None, "Evaluate on this directory's eval split.")
   flags.DEFINE_string("image_folder", None, "Evaluate on these images: one "
                        "subfolder per class, named as the run's classes.")

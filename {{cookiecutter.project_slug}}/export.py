@@ -89,7 +89,7 @@ def main(argv):
   distributed.initialize()
   try:
     run = trained.Restored(FLAGS.workdir, FLAGS.step,
-                           current_model=FLAGS.use_current_model)
+                           runs_model=FLAGS.use_runs_model)
   except plan.ConfigError as e:
     raise SystemExit(f"error: {e}") from None
   if distributed.is_first():
@@ -111,6 +111,7 @@ if __name__ == "__main__":  # flags defined here: the functions above can be imp
   flags.DEFINE_string("workdir", None, "A training run's workdir.", required=True)
   flags.DEFINE_string("out", None, "The .npz file to write.", required=True)
   flags.DEFINE_integer("step", None, "The checkpoint's step (default: the latest).")
-  flags.DEFINE_bool("use_current_model", False, "Build the model with model.py as it is now, "
-                    "not the run's own copy (workdir/model.py) where the two differ.")
+  flags.DEFINE_bool("use_runs_model", False, "Build the model with the run's own copy of "
+                    "model.py (WORKDIR/model.py) where it differs from yours: this EXECUTES that "
+                    "file's code; use it only on a workdir you trust.")
   app.run(main)

@@ -28,9 +28,21 @@ _TIMEOUT = flags.DEFINE_integer("timeout", 3600, "Seconds before every process i
 _SCRIPT = flags.DEFINE_string("script", "train.py", "The program each process runs.")
 
 
+# After a process fails, the others get SIGTERM (train.py saves what it can), then SIGKILL after
+# this many seconds: one whose peer died may wait in a collective that never completes.
+GRACE_SECONDS = 10
+
+
+def exit_status(returncode: int) -> int:
+  """A process's exit status as a shell gives it: 128 + N for one killed by signal N."""
+  return 128 - returncode if returncode < 0 else returncode
+
+
 def launch(train_args: list[str], num_processes: int, devices_per_process: int | None = None,
            timeout: float = 3600, script: str = "train.py") -> int:
-  """Starts the processes, waits for them; returns the first non-zero exit status, or 0."""
+  """Starts the processes, waits for them; when one fails (or the timeout passes), stops the
+  others (SIGTERM, then SIGKILL after GRACE_SECONDS). Returns the first failed process's exit
+  status (`exit_status`), 124 on the timeout, or 0."""
   env = dict(os.environ)
   if devices_per_process:
     env["JAX_PLATFORMS"] = "cpu"
@@ -42,19 +54,21 @@ def launch(train_args: list[str], num_processes: int, devices_per_process: int |
                         f"--num_processes={num_processes}", f"--process_id={i}"], env=env)
       for i in range(num_processes)
   ]
-  deadline = time.monotonic() + timeout
-  status = 0
-  while any(p.poll() is None for p in processes):
-    failed = [p.returncode for p in processes if p.returncode not in (None, 0)]
-    if (failed or time.monotonic() > deadline) and not status:
-      status = failed[0] if failed else 124
-      print(f"launch.py: {'a process failed' if failed else 'timed out'}; stopping the others",
-            file=sys.stderr)
-      for p in processes:
-        if p.poll() is None:
-          p.terminate()  # SIGTERM: train.py saves what it can and exits
+  deadline, status, stopping_since = time.monotonic() + timeout, 0, None
+  while running := [p for p in processes if p.poll() is None]:  # (polls every process)
+    failed = [(i, p.returncode) for i, p in enumerate(processes) if p.returncode not in (None, 0)]
+    if (failed or time.monotonic() > deadline) and stopping_since is None:
+      status = exit_status(failed[0][1]) if failed else 124
+      why = f"process {failed[0][0]} exited with status {status}" if failed else "timed out"
+      print(f"launch.py: {why}; stopping the others", file=sys.stderr)
+      for p in running:
+        p.terminate()  # SIGTERM: train.py saves what it can and exits
+      stopping_since = time.monotonic()
+    elif stopping_since is not None and time.monotonic() > stopping_since + GRACE_SECONDS:
+      for p in running:
+        p.kill()
     time.sleep(0.1)
-  return status or next((p.returncode for p in processes if p.returncode), 0)
+  return status or next((exit_status(p.returncode) for p in processes if p.returncode), 0)
 
 
 def main(argv):

@@ -75,7 +75,7 @@ def main(argv):
       raise plan.ConfigError("no image to classify: give image files (.jpg, .jpeg, .png) or "
                              "folders of them after the flags.")
     run = trained.Restored(FLAGS.workdir, FLAGS.step,
-                           current_model=FLAGS.use_current_model)
+                           runs_model=FLAGS.use_runs_model)
     files = [p for p in paths if not p.lower().endswith(".npy")]
     if files and run.info.pixel_dtype != "uint8":
       raise plan.ConfigError(
@@ -110,8 +110,9 @@ def main(argv):
 if __name__ == "__main__":  # flags defined here: the functions above can be imported
   flags.DEFINE_string("workdir", None, "A training run's workdir.", required=True)
   flags.DEFINE_integer("step", None, "The checkpoint's step (default: the latest).")
-  flags.DEFINE_bool("use_current_model", False, "Build the model with model.py as it is now, "
-                    "not the run's own copy (workdir/model.py) where the two differ.")
+  flags.DEFINE_bool("use_runs_model", False, "Build the model with the run's own copy of "
+                    "model.py (WORKDIR/model.py) where it differs from yours: this EXECUTES that "
+                    "file's code; use it only on a workdir you trust.")
   flags.DEFINE_integer("top_k", 1, "How many classes to report per image.")
   flags.DEFINE_bool("json", False, "One JSON object per line.")
   flags.DEFINE_integer("batch_size", 0, "Images per call (0: the run's batch size, "

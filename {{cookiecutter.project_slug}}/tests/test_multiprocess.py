@@ -1,5 +1,6 @@
 """Several processes on JAX's distributed runtime (over 127.0.0.1) = one process, exactly."""
 
+import contextlib
 import json
 import os
 import re
@@ -176,6 +177,44 @@ def stop_all(processes):
   for p in processes:
     if p.poll() is None:
       p.kill()
+
+
+@pytest.mark.slow
+def test_launch_stops_everything_soon_after_any_process_dies(tmp_path):
+  """launch.py's process 1 SIGKILLed while training: launch.py stops process 0 (SIGTERM, then
+  SIGKILL) and exits with the dead process's status (128 + 9) within 15 s, saying which died;
+  no process of the run is left."""
+  children = []
+  launcher = subprocess.Popen(
+      [sys.executable, "launch.py", "--num_processes=2", "--devices_per_process=4",
+       "--timeout=400", "--", "--config=configs/tiny.py", *OWN, f"--workdir={tmp_path}",
+       "--config.num_epochs=500"],
+      cwd=PROJECT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "checkpoints" / "10").is_dir():  # training is under way
+      assert time.monotonic() < deadline and launcher.poll() is None
+      time.sleep(0.1)
+    children = [int(pid) for pid in subprocess.run(
+        ["ps", "-o", "pid=", "--ppid", str(launcher.pid)], capture_output=True,
+        text=True).stdout.split()]
+    process_1 = next(pid for pid in children
+                     if b"--process_id=1\0" in open(f"/proc/{pid}/cmdline", "rb").read())
+    os.kill(process_1, signal.SIGKILL)
+    killed = time.monotonic()
+    _, stderr = launcher.communicate(timeout=60)
+    elapsed = time.monotonic() - killed
+  finally:
+    for pid in [launcher.pid, *children]:
+      with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+  assert launcher.returncode == 128 + signal.SIGKILL, stderr[-3000:]
+  assert "launch.py: process 1 exited with status 137; stopping the others" in stderr
+  assert elapsed <= 15, elapsed
+  left = [pid for pid in children if os.path.exists(f"/proc/{pid}")
+          and open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+  assert not left, left
+  print(f"launch.py exited {elapsed:.1f} s after process 1 was killed")
 
 
 @pytest.mark.slow

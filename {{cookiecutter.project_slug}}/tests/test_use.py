@@ -429,40 +429,61 @@ def create_model(config, image_shape, num_classes, rngs):
 '''
 
 
-def test_a_run_keeps_its_model_and_is_used_with_it_after_model_py_changes(straight_runs,
-                                                                          tmp_path, monkeypatch):
-  """The workdir holds the model's source as trained; once the module it names (here: written
-  anew, an MLP in place of the CNN) differs, evaluation, predict and export rebuild the run's
-  own model from the copy, and say so; today's model (`current_model`) is refused, naming the
-  leaf that differs."""
+def test_a_run_whose_model_py_changed_is_built_with_its_copy_only_when_asked(straight_runs,
+                                                                             tmp_path):
+  """The workdir keeps the model's source as trained. Once the module it names differs (here
+  written anew in the project, an MLP in place of the CNN), evaluation, predict and export build
+  today's, which does not fit the checkpoint: one line naming the leaf and --use_runs_model;
+  with it (`runs_model`), the run's own model from the copy, said. A config.json naming a module
+  that is not the project's own is refused before anything is imported."""
   original, metrics = straight_runs["spmd"]
   assert (original / runs.MODEL_FILE).read_text() == (
       pathlib.Path(conftest.TESTS) / f"{conftest.SHIPPED_MODEL}.py").read_text()
   workdir = tmp_path / "run"
   shutil.copytree(original, workdir)
+  name = f"changed_model_{os.getpid()}"  # a module of the project (its tests/), for this test
+  changed = pathlib.Path(conftest.TESTS) / f"{name}.py"
   config = json.loads((workdir / runs.CONFIG_FILE).read_text())
-  config["model"]["module"] = "changed_model"  # the module the run names, rewritten since
+  config["model"]["module"] = name  # the module the run names, rewritten since
   (workdir / runs.CONFIG_FILE).write_text(json.dumps(config))
-  (tmp_path / "code").mkdir()
-  (tmp_path / "code" / "changed_model.py").write_text(CHANGED_MODEL)
-  monkeypatch.syspath_prepend(str(tmp_path / "code"))
-
-  assert "as the run trained it" in trained.Restored(str(original)).summary
-  run = trained.Restored(str(workdir))
-  assert f"model: the run's own, {workdir / runs.MODEL_FILE} (changed_model.py has changed" in (
-      run.summary)
-  result = evaluate.evaluate(run, input_pipeline.get_datasets(run.config)[0]["eval"])
-  assert result["examples"] == 360 and result["accuracy"] == metrics["accuracy"]
-  with pytest.raises(plan.ConfigError, match=r"of a different model: 0/convs/0/bias/value is "
-                     r"\(8,\) there and absent in this config and model"):
-    trained.Restored(str(workdir), current_model=True)
+  changed.write_text(CHANGED_MODEL)
+  try:
+    assert "as the run trained it" in trained.Restored(str(original)).summary
+    with pytest.raises(plan.ConfigError) as refused:
+      trained.Restored(str(workdir))
+    assert str(refused.value).startswith(
+        f"workdir {str(workdir)!r} holds a checkpoint (step 45) of a different model: "
+        "0/convs/0/bias/value is (8,) there and absent in this config and model"), refused.value
+    assert str(refused.value).endswith(
+        f"; {name}.py differs from the run's copy, {workdir / runs.MODEL_FILE}: --use_runs_model "
+        "builds the model with it (that executes the file's code: a workdir you trust)."), (
+        refused.value)
+    run = trained.Restored(str(workdir), runs_model=True)
+    assert run.summary.endswith(f"model: the run's own, {workdir / runs.MODEL_FILE} "
+                                f"(--use_runs_model; {name}.py has changed since)"), run.summary
+    result = evaluate.evaluate(run, input_pipeline.get_datasets(run.config)[0]["eval"])
+    assert result["examples"] == 360 and result["accuracy"] == metrics["accuracy"]
+  finally:
+    changed.unlink()
+  for key, module in (("model.module", "json"), ("recipe", "antigravity")):
+    config = json.loads((original / runs.CONFIG_FILE).read_text())
+    if key == "recipe":
+      config["recipe"] = module
+    else:
+      config["model"]["module"] = module
+    (workdir / runs.CONFIG_FILE).write_text(json.dumps(config))
+    with pytest.raises(plan.ConfigError, match=rf"names config.{key}='{module}', which is not a "
+                       "module of this project"):
+      trained.Restored(str(workdir))
+  assert "antigravity" not in sys.modules  # (importing it opens a web browser)
 
 
 @pytest.mark.slow
 def test_train_replace_model_py_then_evaluate_predict_and_export_the_old_run(tmp_path):
   """As a user does it, in a copy of the project: train on model.py's CNN, replace model.py by an
-  MLP, then the commands on the old workdir work, each saying that it used the run's own copy;
-  with --use_current_model, one line naming the leaf that differs."""
+  MLP, then the commands on the old workdir, by default, refuse in one line naming the leaf
+  that differs and --use_runs_model; with it, they work, each saying that it used the run's own
+  copy."""
   project = tmp_path / "project"
   shutil.copytree(PROJECT, project, ignore=shutil.ignore_patterns(
       ".*", "__pycache__", "runs", "*.egg-info"))
@@ -475,12 +496,46 @@ def test_train_replace_model_py_then_evaluate_predict_and_export_the_old_run(tmp
   image = tmp_path / "digit.png"
   Image.fromarray(input_pipeline.get_datasets(default.get_config())[0]["eval"].images[0, ..., 0]
                   ).save(image)
-  said = f"model: the run's own, {workdir / runs.MODEL_FILE} (model.py has changed since"
+  said = f"model: the run's own, {workdir / runs.MODEL_FILE} (--use_runs_model; model.py has"
   for args in (["evaluate.py"], ["predict.py", str(image)],
                ["export.py", f"--out={tmp_path / 'model.npz'}"]):
     done = command(*args, f"--workdir={workdir}")
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 1 and last.startswith(
+        f"error: workdir {str(workdir)!r} holds a checkpoint (step 23) of a different model: "
+        "0/convs/0/bias/value is (8,) there and absent"), done.stderr[-3000:]
+    assert "--use_runs_model builds the model with it" in last, last
+    done = command(*args, f"--workdir={workdir}", "--use_runs_model")
     assert done.returncode == 0 and said in done.stderr, done.stderr[-3000:]
-  done = command("evaluate.py", f"--workdir={workdir}", "--use_current_model")
-  assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].startswith(
-      f"error: workdir {str(workdir)!r} holds a checkpoint (step 23) of a different model: "
-      "0/convs/0/bias/value is (8,) there and absent"), done.stderr[-3000:]
+
+
+# Appended to a workdir's copy of model.py: what would run if a tool executed it.
+PAYLOAD = """
+import pathlib as _pathlib
+_pathlib.Path(__file__).with_name("payload_ran").write_text("yes")
+"""
+
+
+@pytest.mark.slow
+def test_a_workdirs_model_py_runs_only_with_use_runs_model(straight_runs, tmp_path):
+  """A workdir's model.py with a payload appended (the same model, and code of someone else's):
+  evaluate.py, predict.py and export.py with their default flags build today's model and never
+  run it, saying in one line that the copy differs; --use_runs_model runs it (as its help says)."""
+  workdir = tmp_path / "run"
+  shutil.copytree(straight_runs["spmd"][0], workdir)
+  copy = workdir / runs.MODEL_FILE
+  copy.write_text(copy.read_text() + PAYLOAD)
+  image = tmp_path / "digit.png"
+  Image.fromarray(input_pipeline.get_datasets(default.get_config())[0]["eval"].images[0, ..., 0]
+                  ).save(image)
+  command = lambda *args: subprocess.run(  # noqa: E731
+      [sys.executable, *args, f"--workdir={workdir}"], cwd=PROJECT, capture_output=True,
+      text=True, timeout=300)
+  for args in (["evaluate.py"], ["predict.py", str(image)],
+               ["export.py", f"--out={tmp_path / 'model.npz'}"]):
+    done = command(*args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"which differs from the run's copy {copy} (not run: --use_runs_model" in done.stderr
+    assert not (workdir / "payload_ran").exists(), args
+  done = command("evaluate.py", "--use_runs_model")
+  assert done.returncode == 0 and (workdir / "payload_ran").exists(), done.stderr[-3000:]

@@ -2,8 +2,10 @@
 (`Restored`), and as the start of a fine-tuning (`init_from`: config.init_from)."""
 
 import hashlib
+import importlib.util
 import json
 import math
+import os
 import sys
 import types
 
@@ -41,6 +43,12 @@ def read_description(workdir: str):
     raise ConfigError(f"workdir {workdir!r} holds no {CONFIG_FILE}: give the --workdir of a "
                       "training run (train.py writes it at start).")
   config = ml_collections.ConfigDict(json.loads((path / CONFIG_FILE).read_text()))
+  for key, name in (("model.module", config.model.get("module", "model")),
+                    ("recipe", config.get("recipe", "recipe"))):
+    if not project_module(name):  # (importing a module runs its code)
+      raise ConfigError(f"workdir {workdir!r}: its {CONFIG_FILE} names config.{key}={name!r}, "
+                        "which is not a module of this project; only the project's own are "
+                        f"imported (edit {CONFIG_FILE} to name one).")
   if "run" not in config:  # (written before config.run: batch_size held the global batch)
     config.run = dict(global_batch_size=config.batch_size,
                       steps_per_dispatch=config.steps_per_dispatch)
@@ -52,31 +60,47 @@ def read_description(workdir: str):
   return config, info
 
 
-def use_runs_model(workdir: str, config, current: bool = False) -> str:
-  """Which code builds the run's model, in a phrase. When today's `config.model.module` (model.py)
-  differs from the copy the run kept (`MODEL_FILE`), the copy: loaded as a module of its own, named
-  in `config.model.module`; with `current`, today's."""
+PROJECT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def project_module(name: str) -> bool:
+  """Whether `name` is a module of this project (a file under its folder, found without
+  running it), as a workdir's config may name only those."""
+  try:
+    spec = importlib.util.find_spec(name) if name.isidentifier() else None
+  except (ImportError, ValueError):
+    return False
+  return bool(spec and spec.origin and os.path.abspath(spec.origin).startswith(PROJECT + os.sep))
+
+
+def use_runs_model(workdir: str, config, runs_code: bool = False) -> tuple[str, str]:
+  """Which code builds the run's model, in a phrase, and what to add to the error of a model that
+  does not fit the checkpoint. Today's `config.model.module` (model.py); where it differs from
+  the copy the run kept (`MODEL_FILE`), that copy only with `runs_code` (--use_runs_model: it
+  executes the workdir's file), loaded as a module of its own, named in `config.model.module`."""
   name = config.model.get("module", "model")
   saved = epath.Path(workdir) / MODEL_FILE
   if not saved.exists():
-    return f"{name}.py as it is now (the run kept no copy of its own)"
+    return f"{name}.py as it is now (the run kept no copy of its own)", ""
   kept = saved.read_text()
   try:
     today = epath.Path(plan.model_module(config).__file__).read_text()
   except Exception:  # (today's does not import: any error of its code)  # noqa: BLE001
     today = None
   if today == kept:
-    return f"{name}.py, as the run trained it"
-  if current:
-    return f"{name}.py as it is now (--use_current_model; the run trained {saved})"
+    return f"{name}.py, as the run trained it", ""
+  if not runs_code:
+    return (f"{name}.py as it is now, which differs from the run's copy {saved} (not run: "
+            "--use_runs_model builds that copy, executing it)",
+            f"; {name}.py differs from the run's copy, {saved}: --use_runs_model builds the "
+            "model with it (that executes the file's code: a workdir you trust)")
   module = types.ModuleType(f"{name}_of_a_run_{hashlib.sha1(kept.encode()).hexdigest()[:12]}")
   if module.__name__ not in sys.modules:
     module.__file__ = str(saved)
     sys.modules[module.__name__] = module
     exec(compile(kept, str(saved), "exec"), module.__dict__)  # noqa: S102 (the run's own code)
   config.model.module = module.__name__
-  return (f"the run's own, {saved} ({name}.py has changed since; --use_current_model takes it "
-          "instead)")
+  return f"the run's own, {saved} (--use_runs_model; {name}.py has changed since)", ""
 
 
 def center_ratio(run) -> float:
@@ -125,13 +149,12 @@ def check_fits_devices(abstract_model, mesh, config, workdir: str) -> None:
 class Restored:
   """A workdir's checkpoint: the config and data it was trained with, and its model alone
   (`graphdef`, `state`; the moving average when the run kept one), placed on `mesh` (default: every
-  device) as the run placed it (split by fsdp, else whole on each), built by the run's own copy of
-  its model's code where model.py has changed since (`use_runs_model`; `current_model`: today's)."""
+  device) as the run placed it (split by fsdp, else whole on each), built by today's model.py, or
+  by the run's own copy of it where the two differ with `runs_model` (`use_runs_model`)."""
 
-  def __init__(self, workdir: str, step: int | None = None, mesh=None,
-               current_model: bool = False):
+  def __init__(self, workdir: str, step: int | None = None, mesh=None, runs_model: bool = False):
     self.config, self.info = read_description(workdir)
-    self.model_code = use_runs_model(workdir, self.config, current_model)
+    self.model_code, hint = use_runs_model(workdir, self.config, runs_model)
     if self.config.parallelism == "pmap":  # the same parameters: placed as spmd places them
       self.config.parallelism = "spmd"
     self.mesh = mesh or sharding.make_mesh(self.config)
@@ -153,9 +176,12 @@ class Restored:
                           f"checkpoints: {', '.join(map(str, available))}).")
       logging.warning("checkpoint %d in %s %s; using an older one", s, workdir, why)
 
-    self.step, self.state = newest_intact(
-        [step] if step is not None else sorted(available, reverse=True),
-        lambda s: restore_model(checkpoints, s, abstract, workdir), damaged)
+    try:
+      self.step, self.state = newest_intact(
+          [step] if step is not None else sorted(available, reverse=True),
+          lambda s: restore_model(checkpoints, s, abstract, workdir), damaged)
+    except ConfigError as e:  # another model: today's model.py, where the run's differs
+      raise ConfigError(f"{str(e).removesuffix('.')}{hint}.") from None
     if self.step is None:
       raise ConfigError(f"no checkpoint in {workdir!r} can be restored (the warnings above say "
                         "why).")
