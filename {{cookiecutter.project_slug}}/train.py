@@ -7,6 +7,8 @@ The logic is in `train_and_evaluate(config, workdir)`; the absl entry point is a
 
 import contextlib
 import os
+import sys
+import threading
 from typing import NamedTuple
 
 import jax
@@ -154,6 +156,8 @@ def train_loop(run: Run, received: list):
                                    can_agree=step % config.log_every_steps == 0)
     log_now = step % config.log_every_steps == 0 or is_last
     if log_now or step % config.checkpoint_every_steps == 0 or stopped_by:
+      with runs.saving(run.workdir):  # an asynchronous save that failed since: stop here
+        checkpoints.check_for_errors()
       fetched = jax.device_get(running)  # one transfer, for the check and the summary
       stopping.check_finite(fetched.nonfinite_steps, since, config, checkpoints)
       if log_now:
@@ -170,8 +174,9 @@ def train_loop(run: Run, received: list):
       jax.block_until_ready(state)  # the steps queued so far are training time
       with clock.paused():  # left out of the training rates
         if save_now:  # first: asynchronous, it writes while the evaluation runs
-          checkpoints.save(step, force=True, args=ocp.args.Composite(
-              state=ocp.args.PyTreeSave(compiled.get_state(state))))
+          with runs.saving(run.workdir):
+            checkpoints.save(step, force=True, args=ocp.args.Composite(
+                state=ocp.args.PyTreeSave(compiled.get_state(state))))
         if evaluate_now:
           eval_metrics = steps.summarize(steps.evaluate(compiled, state, run.eval_iter,
                                                         len(run.eval_batches), config))
@@ -195,7 +200,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   with (stopping.stop_signals() as received, contextlib.closing(run.train_iter),
         contextlib.closing(run.eval_iter), contextlib.closing(run.progress)):
     step, state, eval_metrics, stopped_by = train_loop(run, received)
-  run.checkpoints.close()  # waits for the last asynchronous save
+  with runs.saving(workdir):
+    run.checkpoints.close()  # waits for the last asynchronous save
   if stopped_by:
     run.writer.close()
     logging.warning("%s", stopping.Stopped(stopped_by, step, run.num_train_steps, workdir))
@@ -214,9 +220,13 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints and metrics g
 
 
 class _QuietLibraries(logging.logging.Filter):
-  """Keeps the log to progress and metrics: drops INFO lines from inside the libraries."""
+  """Keeps the log to progress and metrics: drops INFO lines from inside the libraries, and
+  Orbax's errors with their tracebacks (each reaches the run as an exception: a failed save is
+  said in one line, runs.saving)."""
 
   def filter(self, record):
+    if f"{os.sep}orbax{os.sep}" in record.pathname and record.levelno >= logging.logging.ERROR:
+      return False
     return record.levelno >= logging.logging.WARNING or not any(
         f"{os.sep}{lib}{os.sep}" in record.pathname
         for lib in ("jax", "orbax", "gcsfs", "datasets"))
@@ -239,10 +249,22 @@ def main(argv):
   distributed.initialize()
   try:
     train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  except (BadData, ConfigError, stopping.NonFiniteLoss) as e:
-    raise SystemExit(f"error: {e}") from None
+  except (BadData, ConfigError, stopping.NonFiniteLoss, runs.SaveFailed) as e:
+    exit_now(f"error: {e}")
   except stopping.Stopped as e:  # saved, and said
     raise SystemExit(e.exit_code) from None
+
+
+def exit_now(message: str, code: int = 1):
+  """Ends the process with `message` on stderr: as SystemExit, or, where threads of the libraries
+  are still alive (a save that failed leaves Orbax's and the event writer's behind, which the
+  interpreter would wait for forever), at once (os._exit), abandoning them."""
+  if any(t.is_alive() and not t.daemon for t in threading.enumerate()
+         if t is not threading.main_thread()):
+    print(message, file=sys.stderr, flush=True)
+    logging.flush()
+    os._exit(code)
+  raise SystemExit(message)
 
 
 if __name__ == "__main__":

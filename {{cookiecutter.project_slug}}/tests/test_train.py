@@ -1059,3 +1059,48 @@ def test_the_recipe_changes_each_touch_recipe_py_alone(tiny_config, tmp_path, mo
   with pytest.raises(errors.ConfigError, match=r"config.optimizer='lamb' is unknown; use one "
                      r"of \('adam', 'adamw', 'sgd', 'lion'\)"):
     plan.validate_config(tiny_config)
+
+
+# A workdir whose checkpoints cannot be written, made in a mount namespace of the test's own
+# (unshare -m, as root): a 200 KiB file system (full by the first or second save), or
+# checkpoints/ mounted read-only.
+UNWRITABLE = {
+    "full_disk": "mount -t tmpfs -o size=200k tmpfs {workdir}",
+    "read_only": "mkdir -p {workdir}/checkpoints && mount --bind {workdir}/checkpoints "
+                 "{workdir}/checkpoints && mount -o remount,bind,ro {workdir}/checkpoints",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", UNWRITABLE)
+def test_a_save_that_fails_stops_the_run_in_one_line(tmp_path, how):
+  """A checkpoint that cannot be written (a full disk, a read-only checkpoints/), saved in the
+  background: the run stops at the latest at the next checkpoint, with one `error:` line naming
+  the directory and the OS error, exit 1, at once (no thread left to wait for). (On a full disk
+  TensorStore's callbacks may print "Event loop is closed" from inside Orbax as its failed save
+  unwinds: no frame of the project's, no abort.)"""
+  if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+    pytest.skip("needs `unshare -m` (root) to give the run a workdir that cannot be written")
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  train_py = " ".join([sys.executable, "train.py", "--config=configs/tiny.py", *OWN,
+                       f"--workdir={workdir}", "--config.num_epochs=3"])
+  start = time.monotonic()
+  out = subprocess.run(
+      ["unshare", "-m", "sh", "-c", f"{UNWRITABLE[how].format(workdir=workdir)} && {train_py}"],
+      cwd=PROJECT, capture_output=True, text=True, timeout=300)
+  elapsed = time.monotonic() - start
+  assert out.returncode == 1 and "Fatal Python error" not in out.stderr, out.stderr[-3000:]
+  ours = re.findall(r'File "(?!/[^"]*(?:site-packages|lib/python3))[^"]*"', out.stderr)
+  assert not ours, out.stderr[-3000:]  # no traceback through the project's code
+  last = out.stderr.strip().splitlines()[-1]
+  assert last.startswith(f"error: a checkpoint could not be written in {workdir}/checkpoints ("
+                         ), last
+  assert last.endswith("run the same command: it resumes from the newest checkpoint saved."), last
+  assert len([line for line in out.stderr.splitlines() if line.startswith("error:")]) == 1
+  failed = int(re.search(r"checkpoints/(\d+)\.orbax-checkpoint-tmp", last)[1])
+  logged = [int(s) for s in re.findall(r"\] step (\d+)/\d+ ", out.stderr)]
+  assert max(logged) <= failed + 10, (failed, logged)  # (checkpoint_every_steps: 10)
+  assert elapsed < 120, elapsed
+  print(f"{how}: the save of step {failed} failed; stopped after step {max(logged)}, "
+        f"{elapsed:.1f} s in all: {last[:160]}")

@@ -19,6 +19,7 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
+from .. import errors
 from ..data import input_pipeline
 from ..errors import ConfigError
 
@@ -46,6 +47,23 @@ def checkpoint_manager(workdir: str, config=None, create: bool = True):
       options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=create),
       item_handlers=dict(
           state=ocp.PyTreeCheckpointHandler(type_handler_registry=array_handlers())))
+
+
+class SaveFailed(Exception):
+  """A checkpoint could not be written; the message names the directory, the error and the fix."""
+
+
+@contextlib.contextmanager
+def saving(workdir: str):
+  """Raises SaveFailed, in one line, for an error of Orbax's saves under way inside (a save, the
+  check for an asynchronous save that failed since, the wait for the last one)."""
+  try:
+    yield
+  except Exception as e:  # noqa: BLE001  (whatever the storage raised: said, the run stopped)
+    raise SaveFailed(
+        f"a checkpoint could not be written in {os.path.join(workdir, 'checkpoints')} "
+        f"({errors.one_line(e, 300)}); training stopped there. Give it room or write access, "
+        "then run the same command: it resumes from the newest checkpoint saved.") from None
 
 
 def leaf_name(path) -> str:
