@@ -290,9 +290,13 @@ def test_nonfinite_steps_are_counted_and_the_first_found_however_merged():
 
 def damage_checkpoint(directory, how: str) -> None:
   """Damages checkpoint `directory` as disks and copies do: bytes `garbled` in its largest data
-  file, that file `truncated` to half, or its data folder `missing`."""
+  file, that file `truncated` to half, its data folder `missing`, or its metadata file
+  (`no_metadata`)."""
   data = sorted(glob.glob(os.path.join(directory, "state", "ocdbt.process_*", "d", "*")),
                 key=os.path.getsize)
+  if how == "no_metadata":
+    os.remove(os.path.join(directory, "state", "_METADATA"))
+    return
   if how == "missing":
     shutil.rmtree(os.path.dirname(data[-1]))
     return
@@ -319,7 +323,7 @@ def save_nonfinite(workdir, step: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["garbled", "truncated", "missing", "nonfinite"])
+@pytest.mark.parametrize("how", ["garbled", "truncated", "missing", "no_metadata", "nonfinite"])
 def test_a_damaged_checkpoint_is_named_kept_aside_and_the_run_ends_as_if_undamaged(
     straight_runs, tmp_path, caplog, how):
   """The latest checkpoint of a finished run damaged (or, `nonfinite`, a later one holding a
@@ -351,6 +355,36 @@ def test_a_damaged_checkpoint_is_named_kept_aside_and_the_run_ends_as_if_undamag
   assert step == last and got.keys() == want.keys()
   for name, value in want.items():
     np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+@pytest.mark.slow
+def test_a_step_damaged_twice_is_kept_twice_and_all_damaged_is_refused_again(straight_runs,
+                                                                             tmp_path, caplog):
+  """The latest checkpoint damaged, put aside, saved again by the resumed run and damaged again:
+  kept beside the first (<step>.2). Every checkpoint damaged: the run stops in one line, and the
+  same command again is refused in one line (never a silent start from step 0) until the damaged
+  ones are moved away."""
+  straight, _ = straight_runs["spmd"]
+  workdir = tmp_path / "run"
+  shutil.copytree(straight, workdir)
+  last, _ = final_state(workdir)
+  for _ in range(2):
+    damage_checkpoint(workdir / "checkpoints" / str(last), "garbled")
+    train.train_and_evaluate(two_epochs("spmd"), str(workdir))
+  damaged = workdir / runs.DAMAGED
+  assert sorted(p.name for p in damaged.iterdir()) == [str(last), f"{last}.2"]
+  assert f"kept in {damaged}/{last}.2; resuming from an older one" in caplog.text
+  for checkpoint in (workdir / "checkpoints").iterdir():
+    if checkpoint.name.isdigit():
+      damage_checkpoint(checkpoint, "no_metadata")
+  with pytest.raises(plan.ConfigError, match=r"^no checkpoint in .* can be restored"):
+    train.train_and_evaluate(two_epochs("spmd"), str(workdir))
+  with pytest.raises(plan.ConfigError) as refused:
+    train.train_and_evaluate(two_epochs("spmd"), str(workdir))
+  assert str(refused.value) == (
+      f"workdir {str(workdir)!r} holds no checkpoint but those put aside as damaged in {damaged} "
+      "(the log of the run that put them aside said why): this run would start over from step "
+      f"0. To start over here, remove or rename {damaged}; or use a new --workdir.")
 
 
 @pytest.mark.slow

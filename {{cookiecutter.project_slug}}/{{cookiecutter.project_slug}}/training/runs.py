@@ -5,6 +5,7 @@ and keeps its config but for what `FREE_ON_RESUME` names.
 
 import contextlib
 import gc
+import itertools
 import json
 import os
 import sys
@@ -86,8 +87,14 @@ def shapes(tree) -> dict[str, tuple]:
 
 
 def check_checkpoint_fits(checkpoints, step: int, abstract_state, workdir: str) -> None:
-  """Raises ConfigError if the checkpoint of `step` holds a different model or optimizer."""
-  saved = shapes(checkpoints.item_metadata(step)["state"])
+  """Raises ConfigError if the checkpoint of `step` holds a different model or optimizer; a
+  checkpoint without its metadata is damage (FileNotFoundError), not another model."""
+  if not (epath.Path(checkpoints.directory) / str(step) / "state" / "_METADATA").exists():
+    raise FileNotFoundError("its metadata, state/_METADATA, is missing")  # (Orbax's file)
+  metadata = checkpoints.item_metadata(step)
+  if not (metadata and metadata.get("state")):
+    raise FileNotFoundError("its metadata, state/_METADATA, cannot be read")
+  saved = shapes(metadata["state"])
   wanted = shapes(abstract_state)
   # Named first: a parameter or statistic (a shape, a layer); an RNG stream's key or count only
   # where nothing else differs (a random layer added or removed changes those too).
@@ -220,6 +227,10 @@ def put_aside(checkpoints, step: int, workdir: str) -> str:
   """Moves checkpoint `step` out of the checkpoints (a new one of that step will be saved) into
   `workdir`/damaged_checkpoints/, where it is kept. Returns where (process 0 moves it)."""
   aside = epath.Path(workdir) / DAMAGED / str(step)
+  for n in itertools.count(2):  # a step put aside before (saved again since, damaged again)
+    if not aside.exists():
+      break
+    aside = aside.with_name(f"{step}.{n}")
   if jax.process_index() == 0:
     aside.parent.mkdir(parents=True, exist_ok=True)
     (epath.Path(checkpoints.directory) / str(step)).rename(aside)
@@ -244,6 +255,11 @@ def restore_or_init(checkpoints, abstract, init, workdir: str):
           "give every process the same --workdir, on a file system that they all see (or a "
           "bucket: gs://...).")
   if step is None:
+    if (damaged := epath.Path(workdir) / DAMAGED).exists() and any(damaged.iterdir()):
+      raise ConfigError(
+          f"workdir {workdir!r} holds no checkpoint but those put aside as damaged in {damaged} "
+          "(the log of the run that put them aside said why): this run would start over from "
+          f"step 0. To start over here, remove or rename {damaged}; or use a new --workdir.")
     return 0, init()
   step, state = newest_intact(
       sorted(checkpoints.all_steps(), reverse=True),
