@@ -9,6 +9,7 @@ import contextlib
 import os
 import sys
 import threading
+import time
 from typing import NamedTuple
 
 import jax
@@ -175,8 +176,7 @@ def train_loop(run: Run, received: list):
       with clock.paused():  # left out of the training rates
         if save_now:  # first: asynchronous, it writes while the evaluation runs
           with runs.saving(run.workdir):
-            checkpoints.save(step, force=True, args=ocp.args.Composite(
-                state=ocp.args.PyTreeSave(compiled.get_state(state))))
+            runs.save(checkpoints, step, compiled.get_state(state))
         if evaluate_now:
           eval_metrics = steps.summarize(steps.evaluate(compiled, state, run.eval_iter,
                                                         len(run.eval_batches), config))
@@ -249,21 +249,27 @@ def main(argv):
   distributed.initialize()
   try:
     train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  except (BadData, ConfigError, stopping.NonFiniteLoss, runs.SaveFailed) as e:
-    exit_now(f"error: {e}")
+  except (BadData, ConfigError, stopping.NonFiniteLoss) as e:
+    raise SystemExit(f"error: {e}") from None
+  except runs.SaveFailed as e:
+    exit_leaving_threads(f"error: {e}")
   except stopping.Stopped as e:  # saved, and said
     raise SystemExit(e.exit_code) from None
 
 
-def exit_now(message: str, code: int = 1):
-  """Ends the process with `message` on stderr: as SystemExit, or, where threads of the libraries
-  are still alive (a save that failed leaves Orbax's and the event writer's behind, which the
-  interpreter would wait for forever), at once (os._exit), abandoning them."""
+def exit_leaving_threads(message: str, wait_s: float = 10.0):
+  """Ends the process with `message` on stderr once the libraries' threads have ended, or after
+  `wait_s` at once (os._exit), abandoning them: a save that failed leaves Orbax's (and the event
+  writer's) behind, which the interpreter would wait for forever."""
+  deadline = time.monotonic() + wait_s
+  for thread in threading.enumerate():
+    if thread is not threading.current_thread() and not thread.daemon:
+      thread.join(max(deadline - time.monotonic(), 0))
   if any(t.is_alive() and not t.daemon for t in threading.enumerate()
-         if t is not threading.main_thread()):
+         if t is not threading.current_thread()):
     print(message, file=sys.stderr, flush=True)
     logging.flush()
-    os._exit(code)
+    os._exit(1)
   raise SystemExit(message)
 
 

@@ -110,9 +110,14 @@ def write_dataset(out_dir: str, splits: dict[str, tuple[np.ndarray, np.ndarray]]
           "--config.augment_max_shift=0 (no shifts along the features).")
   splits = {split: (as_pixels(split, np.asarray(images)), np.asarray(labels))
             for split, (images, labels) in splits.items()}
+  train = splits["train"][0]
   for split, (images, labels) in splits.items():
     if len(images) != len(labels):
       raise ValueError(f"{split}: {len(images)} images but {len(labels)} labels.")
+    if (images.dtype, images.shape[1:]) != (train.dtype, train.shape[1:]):
+      raise ValueError(f"{split}_images are {images.dtype} {list(images.shape[1:])}, the train "
+                       f"images {train.dtype} {list(train.shape[1:])}; store every split alike "
+                       "(the reader takes any other as a bad record).")
   os.makedirs(out_dir, exist_ok=True)
   for split, (images, labels) in splits.items():
     records = ((i, encode(images[i], labels[i])) for i in range(len(labels)))

@@ -4,6 +4,7 @@ import glob
 import json
 import logging
 import os
+import pathlib
 import re
 import shutil
 import signal
@@ -202,7 +203,8 @@ def digits_with_a_nan(directory, tiny_config):
   images = sources["train"].images / np.float32(255)  # float pixels go to the model as they are
   images[100] = np.nan
   write_dataset(str(directory), {"train": (images, sources["train"].labels),
-                                 "eval": (sources["eval"].images, sources["eval"].labels)})
+                                 "eval": (sources["eval"].images / np.float32(255),
+                                          sources["eval"].labels)})
   tiny_config.dataset, tiny_config.data_dir = "arrayrecord", str(directory)
   elements = input_pipeline.train_batches(input_pipeline.get_datasets(tiny_config)[0]["train"],
                                           plan.resolved(tiny_config))
@@ -290,8 +292,12 @@ def test_nonfinite_steps_are_counted_and_the_first_found_however_merged():
 
 def damage_checkpoint(directory, how: str) -> None:
   """Damages checkpoint `directory` as disks and copies do: bytes `garbled` in its largest data
-  file, that file `truncated` to half, its data folder `missing`, or its metadata file
-  (`no_metadata`)."""
+  file, that file `truncated` to half, its data folder `missing`, its metadata file
+  (`no_metadata`), or one bit of one float flipped (`bit_flipped`: the state written again as
+  Orbax writes it, its checksums kept: damage that no read of the data notices)."""
+  if how == "bit_flipped":
+    flip_a_bit(pathlib.Path(directory))
+    return
   data = sorted(glob.glob(os.path.join(directory, "state", "ocdbt.process_*", "d", "*")),
                 key=os.path.getsize)
   if how == "no_metadata":
@@ -309,6 +315,29 @@ def damage_checkpoint(directory, how: str) -> None:
       f.truncate(size // 2)
 
 
+def flip_a_bit(checkpoint: pathlib.Path) -> None:
+  """Checkpoint directory `checkpoint`'s state rewritten with the lowest bit of 0/dense/kernel's
+  first entry flipped; the rest of the checkpoint (its checksums) as it was."""
+  step = int(checkpoint.name)
+  with ocp.CheckpointManager(checkpoint.parent) as checkpoints:
+    state = checkpoints.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore()))["state"]
+
+  def flip(path, x):
+    if runs.leaf_name(path) != "0/dense/kernel/value":
+      return x
+    x = np.array(x)
+    x.view(np.uint32).flat[0] ^= 1
+    return jax.numpy.asarray(x)  # (written as the run writes its arrays)
+
+  state = jax.tree_util.tree_map_with_path(flip, state)
+  with ocp.CheckpointManager(checkpoint.parent.parent / "rewritten") as checkpoints:
+    checkpoints.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)))
+  shutil.rmtree(checkpoint / "state")
+  shutil.move(checkpoint.parent.parent / "rewritten" / str(step) / "state", checkpoint / "state")
+  shutil.rmtree(checkpoint.parent.parent / "rewritten")
+
+
 def save_nonfinite(workdir, step: int) -> None:
   """A checkpoint of `step` that reads back fine but holds NaNs: the latest one's state with the
   dense kernel made NaN, in the model and its moving average (what a run that diverged
@@ -323,7 +352,8 @@ def save_nonfinite(workdir, step: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["garbled", "truncated", "missing", "no_metadata", "nonfinite"])
+@pytest.mark.parametrize("how", ["garbled", "truncated", "missing", "no_metadata", "bit_flipped",
+                                 "nonfinite"])
 def test_a_damaged_checkpoint_is_named_kept_aside_and_the_run_ends_as_if_undamaged(
     straight_runs, tmp_path, caplog, how):
   """The latest checkpoint of a finished run damaged (or, `nonfinite`, a later one holding a
@@ -344,8 +374,9 @@ def test_a_damaged_checkpoint_is_named_kept_aside_and_the_run_ends_as_if_undamag
   result = train.train_and_evaluate(two_epochs("spmd"), str(workdir))
   assert result["examples"] == 360
   said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-  reason = "restores to non-finite values (0/dense/kernel)" if how == "nonfinite" else (
-      "cannot be read (")
+  reason = {"nonfinite": "restores to non-finite values (0/dense/kernel)",
+            "bit_flipped": "cannot be read (ValueError: its data is not what was saved: "
+                           "0/dense/kernel differs from its checksum)"}.get(how, "cannot be read (")
   assert len(said) == 1 and said[0].startswith(f"checkpoint {bad} in {workdir} {reason}"), said
   assert said[0].endswith(f": kept in {workdir}/damaged_checkpoints/{bad}; resuming from an "
                           "older one"), said

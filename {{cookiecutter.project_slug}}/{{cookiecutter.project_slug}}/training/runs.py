@@ -47,7 +47,48 @@ def checkpoint_manager(workdir: str, config=None, create: bool = True):
       os.path.join(workdir, "checkpoints"),
       options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=create),
       item_handlers=dict(
-          state=ocp.PyTreeCheckpointHandler(type_handler_registry=array_handlers())))
+          state=ocp.PyTreeCheckpointHandler(type_handler_registry=array_handlers()),
+          checksums=ocp.JsonCheckpointHandler()))
+
+
+@jax.jit
+def _sums(leaves: list) -> list:
+  words = []
+  for x in leaves:  # each leaf's bits as unsigned words, then sum(word_i x (2i + 1)) mod 2^32
+    x = jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+    if x.dtype.itemsize in (2, 4):
+      x = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+    words.append(x.ravel().astype(jnp.uint32))
+  return [jnp.sum(w * (2 * jnp.arange(w.size, dtype=jnp.uint32) + 1), dtype=jnp.uint32)
+          for w in words]
+
+
+def checksums(state) -> dict[str, int]:
+  """A checksum of each leaf's bits (`leaf_name`: uint32): any one bit changed changes it (the
+  word's change, a power of two, times an odd weight, is never 0 mod 2^32). Saved with each
+  checkpoint; a restore compares (`verify`)."""
+  named = jax.tree_util.tree_leaves_with_path(state)
+  sums = jax.device_get(_sums([x for _, x in named]))
+  return {leaf_name(path): int(value) for (path, _), value in zip(named, sums, strict=True)}
+
+
+def save(checkpoints, step: int, state) -> None:
+  """Saves `state` (in the background) with its `checksums`."""
+  checkpoints.save(step, force=True, args=ocp.args.Composite(
+      state=ocp.args.PyTreeSave(state), checksums=ocp.args.JsonSave(checksums(state))))
+
+
+def verify(checkpoints, step: int, state) -> None:
+  """Raises ValueError, naming a leaf, if `state` (or a part of it: those leaves alone) is not what
+  checkpoint `step` saved by its checksums (a checkpoint saved without them: not checked)."""
+  if not (epath.Path(checkpoints.directory) / str(step) / "checksums").exists():
+    return
+  saved = checkpoints.restore(step, args=ocp.args.Composite(
+      checksums=ocp.args.JsonRestore()))["checksums"]
+  got = checksums(state)
+  if changed := [name for name, value in got.items() if saved.get(name) != value]:
+    raise ValueError(f"its data is not what was saved: {changed[0].removesuffix('/value')} "
+                     "differs from its checksum")
 
 
 class SaveFailed(Exception):
@@ -114,8 +155,10 @@ def check_checkpoint_fits(checkpoints, step: int, abstract_state, workdir: str) 
 def restore_state(checkpoints, step: int, abstract, workdir: str):
   """The state of checkpoint `step`, in the shapes, dtypes and shardings of `abstract`."""
   check_checkpoint_fits(checkpoints, step, abstract, workdir)
-  return checkpoints.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+  state = checkpoints.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
       abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))))["state"]
+  verify(checkpoints, step, state)
+  return state
 
 
 def write_description(workdir: str, config, info: input_pipeline.DatasetInfo) -> None:

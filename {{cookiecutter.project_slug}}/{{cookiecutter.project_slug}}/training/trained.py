@@ -33,6 +33,7 @@ from .runs import (
   leaf_name,
   newest_intact,
   shapes,
+  verify,
 )
 
 
@@ -121,6 +122,7 @@ def restore_model(checkpoints, step: int, abstract, workdir: str):
       skip, ocp.checkpoint_utils.construct_restore_args(abstract))
   state = checkpoints.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
       item, restore_args=restore_args)))["state"]
+  verify(checkpoints, step, {int(keep[0]): state[int(keep[0])]})  # (the leaves read)
   return state[int(keep[0])]
 
 
