@@ -233,9 +233,9 @@ def count_bad_records(units: list[dict], count: bool = True) -> list[dict]:
                     bad, read)
   if bad_records and bad > MAX_BAD_RECORDS and bad > MAX_BAD_SHARE * read:
     where, why = bad_records[-1]
+    share = format(MAX_BAD_SHARE, ".0%")
     raise BadData(f"{bad} of the {read} records read in this process could not be read, more "
-                  f"than {MAX_BAD_SHARE:.0%} (input_pipeline.MAX_BAD_SHARE); the last: "
-                  f"{where}: {why}")
+                  f"than {share} (input_pipeline.MAX_BAD_SHARE); the last: {where}: {why}")
   return units
 
 
