@@ -124,6 +124,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval_every_steps = 200
   config.checkpoint_every_steps = 200
   config.max_checkpoints_to_keep = 3
+  # Also keep every checkpoint of a step that is a multiple of this (a multiple of
+  # checkpoint_every_steps), however many newer ones follow; 0: none. A resume keeps the run's.
+  config.keep_checkpoint_every_steps = 0
   config.skip_nonfinite_steps = False  # True: skip a step whose loss is not finite; False: stop
   # A resumed run keeps its own config (the workdir's config.json) but for how it runs (plan.py's
   # FREE_ON_RESUME); the keys named here (comma-separated, e.g. 'learning_rate,num_epochs') may

@@ -1104,3 +1104,20 @@ def test_a_save_that_fails_stops_the_run_in_one_line(tmp_path, how):
   assert elapsed < 120, elapsed
   print(f"{how}: the save of step {failed} failed; stopped after step {max(logged)}, "
         f"{elapsed:.1f} s in all: {last[:160]}")
+
+
+def test_every_nth_checkpoint_is_kept_across_a_resume(tiny_config, tmp_path, caplog):
+  """keep_checkpoint_every_steps=20 with max_checkpoints_to_keep=1: after 1 epoch (23 steps)
+  the checkpoints of 20 and 23; resumed to 2 epochs, 20, 40 and 45: the kept ones survive the
+  resume and the newer saves (Orbax's preservation policies)."""
+  tiny_config.max_checkpoints_to_keep, tiny_config.keep_checkpoint_every_steps = 1, 20
+  saved = lambda: sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir())  # noqa: E731
+  train.train_and_evaluate(tiny_config, str(tmp_path))
+  assert saved() == [20, 23]
+  tiny_config.num_epochs, tiny_config.resume_may_change = 2, "num_epochs"
+  train.train_and_evaluate(tiny_config, str(tmp_path))
+  assert saved() == [20, 40, 45]
+  tiny_config.keep_checkpoint_every_steps = 15
+  with pytest.raises(plan.ConfigError, match=r"keep_checkpoint_every_steps=15 is not a multiple "
+                     r"of config.checkpoint_every_steps=10"):
+    plan.validate_config(tiny_config)

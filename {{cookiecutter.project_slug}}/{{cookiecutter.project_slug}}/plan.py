@@ -121,7 +121,7 @@ VALUE_RULES = (
       "cpu_sync_every_steps", "profile_num_steps"), _int(1), "must be a positive integer."),
     (("augment_max_shift", "read_threads", "prefetch_batches", "prefetch_to_device",
       "profile_first_step", "seed", "per_device_batch_size", "warmup_steps", "fsdp_min_size",
-      "batch_norm_devices"),
+      "batch_norm_devices", "keep_checkpoint_every_steps"),
      _int(0), "must be an integer >= 0."),
     (("steps_per_dispatch",), _int(0), "must be an integer >= 0 (0: chosen per backend)."),
     (("num_workers",), _int(-1), "must be -1 (chosen from the cores), 0 or more."),
@@ -279,6 +279,14 @@ def _model_broken(name: str, error: Exception) -> str:
           f"config.model.module={name!r}); fix that line.")
 
 
+def _keep_every(config, target):
+  every, interval = config.get("keep_checkpoint_every_steps", 0), config.checkpoint_every_steps
+  if every % interval:
+    return (f"config.keep_checkpoint_every_steps={every} is not a multiple of "
+            f"config.checkpoint_every_steps={interval}: no checkpoint is saved at those steps; "
+            f"use a multiple of {interval} (0: keep the newest max_checkpoints_to_keep alone).")
+
+
 def _nesterov(config, target):
   if config.nesterov and not config.momentum > 0:
     return "config.nesterov=True needs momentum: set config.momentum > 0 (0.9 is usual)."
@@ -399,7 +407,7 @@ def _local_workdir(config, target):
 
 RULES = (_dataset_name, _model, _data_dir_read,
          _warmup, _fsdp_devices, _batch_norm_devices, _xla_options,
-         _intervals, _nesterov, _recipe, _batch_divides, _dataset,
+         _intervals, _keep_every, _nesterov, _recipe, _batch_divides, _dataset,
          _input_memory, _shared_memory, _wandb, _init_from, _remote_workdir, _local_workdir)
 
 

@@ -38,17 +38,27 @@ def array_handlers():
 
 
 def checkpoint_manager(workdir: str, config=None, create: bool = True):
-  """The checkpoints of `workdir`: with the run's `config`, written as it says (the newest
-  `max_checkpoints_to_keep` kept); without, read (`create=False`: never make the directory).
-  Orbax writes each checkpoint to a temporary directory and renames it when complete, so a
-  checkpoint cut short by a kill is never restored."""
-  max_to_keep = config.max_checkpoints_to_keep if config else None
+  """The checkpoints of `workdir`: with the run's `config`, written as it says (kept: the newest
+  `max_checkpoints_to_keep`, and each of a step that `keep_checkpoint_every_steps` divides);
+  without, read (`create=False`: never make the directory). Each holds the state and its
+  `checksums`. Orbax writes each checkpoint to a temporary directory and renames it when
+  complete, so a checkpoint cut short by a kill is never restored."""
+  policy = None  # (read: every one kept)
+  if config:
+    every = config.get("keep_checkpoint_every_steps", 0)
+    policy = ocp.checkpoint_managers.AnyPreservationPolicy([
+        ocp.checkpoint_managers.LatestN(n=config.max_checkpoints_to_keep),
+        *[ocp.checkpoint_managers.EveryNSteps(interval_steps=every)] * bool(every)])
+  handlers = ocp.handlers.DefaultCheckpointHandlerRegistry()
+  state = ocp.PyTreeCheckpointHandler(type_handler_registry=array_handlers())
+  checksums = ocp.JsonCheckpointHandler()
+  for item, handler, args in (("state", state, (ocp.args.PyTreeSave, ocp.args.PyTreeRestore)),
+                              ("checksums", checksums, (ocp.args.JsonSave, ocp.args.JsonRestore))):
+    for arg in args:
+      handlers.add(item, arg, handler)
   return ocp.CheckpointManager(
-      os.path.join(workdir, "checkpoints"),
-      options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=create),
-      item_handlers=dict(
-          state=ocp.PyTreeCheckpointHandler(type_handler_registry=array_handlers()),
-          checksums=ocp.JsonCheckpointHandler()))
+      os.path.join(workdir, "checkpoints"), handler_registry=handlers,
+      options=ocp.CheckpointManagerOptions(preservation_policy=policy, create=create))
 
 
 @jax.jit
