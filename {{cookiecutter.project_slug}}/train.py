@@ -263,8 +263,8 @@ def exit_leaving_threads(message: str, wait_s: float = 10.0):
   writer's) behind, which the interpreter would wait for forever."""
   deadline = time.monotonic() + wait_s
   for thread in threading.enumerate():
-    if thread is not threading.current_thread() and not thread.daemon:
-      thread.join(max(deadline - time.monotonic(), 0))
+    if thread is not threading.current_thread() and not thread.daemon:  # (Thread's own join:
+      threading.Thread.join(thread, max(deadline - time.monotonic(), 0))  # Orbax's raises)
   if any(t.is_alive() and not t.daemon for t in threading.enumerate()
          if t is not threading.current_thread()):
     print(message, file=sys.stderr, flush=True)

@@ -4,6 +4,7 @@ and keeps its config but for what `FREE_ON_RESUME` names.
 (Reading a trained run back: trained.py.)"""
 
 import contextlib
+import functools
 import gc
 import itertools
 import json
@@ -76,10 +77,11 @@ def _sums(leaves: list) -> list:
 def checksums(state) -> dict[str, int]:
   """A checksum of each leaf's bits (`leaf_name`: uint32): any one bit changed changes it (the
   word's change, a power of two, times an odd weight, is never 0 mod 2^32). Saved with each
-  checkpoint; a restore compares (`verify`)."""
+  checkpoint; a restore compares (`changed_leaf`)."""
   named = jax.tree_util.tree_leaves_with_path(state)
-  sums = jax.device_get(_sums([x for _, x in named]))
-  return {leaf_name(path): int(value) for (path, _), value in zip(named, sums, strict=True)}
+  sums = _sums([x for _, x in named])  # (replicated: each process reads its own copy)
+  return {leaf_name(path): int(np.asarray(value.addressable_data(0)))
+          for (path, _), value in zip(named, sums, strict=True)}
 
 
 def save(checkpoints, step: int, state) -> None:
@@ -88,17 +90,16 @@ def save(checkpoints, step: int, state) -> None:
       state=ocp.args.PyTreeSave(state), checksums=ocp.args.JsonSave(checksums(state))))
 
 
-def verify(checkpoints, step: int, state) -> None:
-  """Raises ValueError, naming a leaf, if `state` (or a part of it: those leaves alone) is not what
-  checkpoint `step` saved by its checksums (a checkpoint saved without them: not checked)."""
-  if not (epath.Path(checkpoints.directory) / str(step) / "checksums").exists():
-    return
-  saved = checkpoints.restore(step, args=ocp.args.Composite(
-      checksums=ocp.args.JsonRestore()))["checksums"]
-  got = checksums(state)
-  if changed := [name for name, value in got.items() if saved.get(name) != value]:
-    raise ValueError(f"its data is not what was saved: {changed[0].removesuffix('/value')} "
-                     "differs from its checksum")
+def changed_leaf(checkpoints, step: int, state) -> str | None:
+  """The first leaf of `state` (or of a part of it: those leaves alone) that is not what
+  checkpoint `step` saved by its checksums, or None (also for a checkpoint saved without them).
+  Every process computes the sums together; each reads the saved ones from the file itself."""
+  path = epath.Path(checkpoints.directory) / str(step) / "checksums" / "metadata"  # (Orbax's)
+  if not path.exists():
+    return None
+  saved = json.loads(path.read_text())
+  return next((name for name, value in checksums(state).items() if saved.get(name) != value),
+              None)
 
 
 class SaveFailed(Exception):
@@ -165,10 +166,8 @@ def check_checkpoint_fits(checkpoints, step: int, abstract_state, workdir: str) 
 def restore_state(checkpoints, step: int, abstract, workdir: str):
   """The state of checkpoint `step`, in the shapes, dtypes and shardings of `abstract`."""
   check_checkpoint_fits(checkpoints, step, abstract, workdir)
-  state = checkpoints.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+  return checkpoints.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
       abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))))["state"]
-  verify(checkpoints, step, state)
-  return state
 
 
 def write_description(workdir: str, config, info: input_pipeline.DatasetInfo) -> None:
@@ -233,11 +232,12 @@ def unreadable(error: Exception) -> str:
 ORBAX_RESTORE_BARRIER = "_Checkpointer:restore"
 
 
-def damage(restore, step: int) -> tuple[object, str | None]:
+def damage(restore, step: int, changed=None) -> tuple[object, str | None]:
   """`restore(step)`, and what is wrong with checkpoint `step` (None: nothing) on any process: it
-  cannot be read, or it holds non-finite values. A model that does not fit raises, as before.
-  Every process takes the same collectives: first whether each could read its part, then, all
-  having read, whether a value is non-finite."""
+  cannot be read, it is not what was saved (`changed(step, state)`: a leaf whose checksum
+  differs), or it holds non-finite values. A model that does not fit raises, as before. Every
+  process takes the same collectives: first whether each could read its part, then, all having
+  read, the checksums and whether a value is non-finite."""
   state, why = None, None
   try:
     state = restore(step)
@@ -257,16 +257,19 @@ def damage(restore, step: int) -> tuple[object, str | None]:
   if jax.process_count() > 1:  # the same verdict everywhere: damaged if any process found it
     whys = multihost_utils.process_allgather(np.int32(why is not None)).tolist()
     why = why or (f"cannot be read on process {whys.index(1)}" if any(whys) else None)
+  if why is None and changed is not None and (leaf := changed(step, state)) is not None:
+    why = f"is not what was saved ({leaf.removesuffix('/value')} differs from its checksum)"
   if why is None and (leaf := nonfinite_leaf(state)) is not None:
     why = f"restores to non-finite values ({leaf.removesuffix('/value')})"
   return state, why
 
 
-def newest_intact(steps, restore, damaged) -> tuple[int | None, object]:
-  """The first of `steps` (newest first) that `restore(step)` reads back intact, and its state;
-  `damaged(step, why)` is called for each one before it that is not. (None, None): none is."""
+def newest_intact(steps, restore, damaged, changed=None) -> tuple[int | None, object]:
+  """The first of `steps` (newest first) that `restore(step)` reads back intact (`damage`), and
+  its state; `damaged(step, why)` is called for each one before it that is not. (None, None):
+  none is."""
   for step in steps:
-    state, why = damage(restore, step)
+    state, why = damage(restore, step, changed)
     if why is None:
       return step, state
     damaged(step, why)
@@ -318,7 +321,8 @@ def restore_or_init(checkpoints, abstract, init, workdir: str):
       sorted(checkpoints.all_steps(), reverse=True),
       lambda s: restore_state(checkpoints, s, abstract, workdir),
       lambda s, why: logging.warning("checkpoint %d in %s %s: kept in %s; resuming from an older "
-                                     "one", s, workdir, why, put_aside(checkpoints, s, workdir)))
+                                     "one", s, workdir, why, put_aside(checkpoints, s, workdir)),
+      functools.partial(changed_leaf, checkpoints))
   if step is not None:
     logging.info("Resumed from the checkpoint of step %d in %s", step, workdir)
     return step, state

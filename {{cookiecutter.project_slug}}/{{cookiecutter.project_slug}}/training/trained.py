@@ -27,13 +27,13 @@ from .runs import (
   DATA_FILE,
   MODEL_FILE,
   absolute,
+  changed_leaf,
   check_checkpoint_fits,
   checkpoint_manager,
   damage,
   leaf_name,
   newest_intact,
   shapes,
-  verify,
 )
 
 
@@ -122,7 +122,6 @@ def restore_model(checkpoints, step: int, abstract, workdir: str):
       skip, ocp.checkpoint_utils.construct_restore_args(abstract))
   state = checkpoints.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
       item, restore_args=restore_args)))["state"]
-  verify(checkpoints, step, {int(keep[0]): state[int(keep[0])]})  # (the leaves read)
   return state[int(keep[0])]
 
 
@@ -178,10 +177,12 @@ class Restored:
                           f"checkpoints: {', '.join(map(str, available))}).")
       logging.warning("checkpoint %d in %s %s; using an older one", s, workdir, why)
 
+    keep = 2 if len(abstract) > 2 else 0  # (the leaves read: the model's, or its average's)
     try:
       self.step, self.state = newest_intact(
           [step] if step is not None else sorted(available, reverse=True),
-          lambda s: restore_model(checkpoints, s, abstract, workdir), damaged)
+          lambda s: restore_model(checkpoints, s, abstract, workdir), damaged,
+          lambda s, model: changed_leaf(checkpoints, s, {keep: model}))
     except ConfigError as e:  # another model: today's model.py, where the run's differs
       raise ConfigError(f"{str(e).removesuffix('.')}{hint}.") from None
     if self.step is None:
