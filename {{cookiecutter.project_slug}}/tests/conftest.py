@@ -205,6 +205,21 @@ def run_main(module, *args: str) -> subprocess.CompletedProcess:
   return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
+def own_mount_namespace():
+  """Skips the test unless `unshare -m` (root) can give a process file systems of its own."""
+  if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+    pytest.skip("needs `unshare -m` (root) to give the run file systems of its own")
+
+
+def alive(pid: int) -> bool:
+  """Whether process `pid` runs (a zombie, dead but not yet reaped, does not)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except OSError:
+    return False
+
+
 @pytest.fixture
 def tiny_config():
   """configs/tiny.py on the tests' own models (`owned`), its steps per dispatch chosen as

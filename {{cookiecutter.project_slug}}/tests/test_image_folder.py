@@ -15,7 +15,7 @@ import time
 import grain
 import numpy as np
 import pytest
-from conftest import owned, run_main
+from conftest import alive, own_mount_namespace, owned, run_main
 from flax import serialization
 from PIL import Image
 
@@ -399,15 +399,6 @@ def children_of(pid: int) -> list[int]:
   return found
 
 
-def alive(pid: int) -> bool:
-  """Whether process `pid` runs (a zombie, dead but not yet reaped, does not)."""
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-  except OSError:
-    return False
-
-
 @pytest.mark.slow
 def test_a_killed_run_leaves_no_worker_and_the_next_run_removes_what_it_left(tmp_path):
   """train.py reading photos with 2 Grain workers, SIGKILLed after its first checkpoint: within
@@ -499,8 +490,7 @@ def test_a_small_shared_memory_is_one_line_or_a_run_that_ends(tmp_path, size):
   """train.py with 2 workers on photos, given a /dev/shm of its own (a private mount namespace:
   unshare -m, as root) of 64 KiB (a pod's is 64 MB): one `error:` line at start; of 1 MiB:
   the run ends, its units pickled once /dev/shm is nearly full."""
-  if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
-    pytest.skip("needs `unshare -m` (root) to give the run a /dev/shm of its own")
+  own_mount_namespace()
   from {{cookiecutter.project_slug}}.tools.benchmark_data import write_jpeg_folder
 
   write_jpeg_folder(str(tmp_path / "photos"), 256, 96)

@@ -20,7 +20,7 @@ import orbax.checkpoint as ocp
 import portpicker
 import pytest
 from absl import flags
-from conftest import OWN, owned, two_epochs
+from conftest import OWN, own_mount_namespace, owned, two_epochs
 from tensorboard.backend.event_processing import event_accumulator
 from test_preemption import final_state
 
@@ -1079,8 +1079,7 @@ def test_a_save_that_fails_stops_the_run_in_one_line(tmp_path, how):
   the directory and the OS error, exit 1, at once (no thread left to wait for). (On a full disk
   TensorStore's callbacks may print "Event loop is closed" from inside Orbax as its failed save
   unwinds: no frame of the project's, no abort.)"""
-  if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
-    pytest.skip("needs `unshare -m` (root) to give the run a workdir that cannot be written")
+  own_mount_namespace()
   workdir = tmp_path / "run"
   workdir.mkdir()
   train_py = " ".join([sys.executable, "train.py", "--config=configs/tiny.py", *OWN,

@@ -78,10 +78,9 @@ class RecordSource:
                 f"{self.pixel_dtype} {list(self.image_shape)}")
     elif not isinstance(image, bytes):
       return f"an image of type {type(image).__name__}, not an array or encoded bytes"
-    if isinstance(label, bool) or not (isinstance(label, int) or (
-        isinstance(label, (np.ndarray, np.generic)) and label.shape == ()
-        and np.issubdtype(label.dtype, np.integer))):
-      return f"a label of {type(label).__name__} {getattr(label, 'shape', '')}, not an integer"
+    label = np.asarray(label)
+    if label.shape != () or not np.issubdtype(label.dtype, np.integer):
+      return f"a label of {label.dtype} {list(label.shape)}, not an integer"
     if self.num_classes is not None and not 0 <= label < self.num_classes:
       return f"label {label} outside [0, {self.num_classes}), the data's classes"
     return None

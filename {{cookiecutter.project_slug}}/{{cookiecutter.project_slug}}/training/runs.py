@@ -143,10 +143,7 @@ def check_checkpoint_fits(checkpoints, step: int, abstract_state, workdir: str) 
   checkpoint without its metadata is damage (FileNotFoundError), not another model."""
   if not (epath.Path(checkpoints.directory) / str(step) / "state" / "_METADATA").exists():
     raise FileNotFoundError("its metadata, state/_METADATA, is missing")  # (Orbax's file)
-  metadata = checkpoints.item_metadata(step)
-  if not (metadata and metadata.get("state")):
-    raise FileNotFoundError("its metadata, state/_METADATA, cannot be read")
-  saved = shapes(metadata["state"])
+  saved = shapes(checkpoints.item_metadata(step)["state"])
   wanted = shapes(abstract_state)
   # Named first: a parameter or statistic (a shape, a layer); an RNG stream's key or count only
   # where nothing else differs (a random layer added or removed changes those too).
