@@ -12,7 +12,7 @@ from {{cookiecutter.project_slug}}.parallel import distributed
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER_VARIABLES = ("SLURM_", "OMPI_", "TPU_", "MEGASCALE_", "KUBERNETES_", "JAX_COORDINATOR",
                      "CUDA_VISIBLE_DEVICES", "PMI_", "MPI_LOCAL", "RANK", "WORLD_SIZE",
-                     "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_", "JOB_COMPLETION_INDEX")
+                     "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_", "JOB_COMPLETION_INDEX", "PMIX_")
 
 
 @pytest.fixture
@@ -149,6 +149,8 @@ def test_every_launcher_that_joins_drives_all_its_gpus(plain_machine, env, drive
      "--process_id=$RANK --num_processes=$WORLD_SIZE"),
     ({"JOB_COMPLETION_INDEX": "1"}, "a Kubernetes Indexed Job",
      "--process_id=$JOB_COMPLETION_INDEX --num_processes=N"),
+    ({"PMIX_RANK": "1", "PMIX_NAMESPACE": "prterun-node0-4242@1"},
+     "a PMIx launcher (PRRTE's prterun)", "--process_id=$PMIX_RANK --num_processes=N"),
 ])
 def test_a_launcher_jax_does_not_find_is_refused_not_run_n_times(plain_machine, env, launcher,
                                                                  numbers):
@@ -159,6 +161,13 @@ def test_a_launcher_jax_does_not_find_is_refused_not_run_n_times(plain_machine, 
       f"{launcher} started this process, and JAX does not find such a job by itself: set "
       f"JAX_COORDINATOR_ADDRESS=<the first process's host>:<a free port> for every process and "
       f"give {numbers} (or launch with SLURM or Open MPI 4).")
+
+
+def test_launchers_jax_finds_join_with_pmix_variables_beside_theirs(plain_machine):
+  """srun --mpi=pmix and Open MPI 4 set PMIX_RANK as well: still joined, not refused."""
+  pmix = {"PMIX_RANK": "1", "PMIX_NAMESPACE": "slurm.pmix.4242.0"}
+  assert distributed.cluster({**pmix, **OPEN_MPI_4}) == {}
+  assert distributed.cluster({**pmix, **task(1, "2", "")}) == {}
 
 
 def test_cpu_and_tpu_slurm_tasks_leave_the_devices_to_jax(plain_machine, monkeypatch):

@@ -281,6 +281,31 @@ def test_when_a_process_dies_the_other_stops_with_an_error(tmp_path, victim):
 
 
 @pytest.mark.slow
+def test_a_job_that_does_not_form_ends_in_one_line_naming_the_address(tmp_path):
+  """Process 1 of 2 started alone (no process 0, so no coordinator at the address): it says at
+  once that it waits, and after --join_timeout_seconds ends with one line naming the address,
+  exit 1, without JAX's abort dump (whose own timeout comes 30 s later)."""
+  address = f"127.0.0.1:{portpicker.pick_unused_port()}"
+  started = time.monotonic()
+  proc = subprocess.run(
+      [sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={tmp_path}",
+       f"--coordinator_address={address}", "--num_processes=2", "--process_id=1",
+       "--join_timeout_seconds=5"], cwd=PROJECT, env=four_devices(), capture_output=True,
+      text=True, timeout=120)
+  elapsed = time.monotonic() - started
+  print(f"process 1 alone ended {elapsed:.1f} s after it started (--join_timeout_seconds=5)")
+  assert proc.returncode == 1 and elapsed < 30, proc.stderr[-3000:]
+  assert f"Joining the job at {address} as process 1 of 2; waiting up to 5 s" in proc.stderr
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+  assert errors == [f"error: the job at {address} did not form within 5 s (process 1 of 2 "
+                    "waited): start every process, process 0 (which hosts the coordinator) "
+                    "among them, and check that this host reaches that address and port."]
+  for dump in ("Fatal Python error", "Check failure stack trace", "Terminating process"):
+    assert dump not in proc.stderr, proc.stderr[-3000:]
+  assert not os.listdir(tmp_path)  # nothing written
+
+
+@pytest.mark.slow
 def test_a_process_killed_after_a_checkpoint_then_the_same_command_resumes_exactly(tmp_path):
   """SIGKILL to process 1 (a node lost) once checkpoint 10 is written: process 0 stops with an
   error within 45 s (JAX's heartbeat, 10 s here; 100 s by default); the same 2-process command

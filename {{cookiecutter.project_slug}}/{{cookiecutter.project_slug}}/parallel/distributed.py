@@ -7,12 +7,13 @@ export.py) joins JAX's distributed runtime first, with the same flags, then does
 Under SLURM, Open MPI 4 and on Cloud TPU pods (GKE's too) JAX finds the job by itself (`cluster`
 decides which GPUs a process drives); elsewhere give each process --coordinator_address (or
 JAX_COORDINATOR_ADDRESS: clusters/gke-gpu-jobset.yaml), --num_processes and --process_id. The
-launchers JAX does not find (Open MPI 5, MPICH, torchrun-style, a Kubernetes Indexed Job) are
-refused in one line until those are given, never started as N runs of one process.
+launchers JAX does not find (Open MPI 5, MPICH, torchrun-style, a Kubernetes Indexed Job, PMIx
+alone) are refused in one line until those are given, never started as N runs of one process.
 Whatever prints or writes a file does it on process 0 alone (`is_first`).
 """
 
 import atexit
+import contextlib
 import glob
 import importlib.util
 import os
@@ -36,6 +37,9 @@ _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "With --coordinator
                                       "JAX_COORDINATOR_ADDRESS (a Kubernetes job).")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "With --coordinator_address, or "
                                    "JAX_COORDINATOR_ADDRESS.")
+_JOIN_TIMEOUT = flags.DEFINE_integer(
+    "join_timeout_seconds", 300, "How long a process waits for the job's coordinator (process "
+    "0) and the other processes to join, then stops with one line naming the address.")
 _HEARTBEAT = flags.DEFINE_integer(
     "heartbeat_timeout_seconds", 100, "After this long without news of a process, the others "
     "stop with an error instead of waiting for it.")
@@ -89,7 +93,8 @@ NOT_FOUND_BY_JAX = (
     ("MPICH or Intel MPI (PMI)", "PMI_RANK", "PMI_SIZE"),
     ("torchrun-style variables", "RANK", "WORLD_SIZE"),
     ("a Kubernetes Indexed Job", "JOB_COMPLETION_INDEX", None),  # (its size: not told; pod 0
-)                                                              # alone may be a job of one)
+    ("a PMIx launcher (PRRTE's prterun)", "PMIX_RANK", None),    # alone may be a job of one)
+)
 # Launchers' local rank and local size: a process's share of its node's GPUs.
 LOCAL_RANKS = (("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
                ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE"))
@@ -146,12 +151,15 @@ def cluster(environ=os.environ) -> dict | None:
 
 def initialize() -> None:
   """Joins JAX's distributed runtime when this is one of several processes; else does nothing."""
-  timeouts = dict(heartbeat_timeout_seconds=_HEARTBEAT.value, initialization_timeout=300)
+  # (JAX's own timeout a little later than ours: at its own it aborts, with a C++ stack dump.)
+  timeouts = dict(heartbeat_timeout_seconds=_HEARTBEAT.value,
+                  initialization_timeout=_JOIN_TIMEOUT.value + 30)
   if _COORDINATOR.value:
     host = _COORDINATOR.value.rsplit(":", 1)[0]
     bind = _COORDINATOR.value if host in ("127.0.0.1", "localhost") else None  # loopback only
-    jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
-                               coordinator_bind_address=bind, **timeouts)
+    with joining_said(_COORDINATOR.value, _PROCESS_ID.value, _NUM_PROCESSES.value):
+      jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                                 coordinator_bind_address=bind, **timeouts)
   else:
     try:
       joining = cluster()
@@ -159,8 +167,10 @@ def initialize() -> None:
       raise SystemExit(f"error: {e}") from None
     if joining is None:
       return
-    jax.distributed.initialize(num_processes=_NUM_PROCESSES.value,
-                               process_id=_PROCESS_ID.value, **joining, **timeouts)
+    address = os.environ.get("JAX_COORDINATOR_ADDRESS", "the address JAX reads from the launcher")
+    with joining_said(address, _PROCESS_ID.value, _NUM_PROCESSES.value):
+      jax.distributed.initialize(num_processes=_NUM_PROCESSES.value,
+                                 process_id=_PROCESS_ID.value, **joining, **timeouts)
   logging.info("Process %d of %d drives %s (%d devices in all)", jax.process_index(),
                jax.process_count(), ", ".join(map(str, jax.local_devices())), jax.device_count())
   if jax.default_backend() == "cpu":
@@ -171,6 +181,31 @@ def initialize() -> None:
     connect_cpu_collectives()
   if jax.process_index() > 0:
     logging.set_verbosity(logging.WARNING)  # process 0 logs progress and metrics
+
+
+@contextlib.contextmanager
+def joining_said(address: str, process_id: int | None, num_processes: int | None):
+  """Says at once that this process waits for the job's coordinator; if the job has not formed
+  within --join_timeout_seconds, ends the process with one line naming the address."""
+  who = ("a process" if process_id is None else f"process {process_id}") + (
+      "" if num_processes is None else f" of {num_processes}")
+  seconds = _JOIN_TIMEOUT.value
+  logging.info("Joining the job at %s as %s; waiting up to %d s for the others "
+               "(--join_timeout_seconds)", address, who, seconds)
+
+  def give_up():
+    print(f"error: the job at {address} did not form within {seconds} s ({who} waited): start "
+          f"every process, process 0 (which hosts the coordinator) among them, and check that "
+          f"this host reaches that address and port.", file=sys.stderr, flush=True)
+    os._exit(1)
+
+  timer = threading.Timer(seconds, give_up)
+  timer.daemon = True
+  timer.start()
+  try:
+    yield
+  finally:
+    timer.cancel()
 
 
 def drop_from_stdout(marks: tuple[bytes, ...]) -> None:

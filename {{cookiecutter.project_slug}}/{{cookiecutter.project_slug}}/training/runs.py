@@ -8,8 +8,10 @@ import functools
 import gc
 import itertools
 import json
+import logging as std_logging
 import os
 import sys
+import traceback
 import warnings
 
 import jax
@@ -213,6 +215,21 @@ def nonfinite_leaf(state) -> str | None:
   finite = jax.jit(lambda xs: jnp.stack([jnp.isfinite(x).all() for x in xs]))([x for _, x in named])
   bad = np.flatnonzero(~np.asarray(multihost_utils.process_allgather(finite, tiled=True)))
   return named[bad[0]][0] if len(bad) else None
+
+
+class _UnretrievedReads(std_logging.Filter):
+  """Drops asyncio's 'exception was never retrieved' for Orbax's reads of a damaged checkpoint:
+  the first failure is the one `damage` names; the others of the same read are reported by
+  asyncio whenever their futures are collected, a traceback each."""
+
+  def filter(self, record):
+    error = record.exc_info[1] if record.exc_info else None
+    return not (error is not None and "never retrieved" in str(record.msg) and any(
+        f"{os.sep}orbax{os.sep}" in frame.filename
+        for frame in traceback.extract_tb(error.__traceback__)))
+
+
+std_logging.getLogger("asyncio").addFilter(_UnretrievedReads())
 
 
 def unreadable(error: Exception) -> str:
