@@ -329,14 +329,18 @@ def compare_resnet() -> dict:
               repeats=repeats)
 
 
-def write_markdown(path: str, text: str | None = None, resnet: str | None = None):
-  """Writes `text` (the whole benchmark's) to `path` keeping the ResNet-against-PyTorch section
-  that the file holds, or replaces that section with `resnet`."""
+def write_markdown(path: str, text: str | None = None, section: str | None = None):
+  """Writes `text` (the whole benchmark's) to `path` keeping the sections of their own commands
+  (--resnet's, --data_dir's) that the file holds, or replaces one of them with `section`."""
   old = open(path).read() if os.path.exists(path) else ""
   text = text or old or benchmark_report.markdown_header()
-  section = resnet or benchmark_report.section(old)
+  for title in benchmark_report.OWN_SECTIONS:
+    kept = section if section and section.startswith(title) else benchmark_report.section(
+        old, title)
+    if kept:
+      text = benchmark_report.with_section(text, kept)
   with open(path, "w") as f:
-    f.write(benchmark_report.with_section(text, section) if section else text)
+    f.write(text)
 
 
 def main(argv):
@@ -348,7 +352,7 @@ def main(argv):
     with open(_OUT.value, "w") as f:
       json.dump(comparison, f, indent=2)
     if _MARKDOWN.value:
-      write_markdown(_MARKDOWN.value, resnet=section)
+      write_markdown(_MARKDOWN.value, section=section)
     return
   if _KERNELS.value:
     if jax.default_backend() != "gpu":
@@ -362,8 +366,10 @@ def main(argv):
                 indent=2)
     return
   if _DATA_DIR.value:
-    benchmark_data.main(_CONFIG.value, _DATA_DIR.value, _SECONDS.value, _RATE.value,
-                        _PIL_FOLDER.value, _OUT.value)
+    result = benchmark_data.main(_CONFIG.value, _DATA_DIR.value, _SECONDS.value, _RATE.value,
+                                 _PIL_FOLDER.value, _OUT.value)
+    if _MARKDOWN.value:
+      write_markdown(_MARKDOWN.value, section=benchmark_report.photos_section(result))
     return
   if _MEASURE.value:
     print(json.dumps(measure(_MEASURE.value, _TINY.value)))

@@ -147,7 +147,7 @@ def test_the_input_pipeline_alone_on_your_own_data(tmp_path):
   command = [sys.executable, "benchmark.py", f"--data_dir={tmp_path / 'data'}", "--seconds=2",
              f"--pil_image_folder={tmp_path / 'photos'}", "--config=configs/imagenet.py",
              "--config.batch_size=8", "--config.num_workers=1", "--images_per_second=1000",
-             f"--out={out}"]
+             f"--out={out}", f"--markdown={tmp_path / 'BENCHMARKS.md'}"]
   done = subprocess.run(command, cwd=PROJECT, capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-3000:]
   result = json.loads(out.read_text())
@@ -156,7 +156,19 @@ def test_the_input_pipeline_alone_on_your_own_data(tmp_path):
                                   "pil_loop_images_per_cpu_second", "pipeline_over_pil_loop",
                                   "peak_memory_mib", "expected_memory_mib",
                                   "main_cpu_seconds_per_gb",
-                                  "main_process_ceiling_images_per_second"), "data")
+                                  "main_process_ceiling_images_per_second",
+                                  "images_per_worker_cpu_second",
+                                  "main_cpu_seconds_per_gb_with_staging_copy"), "data")
+  assert result["decoder"] == "simplejpeg"
+  assert result["images_per_worker_cpu_second"] > result["images_per_cpu_second"]
+  section = (tmp_path / "BENCHMARKS.md").read_text()  # (a section of its own, kept: --resnet's)
+  assert section.startswith("# Benchmarks") and "## Photos stored whole: the input alone" in section
+  for row in (f"| images per CPU-second (workers and main process) | "
+              f"{result['images_per_cpu_second']:,.0f} |",
+              f"| main process, CPU-s per GB: with a GPU's staging copy | "
+              f"{result['main_cpu_seconds_per_gb_with_staging_copy']:.3f} |",
+              f"| cores a device at 1,000 images/s | {result['cores_per_accelerator']:.1f} |"):
+    assert row in section, section
   assert result["main_process_ceiling_images_per_second"] == pytest.approx(
       1e9 / result["main_cpu_seconds_per_gb"] / (64 * 64 * 3 + 9), rel=1e-6)
   assert result["cores_per_accelerator"] == pytest.approx(
@@ -194,12 +206,12 @@ def test_the_resnet_comparison_is_a_section_of_its_own_that_the_whole_benchmark_
 
   path = str(tmp_path / "BENCHMARKS.md")
   benchmark.write_markdown(path, "# Benchmarks\n\n## Train step\n\nold\n")
-  benchmark.write_markdown(path, resnet=section)
+  benchmark.write_markdown(path, section=section)
   assert open(path).read() == "# Benchmarks\n\n## Train step\n\nold\n\n" + section
   benchmark.write_markdown(path, "# Benchmarks\n\n## Train step\n\nnew\n")  # the whole one
   assert open(path).read() == "# Benchmarks\n\n## Train step\n\nnew\n\n" + section
   again = section.replace("5,500", "5,600")
-  benchmark.write_markdown(path, resnet=again)
+  benchmark.write_markdown(path, section=again)
   assert open(path).read() == "# Benchmarks\n\n## Train step\n\nnew\n\n" + again
 
 

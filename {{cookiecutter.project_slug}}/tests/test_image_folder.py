@@ -5,6 +5,7 @@ import contextlib
 import glob
 import io
 import json
+import math
 import multiprocessing
 import os
 import re
@@ -228,6 +229,37 @@ def cropped_from_the_whole_photo(config, eval_examples: int):
   assert len(eval_red) == eval_examples and 60 < eval_red.min() and eval_red.max() < 195
   assert abs(float(eval_red.mean()) - 127.5) < 3
   return splits, batches
+
+
+def test_simplejpeg_cuts_the_crops_that_pil_cuts(monkeypatch):
+  """A JPEG's crop decoded by simplejpeg (at Image.draft's DCT scale) is PIL's crop, bit for bit:
+  photos of several sizes (one progressive, one gray), random crops (8-100% of the area, so
+  every scale from 1 to 1/8) and evaluation's centre, to RGB and to gray."""
+  rng = np.random.default_rng(0)
+  photos = []
+  for (height, width), mode, options in (((256, 341), "RGB", {}), ((384, 256), "RGB", {}),
+                                         ((60, 120), "RGB", {"progressive": True}),
+                                         ((300, 301), "L", {})):
+    y, x = np.mgrid[:height, :width]
+    smooth = np.stack([np.sin(x / (9 + c) + c) + np.cos(y / (7 + c)) for c in range(3)], -1)
+    pixels = np.clip(64 * smooth + 128 + rng.normal(0, 10, smooth.shape), 0, 255)
+    photo = Image.fromarray(pixels.astype(np.uint8)).convert(mode)
+    data = io.BytesIO()
+    photo.save(data, "JPEG", quality=90, **options)
+    photos.append(data.getvalue())
+  cases = [(crops, shape, photo, position) for crops in (
+      image_files.Crops(seed=1, scale=(0.08, 1.0)), image_files.Crops())
+           for shape in ((224, 224, 3), (32, 32, 3), (16, 12, 1)) for photo in photos
+           for position in range(12 if crops.scale else 1)]
+  assert all(image_files.jpeg_size(photo) for photo in photos)
+  fast = [crops(photo, shape, position) for crops, shape, photo, position in cases]
+  monkeypatch.setattr(image_files, "simplejpeg", None)  # PIL alone
+  assert not image_files.jpeg_size(photos[0])
+  for got, (crops, shape, photo, position) in zip(fast, cases, strict=True):
+    np.testing.assert_array_equal(got, crops(photo, shape, position))
+  scales = {image_files.draft_scale((341, 256), (math.ceil(341 * 32 / w), math.ceil(
+      256 * 32 / h))) for w, h in ((341, 256), (170, 128), (100, 75), (40, 30))}
+  assert scales == {8, 4, 2, 1}  # (each DCT scale among the cases: 32 from crops that large)
 
 
 def test_decode_image_scales_to_cover_and_crops_the_center():

@@ -1,5 +1,6 @@
 """Image files: found, decoded to the run's image shape (scaled to cover it, centre-cropped), and
-the crops of photos stored whole (`Crops`). NumPy and PIL alone: it runs in Grain's workers."""
+the crops of photos stored whole (`Crops`). NumPy, PIL and simplejpeg (JPEGs, when installed):
+it runs in Grain's workers."""
 
 import dataclasses
 import glob
@@ -12,6 +13,11 @@ from absl import logging
 from PIL import Image, ImageOps
 
 from ..errors import ConfigError
+
+try:  # libjpeg-turbo without PIL's overhead: the same library, so PIL's pixels
+  import simplejpeg
+except ImportError:  # PIL decodes alone
+  simplejpeg = None
 
 
 def check_hub(config, package: str, extra: str, probe, more=lambda config: None) -> str | None:
@@ -178,16 +184,46 @@ class Crops:
 
   def __call__(self, data: bytes, image_shape, position: int) -> np.ndarray:
     height, width, channels = image_shape
-    with Image.open(io.BytesIO(data)) as image:
-      left, top, right, bottom = self.box(*image.size, (height, width), position)
-      full = image.size
-      mode = "L" if channels == 1 else "RGB"
-      image.draft(mode, (math.ceil(full[0] * width / (right - left)),
-                         math.ceil(full[1] * height / (bottom - top))))
-      sx, sy = image.size[0] / full[0], image.size[1] / full[1]  # 1 unless a JPEG's draft
-      image = image.convert(mode).resize((width, height), Image.Resampling.BILINEAR,
-                                         box=(left * sx, top * sy, right * sx, bottom * sy))
-      return np.asarray(image).reshape(height, width, channels)
+    mode = "L" if channels == 1 else "RGB"
+    full = jpeg_size(data)
+    opened = None if full else Image.open(io.BytesIO(data))  # (its header read, not its pixels)
+    full = full or opened.size
+    left, top, right, bottom = self.box(*full, (height, width), position)
+    wanted = (math.ceil(full[0] * width / (right - left)),
+              math.ceil(full[1] * height / (bottom - top)))
+    if opened is None:  # simplejpeg, at the scale Image.draft would take
+      scale = draft_scale(full, wanted)
+      pixels = simplejpeg.decode_jpeg(data, "GRAY" if channels == 1 else "RGB",
+                                      min_width=-(-full[0] // scale),
+                                      min_height=-(-full[1] // scale))
+      image = Image.fromarray(pixels[..., 0] if channels == 1 else pixels)
+    else:
+      with opened:
+        opened.draft(mode, wanted)  # (a JPEG only)
+        image = opened.convert(mode)
+    sx, sy = image.size[0] / full[0], image.size[1] / full[1]  # 1 unless a JPEG decoded scaled
+    image = image.resize((width, height), Image.Resampling.BILINEAR,
+                         box=(left * sx, top * sy, right * sx, bottom * sy))
+    return np.asarray(image).reshape(height, width, channels)
+
+
+def jpeg_size(data: bytes) -> tuple[int, int] | None:
+  """(width, height) of a JPEG that simplejpeg decodes (YCbCr or gray: PIL's pixels), else None:
+  for PIL to decode (no simplejpeg, another format or colour space)."""
+  if simplejpeg is None or not data.startswith(b"\xff\xd8"):
+    return None
+  try:
+    height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+  except ValueError:
+    return None
+  return (width, height) if colorspace in ("YCbCr", "Gray") else None
+
+
+def draft_scale(full: tuple[int, int], wanted: tuple[int, int]) -> int:
+  """Image.draft's DCT scale for a JPEG of `full` (width, height): the largest of 8, 4, 2, 1 that
+  keeps `wanted` pixels (1 where it is larger than the image)."""
+  scale = min(full[0] // wanted[0], full[1] // wanted[1])
+  return next((s for s in (8, 4, 2) if scale >= s), 1)
 
 
 def find_images(paths: list[str]) -> list[str]:

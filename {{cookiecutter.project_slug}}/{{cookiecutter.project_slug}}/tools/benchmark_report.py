@@ -165,18 +165,51 @@ def resnet_section(c: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
-def section(text: str) -> str | None:
-  """The RESNET_TITLE section of a Markdown text (up to the next heading of its level), or None."""
-  start = text.find(RESNET_TITLE)
+PHOTOS_TITLE = "## Photos stored whole: the input alone"
+OWN_SECTIONS = (RESNET_TITLE, PHOTOS_TITLE)  # (written by their own commands, kept by the others)
+
+
+def photos_section(r: dict) -> str:
+  """`benchmark.py --data_dir`'s figures as a Markdown section."""
+  date = f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d}"
+  shape = "x".join(map(str, r["image_shape"]))
+  rows = [("images/s", f"{r['images_per_second']:,.0f}"),
+          ("images per CPU-second (workers and main process)",
+           f"{r['images_per_cpu_second']:,.0f}"),
+          *([("images per worker CPU-second", f"{r['images_per_worker_cpu_second']:,.0f}")]
+            if "images_per_worker_cpu_second" in r else []),
+          *([("a plain PIL loop (open, decode, resize), images per CPU-second",
+              f"{r['pil_loop_images_per_cpu_second']:,.0f}")]
+            if "pil_loop_images_per_cpu_second" in r else []),
+          ("main process, CPU-s per GB: the CPU backend (takes arrays in place)",
+           f"{r['main_cpu_seconds_per_gb']:.3f}"),
+          ("main process, CPU-s per GB: with a GPU's staging copy",
+           f"{r['main_cpu_seconds_per_gb_with_staging_copy']:.3f}"),
+          (f"cores a device at {r['target_images_per_second']:,.0f} images/s",
+           f"{r['cores_per_accelerator']:.1f}")]
+  lines = [PHOTOS_TITLE, "",
+           f"`python benchmark.py --data_dir=DIR` ({machine()}, {date}): the training batches of "
+           f"DIR ({r['dataset']}, {shape}, crops on the host: {r['crops_on_host']}), decoded by "
+           f"{r['decoder']} in {r['workers']} worker process(es) and placed on the devices, "
+           f"without a step, for {r['seconds']:.0f} s. Cores a device: at the rate given "
+           "(`--images_per_second`), if a GPU host's cores were this machine's (a guess).", "",
+           "| | |", "| --- | ---: |", *(f"| {name} | {value} |" for name, value in rows)]
+  return "\n".join(lines) + "\n"
+
+
+def section(text: str, title: str = RESNET_TITLE) -> str | None:
+  """The `title` section of a Markdown text (up to the next heading of its level), or None."""
+  start = text.find(title)
   if start < 0:
     return None
   end = text.find("\n## ", start + 1)
   return text[start:] if end < 0 else text[start:end + 1]
 
 
-def with_section(text: str, resnet: str) -> str:
-  """`text` with its RESNET_TITLE section replaced by `resnet`, or `resnet` appended."""
-  old = section(text)
+def with_section(text: str, new: str) -> str:
+  """`text` with the section that `new` heads (its first line) replaced by `new`, or `new`
+  appended."""
+  old = section(text, new.split("\n", 1)[0])
   if old is None:
-    return text.rstrip("\n") + "\n\n" + resnet
-  return text.replace(old, resnet.rstrip("\n") + "\n" + ("\n" if not text.endswith(old) else ""))
+    return text.rstrip("\n") + "\n\n" + new
+  return text.replace(old, new.rstrip("\n") + "\n" + ("\n" if not text.endswith(old) else ""))
