@@ -111,13 +111,33 @@ _SHAPE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
 _INSTRUCTION = re.compile(r"\s*(?:ROOT )?%?[\w.-]+ = (.*?) ([\w-]+)\((.*)$")
 
 
+def array_bytes(text: str) -> list[int]:
+  """The bytes of each array whose type `text` names ('f32[8,4]{1,0} %x, s32[] %i': 128, 4)."""
+  return [DTYPE_BYTES[dtype] * math.prod(int(n) for n in dims.split(",") if n)
+          for dtype, dims in _SHAPE.findall(text)]
+
+
+def kernel_bytes(results: list[int], operands: list[int], fused: list[str]) -> int:
+  """What one launch reads and writes: its operands and results once each, except that a fusion
+  that slices (a dynamic-slice inside) reads of an operand larger than its results only as much
+  as it writes, and one that updates a slice in place (a dynamic-update-slice) reads and writes
+  its operands but the buffer it updates, not that buffer."""
+  if any(" dynamic-update-slice(" in line for line in fused) and operands:
+    operands = sorted(operands)[:-1]  # (the buffer, aliased by the result)
+    return 2 * sum(operands)
+  if any(" dynamic-slice(" in line for line in fused):
+    operands = [min(size, sum(results)) for size in operands]
+  return sum(results) + sum(operands)
+
+
 def count_kernels(hlo_text: str) -> dict[str, int]:
   """The kernels a step launches, read from a compiled program's text: each instruction of the
   k-step loop's body (the whole program when k = 1) that is not a view (`NO_KERNEL`, an async
   op's `-done` half), a fusion or a library call (cuBLAS, cuDNN) counting one; a loop or
   conditional inside the body counts what it runs (an inner loop's body times its trip count).
   `small`: those whose operands and results together hold under 1 MiB, whose time is the
-  launch's more than the work's."""
+  launch's more than the work's. `bytes`: what they read and write in all (`kernel_bytes`), the
+  memory traffic of a step if nothing stays in a cache between kernels."""
   bodies, name, entry = {}, None, None
   for line in hlo_text.splitlines():
     if head := re.match(r"(ENTRY )?%?([\w.-]+) .*\{\s*$", line):
@@ -157,13 +177,15 @@ def count_kernels(hlo_text: str) -> dict[str, int]:
         if depth == 0:
           end = i
           break
-      size = sum(DTYPE_BYTES[dtype] * math.prod(int(n) for n in dims.split(",") if n)
-                 for dtype, dims in _SHAPE.findall(result + rest[:end]))
+      results, operands = array_bytes(result), array_bytes(rest[:end])
+      fused = re.search(r"calls=%?([\w.-]+)", line) if op == "fusion" else None
       found["kernels"] += times
-      found["small"] += times * (size < SMALL_KERNEL_BYTES)
+      found["small"] += times * (sum(results) + sum(operands) < SMALL_KERNEL_BYTES)
+      found["bytes"] += times * kernel_bytes(results, operands,
+                                             bodies.get(fused[1], []) if fused else [])
 
   walk(loop, 1)
-  return dict(kernels=found["kernels"], small=found["small"])
+  return dict(kernels=found["kernels"], small=found["small"], bytes=found["bytes"])
 
 
 def memory(compiled) -> dict[str, int]:
@@ -257,9 +279,11 @@ def _analyze(config, devices, hlo: str | None) -> dict:
   flops_per_step = speed.flops_per_step
   cost = train.cost_analysis() or {}
   compute_s = flops_per_step / speed.peak if speed.peak else 0.0
-  # The compiler's cost analysis counts a loop's body once: its figures are a step's. Every
-  # step reads the state at least once (the parameters, the optimizer's moments).
-  accessed = max(cost.get("bytes accessed", 0.0), state_bytes)
+  # The compiler's cost analysis counts a loop's body once: its figures are a step's (XLA:GPU's
+  # is empty: then the kernels' own bytes, `count_kernels`). Every step reads the state at least
+  # once (the parameters, the optimizer's moments).
+  kernels = count_kernels(train_text)
+  accessed = max(cost.get("bytes accessed", 0.0), kernels["bytes"], state_bytes)
   memory_s = accessed / device.memory_bandwidth if device else 0.0
   lower_bound = max(compute_s, memory_s)
   peak = max(train_memory["peak"], eval_memory["peak"], init_memory["peak"])
@@ -267,7 +291,7 @@ def _analyze(config, devices, hlo: str | None) -> dict:
       topology=None, **figures, fits=bool(memory_bytes) and peak <= memory_bytes,
       temp_bytes=train_memory["temp"], peak_bytes=peak,
       train=train_memory, eval=eval_memory, init=init_memory,
-      collectives=count_collectives(train_text), kernels=count_kernels(train_text),
+      collectives=count_collectives(train_text), kernels=kernels, bytes_per_step=accessed,
       flops_per_step=flops_per_step,
       # (XLA:GPU runs a conditional by copying its predicate to the host and waiting.)
       conditionals=len(re.findall(r" conditional\(", train_text)),
@@ -309,7 +333,8 @@ def describe(r: dict) -> str:
       + (f"; the compiler's, a device: {r['compiler_flops_per_step']:.3g}"
          if r["compiler_flops_per_step"] else ""),
       f"at best {seconds(bound)} a step (compute {seconds(r['compute_seconds_lower_bound'])}, "
-      f"memory {seconds(r['memory_seconds_lower_bound'])}), at most "
+      f"memory {seconds(r['memory_seconds_lower_bound'])}: {gb(r['bytes_per_step'])} read and "
+      f"written, if no kernel's data stayed in a cache), at most "
       f"{r['images_per_second_upper_bound']:,.0f} images/s" if bound else
       "no step-time bound: the device's peak FLOP/s and bandwidth are unknown (chips.CHIPS)",
       "compile: " + ", ".join(f"{what} {s:.2f} s" for what, s in r["compile_seconds"].items()),

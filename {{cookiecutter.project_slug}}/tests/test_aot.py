@@ -178,10 +178,45 @@ ENTRY %main (e: f32[1024,1024]) -> f32[1024,1024] {
 def test_kernels_a_step_are_the_loop_bodys_launches_and_the_small_ones_are_under_1_mib():
   """The fusion of 8 MiB (its operand and result), the library call, the all-reduce and the inner
   loop's fusion 3 times: 6 a step, 5 of them on under 1 MiB (the entry's copy runs once a call,
-  not a step)."""
-  assert aot.count_kernels(HLO) == {"kernels": 6, "small": 5}
+  not a step); the bytes they read and write: 8 MiB, 3 x 512 (the call's two operands and its
+  result), 2 x 64 and 3 x 2 x 32."""
+  step = 8 * 2**20 + 3 * 512 + 2 * 64 + 3 * 2 * 32
+  assert aot.count_kernels(HLO) == {"kernels": 6, "small": 5, "bytes": step}
   # k = 1 (no loop of several trips): the whole program, the copy and the loop's one trip too.
-  assert aot.count_kernels(HLO.replace('"n":"10"', '"n":"1"')) == {"kernels": 7, "small": 5}
+  assert aot.count_kernels(HLO.replace('"n":"10"', '"n":"1"')) == {
+      "kernels": 7, "small": 5, "bytes": step + 8 * 2**20}
+
+
+def test_a_kernel_that_slices_reads_the_slice_and_one_that_updates_in_place_the_update():
+  """The k-step loop's two slicing kernels: one reads step i's images out of the [10, 64, 1024]
+  stack (64 KiB read, as many written, not the 640 KiB stack), one writes a [1, 1024] row into a
+  [10, 1024] buffer in place (the row and the index read, the row written)."""
+  hlo = """\
+%fused_slice (p0: u8[10,64,1024], p1: s32[]) -> u8[64,1024] {
+  %p0 = u8[10,64,1024]{2,1,0} parameter(0)
+  %ds = u8[1,64,1024]{2,1,0} dynamic-slice(u8[10,64,1024]{2,1,0} %p0, s32[] %p1), SIZES
+  ROOT %b = u8[64,1024]{1,0} bitcast(u8[1,64,1024]{2,1,0} %ds)
+}
+
+%update (p0: f32[10,1024], p1: f32[1,1024], p2: s32[]) -> f32[10,1024] {
+  ROOT %dus = f32[10,1024]{1,0} dynamic-update-slice(f32[10,1024]{1,0} %p0, f32[1,1024]{1,0} %p1)
+}
+
+%body (q: (s32[], u8[10,64,1024], f32[10,1024])) -> (s32[], u8[10,64,1024], f32[10,1024]) {
+  %s = u8[64,1024]{1,0} fusion(u8[10,64,1024]{2,1,0} %stack, s32[] %i), calls=%fused_slice
+  %d = f32[10,1024]{1,0} fusion(f32[10,1024]{1,0} %b, f32[1,1024]{1,0} %u, s32[] %i), calls=%update
+  ROOT %r = (s32[]) tuple(s32[] %n)
+}
+
+ENTRY %main (e: s32[]) -> s32[] {
+  %loop = (s32[]) while(%t), condition=%cond, body=%body, TRIPS_10
+  ROOT %out = s32[] get-tuple-element(%loop), index=0
+}
+""".replace("SIZES", "dynamic_slice_sizes={1,64,1024}").replace(
+      "TRIPS_10", 'backend_config={"known_trip_count":{"n":"10"} }')
+  sliced = 2 * 64 * 1024 + 4
+  updated = 2 * (4 * 1024 + 4)
+  assert aot.count_kernels(hlo) == {"kernels": 2, "small": 2, "bytes": sliced + updated}
 
 
 def test_unknown_topology_lists_the_known_ones():
