@@ -123,8 +123,7 @@ def kernel_bytes(results: list[int], operands: list[int], fused: list[str]) -> i
   as it writes, and one that updates a slice in place (a dynamic-update-slice) reads and writes
   its operands but the buffer it updates, not that buffer."""
   if any(" dynamic-update-slice(" in line for line in fused) and operands:
-    operands = sorted(operands)[:-1]  # (the buffer, aliased by the result)
-    return 2 * sum(operands)
+    return 2 * sum(sorted(operands)[:-1])  # (not the largest: the buffer, aliased by the result)
   if any(" dynamic-slice(" in line for line in fused):
     operands = [min(size, sum(results)) for size in operands]
   return sum(results) + sum(operands)

@@ -154,12 +154,10 @@ def initialize() -> None:
   # (JAX's own timeout a little later than ours: at its own it aborts, with a C++ stack dump.)
   timeouts = dict(heartbeat_timeout_seconds=_HEARTBEAT.value,
                   initialization_timeout=_JOIN_TIMEOUT.value + 30)
-  if _COORDINATOR.value:
-    host = _COORDINATOR.value.rsplit(":", 1)[0]
-    bind = _COORDINATOR.value if host in ("127.0.0.1", "localhost") else None  # loopback only
-    with joining_said(_COORDINATOR.value, _PROCESS_ID.value, _NUM_PROCESSES.value):
-      jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
-                                 coordinator_bind_address=bind, **timeouts)
+  if address := _COORDINATOR.value:
+    host = address.rsplit(":", 1)[0]
+    bind = address if host in ("127.0.0.1", "localhost") else None  # loopback only
+    joining = dict(coordinator_address=address, coordinator_bind_address=bind)
   else:
     try:
       joining = cluster()
@@ -168,9 +166,9 @@ def initialize() -> None:
     if joining is None:
       return
     address = os.environ.get("JAX_COORDINATOR_ADDRESS", "the address JAX reads from the launcher")
-    with joining_said(address, _PROCESS_ID.value, _NUM_PROCESSES.value):
-      jax.distributed.initialize(num_processes=_NUM_PROCESSES.value,
-                                 process_id=_PROCESS_ID.value, **joining, **timeouts)
+  with joining_said(address, _PROCESS_ID.value, _NUM_PROCESSES.value):
+    jax.distributed.initialize(num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value,
+                               **joining, **timeouts)
   logging.info("Process %d of %d drives %s (%d devices in all)", jax.process_index(),
                jax.process_count(), ", ".join(map(str, jax.local_devices())), jax.device_count())
   if jax.default_backend() == "cpu":
