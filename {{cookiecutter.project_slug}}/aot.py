@@ -55,8 +55,10 @@ def abstract_batches(config, info, num_devices: int, mesh, pmap: bool):
   """k stacked global batches as train.py feeds them (`input_pipeline`: uint8 pixels), abstract:
   split over the mesh (spmd, fsdp), or `[devices, k, batch / devices, ...]` (pmap)."""
   k, batch = config.run.steps_per_dispatch, config.run.global_batch_size
-  shapes = {"image": ((*info.image_shape,), info.pixel_dtype), "label": ((), jnp.int32),
-            "mask": ((), jnp.bool_), "position": ((), jnp.uint32)}
+  height_width = info.canvas or info.image_shape[:2]  # (photos' crops resized on the devices)
+  shapes = {"image": ((*height_width, info.image_shape[2]), info.pixel_dtype),
+            "label": ((), jnp.int32), "mask": ((), jnp.bool_), "position": ((), jnp.uint32),
+            **({"box": ((6,), jnp.float32)} if info.canvas else {})}
   if pmap:
     return {name: jax.ShapeDtypeStruct((num_devices, k, batch // num_devices, *shape), dtype)
             for name, (shape, dtype) in shapes.items()}
@@ -239,8 +241,7 @@ def _analyze(config, devices, hlo: str | None) -> dict:
   mesh = sharding.make_mesh(config, devices)
   graphdef, state, init = optim.initial_state(config, info, mesh, num_train_steps)
   pmap = config.parallelism == "pmap"
-  compiled_steps = steps.make(graphdef, config, mesh, unroll=False,
-                              crop_on_device=not info.crops_on_host,
+  compiled_steps = steps.make(graphdef, config, mesh, unroll=False, info=info,
                               pmap_devices=devices if pmap else None)
   batches = abstract_batches(config, info, num_devices, mesh, pmap)
   where = None if pmap else sharding.replicated(mesh)

@@ -86,7 +86,7 @@ def evaluate(run: trained.Restored, source) -> dict:
   config.run.steps_per_dispatch = 1  # (and the run's batch, rounded up to the devices here)
   config.run.global_batch_size = -(-config.run.global_batch_size // run.mesh.size) * run.mesh.size
   graphdef, state = nnx.split((nnx.merge(run.graphdef, run.state),))  # eval_step's (model,)
-  compiled = steps.make(graphdef, config, run.mesh)
+  compiled = steps.make(graphdef, config, run.mesh, info=run.info)
   collection = metrics.with_confusion(config, run.info.num_classes)
   rows = sharding.process_rows(run.mesh, config.run.global_batch_size)
   batches = input_pipeline.eval_batches(source, config, rows)

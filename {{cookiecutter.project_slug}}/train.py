@@ -109,7 +109,7 @@ def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
                               metrics=tuple(recipe.METRICS))
   profiler = writers.Profiler(config, workdir)
   # The steps, compiled at their first call; the state placed for them.
-  compiled = steps.make(graphdef, config, mesh, crop_on_device=not info.crops_on_host)
+  compiled = steps.make(graphdef, config, mesh, info=info)
   state = compiled.put_state(state)
   # The input: its workers start here; the eval step compiled on its first and last batches.
   train_iter = input_pipeline.as_iterator(

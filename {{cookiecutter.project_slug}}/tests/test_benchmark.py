@@ -132,10 +132,15 @@ def test_tiny_benchmark_measures_every_model_and_path(tmp_path):
 @pytest.mark.slow
 def test_the_input_pipeline_alone_on_your_own_data(tmp_path):
   """benchmark.py --data_dir: photos stored whole, read with the ImageNet recipe's crops by one
-  Grain worker process, beside a plain PIL loop over the files they were written from; a data
-  directory that is not there is one line."""
+  Grain worker process, their crops resized on the devices and, in the same run, on the host,
+  beside a plain PIL loop over the files they were written from; a data directory that is not
+  there is one line."""
   sys.path.insert(0, os.path.join(PROJECT, "tests"))
   from test_image_folder import write_wide_photos
+
+  from configs import imagenet
+
+  from {{cookiecutter.project_slug}}.data import input_pipeline
 
   write_wide_photos(tmp_path / "photos", per_class=8)
   done = subprocess.run([sys.executable, "write_arrayrecord.py", f"--out_dir={tmp_path / 'data'}",
@@ -158,19 +163,28 @@ def test_the_input_pipeline_alone_on_your_own_data(tmp_path):
                                   "main_cpu_seconds_per_gb",
                                   "main_process_ceiling_images_per_second",
                                   "images_per_worker_cpu_second",
-                                  "main_cpu_seconds_per_gb_with_staging_copy"), "data")
+                                  "main_cpu_seconds_per_gb_with_staging_copy",
+                                  "host_resize_images_per_cpu_second", "over_host_resize"), "data")
+  canvas = input_pipeline.canvas(imagenet.get_config(), 73, (64, 64, 3))
+  assert result["canvas"] == list(canvas) and result["over_host_resize"] == pytest.approx(
+      result["images_per_cpu_second"] / result["host_resize_images_per_cpu_second"], rel=1e-9)
+  assert result["bytes_per_image"] == math.prod(canvas) * 3 + 6 * 4 + 9
+  assert result["host_resize_bytes_per_image"] == 64 * 64 * 3 + 9
   assert result["decoder"] == "simplejpeg"
   assert result["images_per_worker_cpu_second"] > result["images_per_cpu_second"]
   section = (tmp_path / "BENCHMARKS.md").read_text()  # (a section of its own, kept: --resnet's)
   assert section.startswith("# Benchmarks") and "## Photos stored whole: the input alone" in section
   for row in (f"| images per CPU-second (workers and main process) | "
-              f"{result['images_per_cpu_second']:,.0f} |",
+              f"{result['images_per_cpu_second']:,.0f} | "
+              f"{result['host_resize_images_per_cpu_second']:,.0f} |",
               f"| main process, CPU-s per GB: with a GPU's staging copy | "
-              f"{result['main_cpu_seconds_per_gb_with_staging_copy']:.3f} |",
-              f"| cores a device at 1,000 images/s | {result['cores_per_accelerator']:.1f} |"):
+              f"{result['main_cpu_seconds_per_gb_with_staging_copy']:.3f} | "
+              f"{result['host_resize_main_cpu_seconds_per_gb_with_staging_copy']:.3f} |",
+              f"| cores a device at 1,000 images/s | {result['cores_per_accelerator']:.1f} | "
+              f"{result['host_resize_cores_per_accelerator']:.1f} |"):
     assert row in section, section
   assert result["main_process_ceiling_images_per_second"] == pytest.approx(
-      1e9 / result["main_cpu_seconds_per_gb"] / (64 * 64 * 3 + 9), rel=1e-6)
+      1e9 / result["main_cpu_seconds_per_gb"] / result["bytes_per_image"], rel=1e-6)
   assert result["cores_per_accelerator"] == pytest.approx(
       1000 / result["images_per_cpu_second"], rel=1e-9)
   assert result["images"] % 8 == 0 and result["images"] >= 8

@@ -2,6 +2,7 @@
 encoded and decoded by the Grain workers while training; unreadable files skipped by path."""
 
 import contextlib
+import dataclasses
 import glob
 import io
 import json
@@ -14,6 +15,7 @@ import sys
 import time
 
 import grain
+import jax
 import numpy as np
 import pytest
 from conftest import alive, own_mount_namespace, owned, run_main
@@ -25,7 +27,12 @@ import write_arrayrecord
 from configs import default
 
 from {{cookiecutter.project_slug}} import plan
-from {{cookiecutter.project_slug}}.data import arrayrecord, image_files, input_pipeline
+from {{cookiecutter.project_slug}}.data import (
+    arrayrecord,
+    augment,
+    image_files,
+    input_pipeline,
+)
 from {{cookiecutter.project_slug}}.training import runs
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -182,12 +189,14 @@ def write_wide_photos(root, per_class: int = 4):
       image.save(root / name / f"{i}.jpg", quality=95)
 
 
-def test_photos_kept_whole_are_cropped_from_all_of_them(tmp_path):
+@pytest.mark.parametrize("resize_on_device", [True, False])
+def test_photos_kept_whole_are_cropped_from_all_of_them(tmp_path, resize_on_device):
   """--resize_shorter=60 stores the photos whole (120 x 240 -> 60 x 120 JPEGs, the 40 x 80 one as
   it was). Training crops (random, of 8-100% of the area) reach far beyond the central square
   of the stored photo (red 64-191), drawn from the seed and the stream position alone: the same
   batches again, and from a resumed position; evaluation keeps the centre 0.875 of the photo
-  scaled to cover 32 / 0.875 (red about 72-183), and the device crops nothing more."""
+  scaled to cover 32 / 0.875 (red about 72-183), and the device crops nothing more. Resized on
+  the devices (the crops sent in a canvas, with their boxes) or on the host."""
   write_wide_photos(tmp_path / "photos")
   done = convert(f"--out_dir={tmp_path / 'data'}", f"--image_folder={tmp_path / 'photos'}",
                  "--image_size=32", "--resize_shorter=60", "--eval_fraction=0.25")
@@ -202,8 +211,10 @@ def test_photos_kept_whole_are_cropped_from_all_of_them(tmp_path):
   assert sizes <= {(120, 60), (80, 40)} and (120, 60) in sizes
 
   config = owned(default.get_config())
-  config.update(dataset="arrayrecord", data_dir=str(tmp_path / "data"))
+  config.update(dataset="arrayrecord", data_dir=str(tmp_path / "data"),
+                resize_on_device=resize_on_device)
   splits, batches = cropped_from_the_whole_photo(config, eval_examples=2)
+  assert ("box" in batches[0]) == resize_on_device
   again = input_pipeline.train_batches(splits["train"], plan.resolved(config), first_step=4)
   for element in range(4, 8):
     np.testing.assert_array_equal(again[element - 4]["image"], batches[element]["image"])
@@ -219,22 +230,29 @@ def cropped_from_the_whole_photo(config, eval_examples: int):
   splits, info = input_pipeline.get_datasets(config)
   assert info.image_shape == (32, 32, 3) and info.crops_on_host
   batches = input_pipeline.train_batches(splits["train"], plan.resolved(config))
-  red = np.concatenate([batches[i]["image"][batches[i]["mask"]][..., 0] for i in range(
+  red = np.concatenate([pixels(batches[i])[batches[i]["mask"]][..., 0] for i in range(
       len(batches))])
   assert red.shape[1:] == (32, 32)
   assert red.min() < 30 and red.max() > 225  # beyond the central square's 64-191
   assert len({image.tobytes() for image in red}) > 0.9 * len(red)  # every crop its own
   evaluated = input_pipeline.eval_batches(splits["eval"], plan.resolved(config))
-  eval_red = np.concatenate([e["image"][e["mask"]][..., 0] for e in evaluated])
+  eval_red = np.concatenate([pixels(e)[e["mask"]][..., 0] for e in evaluated])
   assert len(eval_red) == eval_examples and 60 < eval_red.min() and eval_red.max() < 195
   assert abs(float(eval_red.mean()) - 127.5) < 3
   return splits, batches
 
 
-def test_simplejpeg_cuts_the_crops_that_pil_cuts(monkeypatch):
-  """A JPEG's crop decoded by simplejpeg (at Image.draft's DCT scale) is PIL's crop, bit for bit:
-  photos of several sizes (one progressive, one gray), random crops (8-100% of the area, so
-  every scale from 1 to 1/8) and evaluation's centre, to RGB and to gray."""
+def pixels(element, shape=(32, 32)) -> np.ndarray:
+  """An element's images as the model sees them, before / 255: crops sent in a canvas resized
+  as the devices resize them (`augment.resize_crops`)."""
+  if "box" not in element:
+    return element["image"]
+  resize = jax.jit(augment.resize_crops, static_argnums=2)
+  return np.asarray(jax.vmap(resize, (0, 0, None))(element["image"], element["box"], shape))
+
+
+def smooth_photos() -> list[bytes]:
+  """JPEGs like photos (smooth colour with noise) of several sizes: one progressive, one gray."""
   rng = np.random.default_rng(0)
   photos = []
   for (height, width), mode, options in (((256, 341), "RGB", {}), ((384, 256), "RGB", {}),
@@ -247,6 +265,14 @@ def test_simplejpeg_cuts_the_crops_that_pil_cuts(monkeypatch):
     data = io.BytesIO()
     photo.save(data, "JPEG", quality=90, **options)
     photos.append(data.getvalue())
+  return photos
+
+
+def test_simplejpeg_cuts_the_crops_that_pil_cuts(monkeypatch):
+  """A JPEG's crop decoded by simplejpeg (at Image.draft's DCT scale) is PIL's crop, bit for bit:
+  photos of several sizes (one progressive, one gray), random crops (8-100% of the area, so
+  every scale from 1 to 1/8) and evaluation's centre, to RGB and to gray."""
+  photos = smooth_photos()
   cases = [(crops, shape, photo, position) for crops in (
       image_files.Crops(seed=1, scale=(0.08, 1.0)), image_files.Crops())
            for shape in ((224, 224, 3), (32, 32, 3), (16, 12, 1)) for photo in photos
@@ -260,6 +286,35 @@ def test_simplejpeg_cuts_the_crops_that_pil_cuts(monkeypatch):
   scales = {image_files.draft_scale((341, 256), (math.ceil(341 * 32 / w), math.ceil(
       256 * 32 / h))) for w, h in ((341, 256), (170, 128), (100, 75), (40, 30))}
   assert scales == {8, 4, 2, 1}  # (each DCT scale among the cases: 32 from crops that large)
+
+
+@pytest.mark.parametrize("shape", [(224, 224, 3), (24, 32, 1)])
+def test_the_devices_resize_the_crops_as_the_host_does(shape):
+  """Crops cut on the host and resized on the devices (`Crops.cut`, `augment.resize_crops`) are
+  the host's PIL resize of the same boxes within one level of 255 at every pixel: training's
+  random crops (every DCT scale) and evaluation's centre, RGB and gray; in the canvas that
+  `input_pipeline.canvas` gives photos stored at shorter side 256 none is resized on the host,
+  and in one too small for some (2 pixels larger than the image) those are resized there, as
+  before. A padding example (zeros, its box zeros) gives zeros."""
+  photos = smooth_photos()
+  config = default.get_config()
+  config.update(augment_crop=True, resize_on_device=True)
+  resize = jax.jit(augment.resize_crops, static_argnums=2)
+  for canvas, small in ((input_pipeline.canvas(config, 384, shape), False),
+                        ((shape[0] + 2, shape[1] + 2), True)):
+    for crops in (image_files.Crops(seed=1, scale=(0.08, 1.0)), image_files.Crops()):
+      positions = np.arange(12 if crops.scale else 1).repeat(len(photos))
+      encoded = photos * (len(positions) // len(photos))
+      host, failed = image_files.decode_batch(encoded, shape, crops, positions)
+      cut, failed_cut = image_files.decode_batch(
+          encoded, shape, dataclasses.replace(crops, canvas=canvas), positions)
+      assert not failed and not failed_cut and cut["image"].shape[1:3] == canvas
+      resized = np.asarray(resize(cut["image"], cut["box"], shape[:2]))
+      assert np.abs(resized - host["image"]).max() <= 1 + 1e-4, (canvas, crops)
+      on_host = (cut["box"][:, 4:] == shape[:2]).all(1) & (cut["box"][:, :2] == 0).all(1)
+      assert on_host.any() == small
+  padding = resize(np.zeros((1, 8, 8, 1), np.uint8), np.zeros((1, 6), np.float32), (4, 4))
+  np.testing.assert_array_equal(padding, 0)
 
 
 def test_decode_image_scales_to_cover_and_crops_the_center():

@@ -204,10 +204,10 @@ def test_a_unit_goes_through_shared_memory_and_a_full_one_sends_it_pickled(monke
   assert not glob.glob(f"{shm.DIRECTORY}/{prefix}-*")  # unlinked once mapped
   caplog.set_level(logging.WARNING)
 
-  def full(fd, offset, size):
+  def full(fd, data):
     raise OSError(errno.ENOSPC, "No space left on device")
 
-  monkeypatch.setattr(os, "posix_fallocate", full)
+  monkeypatch.setattr(os, "write", full)
   for _ in range(2):
     assert outbox(unit)["image"] is unit["image"]
   assert [r.getMessage() for r in caplog.records] == [

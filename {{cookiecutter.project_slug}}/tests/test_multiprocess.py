@@ -110,6 +110,32 @@ def test_shares_from_workers_train_like_elements_read_in_one_gather(tmp_path, pa
 
 
 @pytest.mark.slow
+def test_photos_resized_on_the_devices_train_alike_on_every_path(tmp_path):
+  """Photos stored whole (120 JPEGs and PNGs of 3 sizes at shorter side 36, crops at 32), cut on
+  the host and resized on the devices, with the crop and the flip: pmap, fsdp, and 2 processes
+  of a worker each train exactly as spmd on one process; resized on the host, the same run
+  learns alike (its pixels within one level of 255 of these)."""
+  from test_image_folder import convert, write_photos
+
+  write_photos(tmp_path / "photos", sizes=((40, 56), (56, 40), (44, 44)), per_class=40)
+  done = convert(f"--out_dir={tmp_path / 'data'}", f"--image_folder={tmp_path / 'photos'}",
+                 "--image_size=32", "--resize_shorter=36", "--eval_fraction=0.25")
+  assert done.returncode == 0, done.stderr
+  photos = ("--config.dataset=arrayrecord", f"--config.data_dir={tmp_path / 'data'}",
+            "--config.augment_crop=True", "--config.augment_flip=True", "--config.batch_size=16",
+            "--config.num_epochs=3", "--config.fsdp_min_size=0", "--config.eval_every_steps=6")
+  single = train(tmp_path / "spmd", 1, *photos, "--config.num_workers=0")
+  assert set(single["eval_examples"].values()) == {30} and single["train_examples"]
+  for name, processes, overrides in (("pmap", 1, ("--config.parallelism=pmap",)),
+                                     ("fsdp", 1, ("--config.parallelism=fsdp",)),
+                                     ("two", 2, ("--config.num_workers=1",))):
+    assert_same_run(train(tmp_path / name, processes, *photos, *overrides), single)
+  on_host = train(tmp_path / "host", 1, *photos, "--config.resize_on_device=False")
+  last = max(single["eval_loss"])
+  assert on_host["eval_loss"][last] == pytest.approx(single["eval_loss"][last], rel=0.02)
+
+
+@pytest.mark.slow
 def test_two_processes_train_like_one_under_fsdp(tmp_path):
   """The state split over each process's 4 devices (a 2 x 4 mesh: hybrid sharding, replicated
   across the processes), or over all 8 (each shard on one process; Orbax writes both): the

@@ -133,7 +133,7 @@ VALUE_RULES = (
       "grad_clip_norm"), _number(lambda v: v >= 0), "must be a number >= 0."),
     (("label_smoothing", "ema_decay", "momentum"), _number(lambda v: 0 <= v < 1),
      "must be a number in [0, 1); 0 turns it off."),
-    (("augment_flip", "augment_crop", "nesterov", "ema_warmup"),
+    (("augment_flip", "augment_crop", "nesterov", "ema_warmup", "resize_on_device"),
      lambda v: isinstance(v, bool), "must be True or False."),
     (("augment_crop_scale",), _pair(1), "must be (low, high) with 0 < low <= high <= 1, e.g. "
      "--config.augment_crop_scale='(0.5,1.0)'."),

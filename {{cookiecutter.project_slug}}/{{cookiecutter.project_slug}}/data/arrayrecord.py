@@ -12,7 +12,7 @@ import grain
 import numpy as np
 from flax import serialization
 
-from .input_pipeline import DatasetInfo, Loaded, host_crops
+from .input_pipeline import DatasetInfo, Loaded, canvas, host_crops
 
 if TYPE_CHECKING:  # (image_files is imported where images are decoded or cropped)
   from .image_files import Crops
@@ -57,11 +57,12 @@ class RecordSource:
     examples = self.read([int(i) for i in indices])
     unread = {i: why for i, example in enumerate(examples)
               if (why := example if isinstance(example, str) else self.problem(example))}
-    blank = {"image": np.zeros(self.image_shape, self.pixel_dtype), "label": 0}  # masked later
+    blank = {"image": "unread" if self.crops else np.zeros(self.image_shape, self.pixel_dtype),
+             "label": 0}  # masked later
     examples = [blank if i in unread else ex for i, ex in enumerate(examples)]
-    images, failed = decode_batch([ex["image"] for ex in examples], self.image_shape,
+    decoded, failed = decode_batch([ex["image"] for ex in examples], self.image_shape,
                                   self.crops, positions)
-    return {"image": images, "label": np.array([ex["label"] for ex in examples], np.int32),
+    return {**decoded, "label": np.array([ex["label"] for ex in examples], np.int32),
             "failed": failed | unread}
 
 
@@ -97,21 +98,28 @@ def metadata(data_dir: str) -> dict:
 
 def load(config) -> Loaded:
   meta = metadata(config.data_dir)
-  crops_on_host = bool(meta.get("resize_shorter"))
-  crops = host_crops(config) if crops_on_host else {}
+  crops_on_host, crop_canvas = crops_of(config, meta)
+  crops = host_crops(config, crop_canvas) if crops_on_host else {}
   sources = {split: RecordSource(arrayrecord_paths(config.data_dir, split), meta["image_shape"],
                                  crops.get(split), f"arrayrecord {config.data_dir} {split}",
                                  meta.get("pixel_dtype", "uint8"), meta["num_classes"])
              for split in ("train", "eval")}
   return Loaded(sources, tuple(meta["image_shape"]), meta["num_classes"],
-                tuple(meta.get("class_names", ())), crops_on_host)
+                tuple(meta.get("class_names", ())), crops_on_host, crop_canvas)
+
+
+def crops_of(config, meta: dict) -> tuple[bool, tuple[int, int] | None]:
+  """Whether the host crops (photos stored whole), and the canvas its crops are sent in
+  (`input_pipeline.canvas`: None where the host resizes them)."""
+  shorter = meta.get("resize_shorter")
+  return bool(shorter), canvas(config, shorter, meta["image_shape"]) if shorter else None
 
 
 def describe(config) -> DatasetInfo:
   meta = metadata(config.data_dir)
   return DatasetInfo(tuple(meta["image_shape"]), int(meta["num_classes"]),
                      dict(meta["num_examples"]), tuple(meta.get("class_names", ())),
-                     meta.get("pixel_dtype", "uint8"), bool(meta.get("resize_shorter")))
+                     meta.get("pixel_dtype", "uint8"), *crops_of(config, meta))
 
 
 def check(config) -> str | None:

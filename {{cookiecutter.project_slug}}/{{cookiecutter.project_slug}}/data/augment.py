@@ -1,5 +1,6 @@
 """Augmentations that the recipe (recipe.py) calls on the devices, each drawn from one example's
-key (training/steps.py makes it from the example's place in the data stream alone)."""
+key (training/steps.py makes it from the example's place in the data stream alone), and the
+resize of photos' crops that the host cut (`resize_crops`: steps.forward calls it)."""
 
 import math
 
@@ -26,3 +27,29 @@ def random_resized_crop(key, image_HWC, scale, ratio) -> jax.Array:
   zoom_2 = jnp.array([height, width]) / size_2
   return jax.image.scale_and_translate(image_HWC, image_HWC.shape, (0, 1), zoom_2,
                                        -corner_2 * zoom_2, method="linear")
+
+
+def resize_crops(crops_BHWC, boxes_B6, out_hw) -> jax.Array:
+  """Photos' crops cut on the host (`image_files.Crops` with a canvas), each resized on the device
+  to `out_hw` as PIL's bilinear resize of its box would be (a triangle filter, widened by the
+  zoom where it shrinks, over the crop's own pixels alone). `boxes_B6`: each crop's box (top,
+  left, bottom, right, in its canvas's pixels) and the height and width its pixels fill (the
+  rest of the canvas is padding; a padding example's zeros give zeros). Float32, of the crops'
+  scale: a matrix product each way."""
+  _, height, width, _ = crops_BHWC.shape
+
+  def weights(start, end, filled, size, out):  # [out, size]: output pixel <- canvas pixel
+    zoom = (end - start) / out
+    reach = jnp.maximum(zoom, 1.0)
+    centre_O = start + (jnp.arange(out) + 0.5) * zoom
+    weight_OS = jnp.maximum(1 - jnp.abs(jnp.arange(size) + 0.5 - centre_O[:, None]) / reach, 0)
+    weight_OS = jnp.where(jnp.arange(size) < filled, weight_OS, 0.0)
+    return weight_OS / jnp.maximum(weight_OS.sum(1, keepdims=True), 1e-30)
+
+  def resize(crop_HWC, box_6):
+    top, left, bottom, right, filled_h, filled_w = box_6
+    rows_OH = weights(top, bottom, filled_h, height, out_hw[0])
+    columns_PW = weights(left, right, filled_w, width, out_hw[1])
+    return jnp.einsum("oh,hwc,pw->opc", rows_OH, crop_HWC, columns_PW)
+
+  return jax.vmap(resize)(crops_BHWC, boxes_B6.astype(jnp.float32))

@@ -111,10 +111,10 @@ class Source:
   def take(self, indices: np.ndarray, positions: np.ndarray | None = None
            ) -> dict[str, np.ndarray]:
     rows = self.dataset[[int(i) for i in indices]]
-    images, failed = image_files.decode_batch(
+    decoded, failed = image_files.decode_batch(
         [self.encoded(image) for image in rows[self.image_column]], self.image_shape, self.crops,
         positions)
-    return {"image": images, "label": np.asarray(rows[self.label_column], np.int32),
+    return {**decoded, "label": np.asarray(rows[self.label_column], np.int32),
             "failed": failed}
 
 

@@ -58,25 +58,32 @@ def decode_image(data: bytes, image_shape: tuple[int, int, int]) -> np.ndarray:
 
 
 def decode_batch(encoded: list, image_shape, crops=None, positions=None
-                 ) -> tuple[np.ndarray, dict[int, str]]:
+                 ) -> tuple[dict[str, np.ndarray], dict[int, str]]:
   """Encoded images (bytes; arrays pass as they are) as a batch of `image_shape`: each cut by
   `crops` (a `Crops`, by the example's stream position in `positions`) when given, else scaled
-  to cover and center-cropped (`decode_image`). Also {i: why} for those that failed (zeros)."""
+  to cover and center-cropped (`decode_image`). Returns {"image": the batch} (with a `Crops`
+  of a canvas: the crops in it, and "box", where: `Crops.cut`), and {i: why} for those that
+  failed (zeros)."""
   if all(isinstance(data, np.ndarray) for data in encoded):  # arrays, as stored
-    return np.stack(encoded), {}
+    return {"image": np.stack(encoded)}, {}
   positions = np.zeros(len(encoded), np.int64) if positions is None else positions
-  images, failed = np.zeros((len(encoded), *image_shape), np.uint8), {}
+  canvas = crops.canvas if crops is not None else None
+  images = np.zeros((len(encoded), *(canvas or image_shape[:2]), image_shape[2]), np.uint8)
+  boxes, failed = np.zeros((len(encoded), 6), np.float32), {}
   for i, (data, position) in enumerate(zip(encoded, positions, strict=True)):
     try:
       if isinstance(data, str):  # why it could not be read
         failed[i] = data
+      elif canvas:
+        crop, boxes[i] = crops.cut(data, image_shape, int(position))
+        images[i, :crop.shape[0], :crop.shape[1]] = crop
       elif crops is not None:
         images[i] = crops(data, image_shape, int(position))
       else:
         images[i] = decode_image(data, image_shape) if isinstance(data, bytes) else data
     except Exception as e:  # noqa: BLE001  (any unreadable image is named and skipped)
       failed[i] = why(e)
-  return images, failed
+  return {"image": images, **({"box": boxes} if canvas else {})}, failed
 
 
 def read_rows(read_many, read_one, indices: list[int]) -> list:
@@ -160,12 +167,14 @@ class Crops:
   `scale`, Inception's random crop (area fraction in `scale`, log-uniform aspect in `ratio`, the
   first of 10 draws that fits, else the centre), drawn from `seed` and the stream position alone;
   without, evaluation's centre crop (scaled to cover `image_shape` / `center_ratio`). The box comes
-  from the header, and a JPEG is decoded at the smallest DCT scale that keeps the box's pixels."""
+  from the header, and a JPEG is decoded at the smallest DCT scale that keeps the box's pixels.
+  Resized here (call it), or cut for the devices to resize (`cut`, with a `canvas`)."""
 
   seed: int = 0
   scale: tuple[float, float] | None = None
   ratio: tuple[float, float] = (3 / 4, 4 / 3)
   center_ratio: float = 0.875
+  canvas: tuple[int, int] | None = None  # (height, width) that `cut`'s crops are sent in
 
   def box(self, width: int, height: int, out_hw, position: int):
     """(left, top, right, bottom) in the stored image's pixels."""
@@ -183,6 +192,32 @@ class Crops:
     return (width - w) / 2, (height - h) / 2, (width + w) / 2, (height + h) / 2
 
   def __call__(self, data: bytes, image_shape, position: int) -> np.ndarray:
+    """The photo's box resized here (PIL's bilinear resize): uint8 of `image_shape`."""
+    image, box = self.decoded(data, image_shape, position)
+    return resized(image, box, image_shape)
+
+  def cut(self, data: bytes, image_shape, position: int) -> tuple[np.ndarray, np.ndarray]:
+    """The photo's box with the pixels its resize reads around it (a few more each way), for
+    the devices to resize (`augment.resize_crops`), and its box there: (top, left, bottom,
+    right, height, width), those of the box and of the pixels cut. Where they would not fit in
+    `canvas`, the box resized here instead (box: the whole of it)."""
+    height, width, channels = image_shape
+    image, (left, top, right, bottom) = self.decoded(data, image_shape, position)
+    pixels = np.asarray(image)  # (a PIL image's: copied)
+    full_h, full_w = pixels.shape[:2]
+    reach_h, reach_w = max((bottom - top) / height, 1), max((right - left) / width, 1)
+    y0, x0 = max(math.floor(top - reach_h) - 1, 0), max(math.floor(left - reach_w) - 1, 0)
+    y1 = min(math.ceil(bottom + reach_h) + 1, full_h)
+    x1 = min(math.ceil(right + reach_w) + 1, full_w)
+    if y1 - y0 > self.canvas[0] or x1 - x0 > self.canvas[1]:
+      whole = resized(image, (left, top, right, bottom), image_shape)
+      return whole, np.array([0, 0, height, width, height, width], np.float32)
+    return (pixels[y0:y1, x0:x1].reshape(y1 - y0, x1 - x0, channels),
+            np.array([top - y0, left - x0, bottom - y0, right - x0, y1 - y0, x1 - x0], np.float32))
+
+  def decoded(self, data: bytes, image_shape, position: int):
+    """The photo decoded (a JPEG at the smallest DCT scale that keeps the box's pixels: an array
+    by simplejpeg, else PIL's image) and its box (left, top, right, bottom) in those pixels."""
     height, width, channels = image_shape
     mode = "L" if channels == 1 else "RGB"
     full = jpeg_size(data)
@@ -193,18 +228,27 @@ class Crops:
               math.ceil(full[1] * height / (bottom - top)))
     if opened is None:  # simplejpeg, at the scale Image.draft would take
       scale = draft_scale(full, wanted)
-      pixels = simplejpeg.decode_jpeg(data, "GRAY" if channels == 1 else "RGB",
-                                      min_width=-(-full[0] // scale),
-                                      min_height=-(-full[1] // scale))
-      image = Image.fromarray(pixels[..., 0] if channels == 1 else pixels)
+      image = simplejpeg.decode_jpeg(data, "GRAY" if channels == 1 else "RGB",
+                                     min_width=-(-full[0] // scale),
+                                     min_height=-(-full[1] // scale))
+      size = image.shape[1], image.shape[0]
     else:
       with opened:
         opened.draft(mode, wanted)  # (a JPEG only)
         image = opened.convert(mode)
-    sx, sy = image.size[0] / full[0], image.size[1] / full[1]  # 1 unless a JPEG decoded scaled
-    image = image.resize((width, height), Image.Resampling.BILINEAR,
-                         box=(left * sx, top * sy, right * sx, bottom * sy))
-    return np.asarray(image).reshape(height, width, channels)
+      size = image.size
+    sx, sy = size[0] / full[0], size[1] / full[1]  # 1 unless a JPEG decoded scaled
+    return image, (left * sx, top * sy, right * sx, bottom * sy)
+
+
+def resized(image, box, image_shape) -> np.ndarray:
+  """`box` (left, top, right, bottom) of `image` (PIL's, or an array) resized to `image_shape`
+  by PIL (bilinear)."""
+  height, width, channels = image_shape
+  if isinstance(image, np.ndarray):
+    image = Image.fromarray(image[..., 0] if channels == 1 else image)
+  image = image.resize((width, height), Image.Resampling.BILINEAR, box=box)
+  return np.asarray(image).reshape(height, width, channels)
 
 
 def jpeg_size(data: bytes) -> tuple[int, int] | None:

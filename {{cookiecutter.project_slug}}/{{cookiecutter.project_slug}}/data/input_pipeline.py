@@ -2,10 +2,11 @@
 
 Each element is k = `config.run.steps_per_dispatch` batches stacked, each this process's share of a
 global batch (NumPy): image [k, B, H, W, C] as stored, label, mask (False on padding), position
-(the example's place in the stream). Every process cuts a split into ceil(examples /
-global_batch) batches, so no example is dropped or counted twice. Batch b holds stream positions
-[b * global_batch, (b + 1) * global_batch) (`num_epochs` seeded permutations), position
-b * global_batch + r in row r: a process reads the rows its devices hold
+(the example's place in the stream), and box [k, B, 6] where the image is a photo's crop in a
+canvas, for the devices to resize (`DatasetInfo.canvas`). Every process cuts a split into
+ceil(examples / global_batch) batches, so no example is dropped or counted twice. Batch b holds
+stream positions [b * global_batch, (b + 1) * global_batch) (`num_epochs` seeded permutations),
+position b * global_batch + r in row r: a process reads the rows its devices hold
 (`sharding.process_rows`), so the global batch is the same, row for row, for any number of
 processes (and so are the random draws of a model that keys them by row: Dropout). A worker
 gathers a device's share of an element at a time with NumPy (Grain's per-example path costs more
@@ -56,6 +57,9 @@ class DatasetInfo:
   pixel_dtype: str = "uint8"
   # Photos stored whole (write_arrayrecord --resize_shorter), cropped to `image_shape` here.
   crops_on_host: bool = False
+  # (height, width) of the canvas those crops come in, each with its "box", for the devices to
+  # resize (`config.resize_on_device`: steps.forward); None: resized on the host.
+  canvas: tuple[int, int] | None = None
 
 
 class Loaded(NamedTuple):
@@ -66,6 +70,7 @@ class Loaded(NamedTuple):
   num_classes: int
   class_names: tuple[str, ...] = ()
   crops_on_host: bool = False  # photos kept whole, cropped to image_shape by the reading workers
+  canvas: tuple[int, int] | None = None  # DatasetInfo's
 
 
 def model_input(pixel_dtype: str) -> str:
@@ -86,16 +91,29 @@ class ArraySource:
     return {"image": self.images[indices], "label": self.labels[indices]}
 
 
-def host_crops(config) -> "dict[str, Crops]":
+def host_crops(config, canvas: tuple[int, int] | None = None) -> "dict[str, Crops]":
   """How the host cuts photos kept whole (stored whole by write_arrayrecord.py --resize_shorter,
   or in a Hugging Face or TFDS dataset when the run crops): training's random-resized crop
-  (`augment_crop`: from the whole photo), else, and in evaluation, the `eval_crop_ratio` centre."""
+  (`augment_crop`: from the whole photo), else, and in evaluation, the `eval_crop_ratio` centre;
+  with a `canvas`, sent in it for the devices to resize (`Crops.cut`)."""
   from .image_files import Crops
 
-  return {"eval": Crops(center_ratio=config.eval_crop_ratio),
+  return {"eval": Crops(center_ratio=config.eval_crop_ratio, canvas=canvas),
           "train": Crops(config.seed, tuple(config.augment_crop_scale)
                          if config.augment_crop else None, tuple(config.augment_crop_ratio),
-                         config.eval_crop_ratio)}
+                         config.eval_crop_ratio, canvas)}
+
+
+def canvas(config, resize_shorter: int, image_shape) -> tuple[int, int] | None:
+  """The (height, width) that holds any crop of photos stored at `resize_shorter` with the
+  pixels its resize reads around it (`Crops.cut`), for `config.resize_on_device`; else None. A
+  crop's longest side: the shorter side times the widest aspect drawn (`augment_crop_ratio`)."""
+  if not config.get("resize_on_device"):
+    return None
+  low, high = config.augment_crop_ratio if config.augment_crop else (1, 1)
+  longest = resize_shorter * max(high, 1 / low, 1)
+  side = math.ceil(longest + 2 * max(longest / min(image_shape[:2]), 1)) + 4
+  return max(side, image_shape[0]), max(side, image_shape[1])  # (a crop resized here: fits)
 
 
 def get_datasets(config) -> tuple[dict, DatasetInfo]:
@@ -106,7 +124,7 @@ def get_datasets(config) -> tuple[dict, DatasetInfo]:
   info = DatasetInfo(tuple(loaded.image_shape), int(loaded.num_classes),
                      {split: len(data) for split, data in loaded.sources.items()},
                      tuple(loaded.class_names), "uint8" if first is None else first.dtype.name,
-                     loaded.crops_on_host)
+                     loaded.crops_on_host, loaded.canvas)
   return loaded.sources, info
 
 
@@ -175,14 +193,12 @@ class LoadUnit:
     if failed is not None:
       mask_S, bad_records = skip_failed(self.source, failed, indices, np.flatnonzero(read_S),
                                         mask_S)
-    image, label = taken["image"], taken["label"].astype(np.int32)
+    taken["label"] = taken["label"].astype(np.int32)
     if not mask_S.all():  # padding: zeros
-      image = np.zeros((len(mask_S), *image.shape[1:]), image.dtype)
-      image[mask_S] = taken["image"][mask_S[read_S]]
-      label = np.zeros(len(mask_S), np.int32)
-      label[mask_S] = taken["label"][mask_S[read_S]]
-    unit = {"image": image, "label": label, "mask": mask_S,
-            "position": positions_S.astype(np.uint32)}
+      for key, value in taken.items():
+        taken[key] = np.zeros((len(mask_S), *value.shape[1:]), value.dtype)
+        taken[key][mask_S] = value[mask_S[read_S]]
+    unit = {**taken, "mask": mask_S, "position": positions_S.astype(np.uint32)}
     # The batches that fill the last element (`trim`): left out (all but the first at least).
     kept = min(k, self.num_batches - element * k) if self.trim else k
     unit = {key: value.reshape(k, per_share, *value.shape[1:])[:kept]
@@ -343,9 +359,11 @@ class HostMemory:
 def host_memory(config, info: DatasetInfo, num_processes: int = 1,
                 iterators: int = 2) -> HostMemory:
   """The input's expected host memory on each process, for a resolved `config` (k, batch)."""
-  image = math.prod(info.image_shape) * np.dtype(info.pixel_dtype).itemsize
+  height_width = info.canvas or info.image_shape[:2]
+  image = math.prod(height_width) * info.image_shape[2] * np.dtype(info.pixel_dtype).itemsize
+  box = 6 * 4 if info.canvas else 0
   local_batch_size = config.run.global_batch_size // num_processes
-  element = config.run.steps_per_dispatch * local_batch_size * (image + 4 + 1 + 4)  # label, ...
+  element = config.run.steps_per_dispatch * local_batch_size * (image + box + 4 + 1 + 4)
   unit = element // shares(config, local_batch_size)
   workers = default_workers(config)
   ahead = config.prefetch_batches + config.read_threads + 1

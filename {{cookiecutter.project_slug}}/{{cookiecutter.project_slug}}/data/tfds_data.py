@@ -73,10 +73,10 @@ class Source:
            ) -> dict[str, np.ndarray]:
     rows = image_files.read_rows(self.data.__getitems__, self.data.__getitem__,
                                  [int(i) for i in indices])
-    images, failed = image_files.decode_batch(
+    decoded, failed = image_files.decode_batch(
         [row if isinstance(row, str) else row[self.image_key] for row in rows], self.image_shape,
         self.crops, positions)
-    return {"image": images, "failed": failed, "label": np.array(
+    return {**decoded, "failed": failed, "label": np.array(
         [0 if isinstance(row, str) else row[self.label_key] for row in rows], np.int32)}
 
 

@@ -237,15 +237,8 @@ def pil_loop(encoded, image_shape, seconds: float) -> float:
   return done / (time.process_time() - start)
 
 
-def measure_data(config, seconds: float, rate: float, image_folder: str | None = None) -> dict:
-  """The training batches of `config.data_dir` for `seconds`, placed on the devices: images per
-  second and per CPU-second (this process and its Grain workers), the main process's cost per
-  GB (`main_process_cost`), the cores that feed `rate` images/s, the peak resident memory of
-  the process tree (and `input_pipeline.host_memory`'s expectation), and the plain PIL loop
-  over `image_folder`'s files (or the stored images, when encoded)."""
-  config = plan.resolved(config)
-  config.num_epochs = 10**6  # never runs out
-  splits, info = input_pipeline.get_datasets(config)
+def measure_input(config, splits, info, seconds: float, rate: float) -> dict:
+  """`measure_data`'s figures of one way of reading the data (`config`'s)."""
   memory = PeakMemory()
   memory.start()
   put = Staged(placer(config))
@@ -258,17 +251,40 @@ def measure_data(config, seconds: float, rate: float, image_folder: str | None =
   peak = memory.stop()
   iterator.close()
   images, wall, cpu = delivered["images"], delivered["seconds"], delivered["tree_cpu_seconds"]
+  return dict(images=images, seconds=wall, images_per_second=images / wall,
+              images_per_cpu_second=images / cpu,
+              **({"images_per_worker_cpu_second": images / (
+                  cpu - delivered["main_cpu_seconds"])} if config.num_workers else {}),
+              bytes_per_image=delivered["bytes_per_image"],
+              **main_process_cost(delivered), **staged,
+              target_images_per_second=rate, cores_per_accelerator=rate * cpu / images,
+              peak_memory_mib=peak / 2**20, expected_memory_mib=input_pipeline.host_memory(
+                  config, info, iterators=1).bytes / 2**20)
+
+
+def measure_data(config, seconds: float, rate: float, image_folder: str | None = None) -> dict:
+  """The training batches of `config.data_dir` for `seconds`, placed on the devices: images per
+  second and per CPU-second (this process and its Grain workers), the main process's cost per
+  GB (`main_process_cost`), the cores that feed `rate` images/s, the peak resident memory of
+  the process tree (and `input_pipeline.host_memory`'s expectation), and the plain PIL loop
+  over `image_folder`'s files (or the stored images, when encoded). Photos whose crops the
+  devices resize: the same again with the host resizing them (`host_resize_...`), in this run."""
+  config = plan.resolved(config)
+  config.num_epochs = 10**6  # never runs out
+  splits, info = input_pipeline.get_datasets(config)
   result = dict(data_dir=config.data_dir, dataset=config.dataset,
                 image_shape=list(info.image_shape), crops_on_host=info.crops_on_host,
+                canvas=info.canvas and list(info.canvas),
                 decoder="simplejpeg" if image_files.simplejpeg else "PIL",
-                workers=input_pipeline.default_workers(config), images=images, seconds=wall,
-                images_per_second=images / wall, images_per_cpu_second=images / cpu,
-                **({"images_per_worker_cpu_second": images / (
-                    cpu - delivered["main_cpu_seconds"])} if config.num_workers else {}),
-                **main_process_cost(delivered), **staged,
-                target_images_per_second=rate, cores_per_accelerator=rate * cpu / images,
-                peak_memory_mib=peak / 2**20, expected_memory_mib=input_pipeline.host_memory(
-                    config, info, iterators=1).bytes / 2**20)
+                workers=input_pipeline.default_workers(config),
+                **measure_input(config, splits, info, seconds, rate))
+  if info.canvas:  # today's other path, in the same run
+    config.resize_on_device = False
+    splits, info = input_pipeline.get_datasets(config)
+    result.update({f"host_resize_{key}": value for key, value in measure_input(
+        config, splits, info, seconds, rate).items()})
+    result["over_host_resize"] = (result["images_per_cpu_second"]
+                                  / result["host_resize_images_per_cpu_second"])
   source, encoded = splits["train"], None
   if image_folder:
     paths = image_files.images_under(image_folder)

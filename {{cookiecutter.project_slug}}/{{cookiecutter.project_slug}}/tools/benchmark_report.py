@@ -173,27 +173,38 @@ def photos_section(r: dict) -> str:
   """`benchmark.py --data_dir`'s figures as a Markdown section."""
   date = f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d}"
   shape = "x".join(map(str, r["image_shape"]))
-  rows = [("images/s", f"{r['images_per_second']:,.0f}"),
-          ("images per CPU-second (workers and main process)",
-           f"{r['images_per_cpu_second']:,.0f}"),
-          *([("images per worker CPU-second", f"{r['images_per_worker_cpu_second']:,.0f}")]
+  both = "host_resize_images_per_second" in r  # (photos resized on the devices, and on the host)
+
+  def row(name: str, key: str, form: str) -> str:
+    values = [r[key], *([r[f"host_resize_{key}"]] if both else [])]
+    return f"| {name} | " + " | ".join(format(value, form) for value in values) + " |"
+
+  rows = [row("images/s", "images_per_second", ",.0f"),
+          row("images per CPU-second (workers and main process)", "images_per_cpu_second", ",.0f"),
+          *([row("images per worker CPU-second", "images_per_worker_cpu_second", ",.0f")]
             if "images_per_worker_cpu_second" in r else []),
-          *([("a plain PIL loop (open, decode, resize), images per CPU-second",
-              f"{r['pil_loop_images_per_cpu_second']:,.0f}")]
-            if "pil_loop_images_per_cpu_second" in r else []),
-          ("main process, CPU-s per GB: the CPU backend (takes arrays in place)",
-           f"{r['main_cpu_seconds_per_gb']:.3f}"),
-          ("main process, CPU-s per GB: with a GPU's staging copy",
-           f"{r['main_cpu_seconds_per_gb_with_staging_copy']:.3f}"),
-          (f"cores a device at {r['target_images_per_second']:,.0f} images/s",
-           f"{r['cores_per_accelerator']:.1f}")]
+          row("bytes an image sent to the devices", "bytes_per_image", ",.0f"),
+          row("main process, CPU-s per GB: the CPU backend (takes arrays in place)",
+              "main_cpu_seconds_per_gb", ".3f"),
+          row("main process, CPU-s per GB: with a GPU's staging copy",
+              "main_cpu_seconds_per_gb_with_staging_copy", ".3f"),
+          row(f"cores a device at {r['target_images_per_second']:,.0f} images/s",
+              "cores_per_accelerator", ".1f"),
+          row("peak memory of the process tree, MiB", "peak_memory_mib", ",.0f"),
+          *([f"| a plain PIL loop (open, decode, resize), images per CPU-second | "
+             f"{r['pil_loop_images_per_cpu_second']:,.0f} |" + (" |" if both else "")]
+            if "pil_loop_images_per_cpu_second" in r else [])]
+  header = (["| | crops resized on the devices | resized on the host |", "| --- | ---: | ---: |"]
+            if both else ["| | |", "| --- | ---: |"])
+  canvas = f", sent in a canvas of {'x'.join(map(str, r['canvas']))}" if both else ""
   lines = [PHOTOS_TITLE, "",
            f"`python benchmark.py --data_dir=DIR` ({machine()}, {date}): the training batches of "
-           f"DIR ({r['dataset']}, {shape}, crops on the host: {r['crops_on_host']}), decoded by "
-           f"{r['decoder']} in {r['workers']} worker process(es) and placed on the devices, "
-           f"without a step, for {r['seconds']:.0f} s. Cores a device: at the rate given "
+           f"DIR ({r['dataset']}, {shape}, crops on the host: {r['crops_on_host']}{canvas}), "
+           f"decoded by {r['decoder']} in {r['workers']} worker process(es) and placed on the "
+           f"devices, without a step, for {r['seconds']:.0f} s"
+           + (" each way, in one run" if both else "") + ". Cores a device: at the rate given "
            "(`--images_per_second`), if a GPU host's cores were this machine's (a guess).", "",
-           "| | |", "| --- | ---: |", *(f"| {name} | {value} |" for name, value in rows)]
+           *header, *rows]
   return "\n".join(lines) + "\n"
 
 

@@ -2,7 +2,8 @@
 
 A compiled call runs k = `config.run.steps_per_dispatch` steps (`lax.scan`) over k stacked batches:
 image [k, B, H, W, C] (stored dtype), label [k, B], mask [k, B] (False on padding), position
-[k, B] (each example's place in the stream: it keys the augmentation). A batch of padding alone
+[k, B] (each example's place in the stream: it keys the augmentation), and box [k, B, 6] where
+the images are photos' crops that the devices resize (`forward`). A batch of padding alone
 changes nothing, so k steps in one call equal k single calls."""
 
 import functools
@@ -17,6 +18,7 @@ from clu import metrics as clu_metrics
 from flax import nnx
 
 from .. import layers, plan
+from ..data import augment as augment_ops
 from ..parallel import sharding
 from . import metrics
 from .metrics import NonFinite
@@ -47,11 +49,14 @@ AUGMENT_STREAM = 0x61756720  # b"aug "
 
 def forward(model, batch, config, augment=None) -> jax.Array:
   """The model's float32 logits `[B, K]` of a batch. Its input: the stored pixels as float32
-  (integers divided by 255, floats as they are), in training augmented by `augment` (the
+  (integers divided by 255, floats as they are; photos' crops cut on the host, with a "box",
+  resized first to `config.run.image_shape`), in training augmented by `augment` (the
   recipe's) with one key an example, made from the seed and its place in the data stream alone
   (so any batching, device or process count, and any resume draw the same for it). The model is
   given the mask (`batch["mask"]`) when it takes one (`takes_mask`)."""
   images_BHWC = batch["image"].astype(jnp.float32)
+  if "box" in batch:  # (input_pipeline.DatasetInfo.canvas)
+    images_BHWC = augment_ops.resize_crops(images_BHWC, batch["box"], config.run.image_shape[:2])
   if jnp.issubdtype(batch["image"].dtype, jnp.integer):
     images_BHWC = images_BHWC / 255.0
   if augment is not None:
@@ -119,15 +124,19 @@ def accumulated_gradients(grad_fn, model, batch, num_micro_batches: int, axis_na
   return sums
 
 
-def step_options(config, crop_on_device: bool = True) -> dict:
+def step_options(config, crop_on_device: bool = True, resize_to=None) -> dict:
   """The train step's keyword arguments, resolved once: `config`, frozen (hashable, read-only),
   with the recipe's crop off where the input pipeline crops (photos stored whole:
-  `crop_on_device` False); `recipe`, the module it names (`plan.recipe_module`: recipe.py unless
-  the config names another); `collection`, the class of the forward pass's metrics
-  (`metrics.of(config).train_loss`). The eval step takes the first two."""
+  `crop_on_device` False) and `run.image_shape` = `resize_to`, the shape that crops coming with
+  their boxes are resized to (`forward`); `recipe`, the module it names (`plan.recipe_module`:
+  recipe.py unless the config names another); `collection`, the class of the forward pass's
+  metrics (`metrics.of(config).train_loss`). The eval step takes the first two."""
   config = ml_collections.ConfigDict(config)
   if not crop_on_device:
     config.augment_crop = False
+  if resize_to is not None:
+    with config.unlocked():
+      config.run.image_shape = tuple(resize_to)
   return dict(config=ml_collections.FrozenConfigDict(config), recipe=plan.recipe_module(config),
               collection=metrics.of(config).train_loss)
 
@@ -283,13 +292,14 @@ class Steps(NamedTuple):
 
 
 def make(graphdef, config, mesh, unroll: bool | None = None, pmap_devices=None,
-         crop_on_device: bool = True) -> Steps:
+         info=None) -> Steps:
   """The train and eval steps of `config.parallelism`, each over stacked batches. `unroll` (None:
   on the CPU alone, whose convolution gradients run far slower inside a loop) writes the k steps
-  out; `pmap_devices`: pmap's (aot.py: a topology's); `crop_on_device` False: the input pipeline
-  crops photos stored whole."""
+  out; `pmap_devices`: pmap's (aot.py: a topology's); `info`: the data's DatasetInfo (photos
+  cropped on the host: the recipe's crop off; crops in a canvas resized to its image_shape)."""
   platform = (pmap_devices or mesh.devices.flat)[0].platform
-  options = dict(step_options(config, crop_on_device),
+  options = dict(step_options(config, not (info and info.crops_on_host),
+                              info.image_shape if info else None),
                  **STEP_FORMS.get(platform, STEP_FORMS["tpu"]))
   compiler_options = plan.xla_options(config) or None  # (jit's; pmap takes none)
   devices = (len(pmap_devices or jax.devices()) if config.parallelism == "pmap"
