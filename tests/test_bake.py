@@ -58,6 +58,7 @@ EXPECTED_FILES = [
     "nnx_data_parallel/parallel/distributed.py",
     "nnx_data_parallel/parallel/pmap.py",
     "nnx_data_parallel/parallel/sharding.py",
+    "nnx_data_parallel/parallel/supervisor.py",
     "nnx_data_parallel/plan.py",
     "nnx_data_parallel/tools/__init__.py",
     "nnx_data_parallel/tools/benchmark_data.py",

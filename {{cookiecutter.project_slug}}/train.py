@@ -245,6 +245,7 @@ def use_compilation_cache(config) -> None:
 def main(argv):
   del argv
   logging.get_absl_handler().addFilter(_QuietLibraries())
+  distributed.supervised()  # (one of several processes: a lost one said in one line)
   use_compilation_cache(_CONFIG.value)
   distributed.initialize()
   try:

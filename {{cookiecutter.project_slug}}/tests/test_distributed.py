@@ -3,7 +3,11 @@ launchers set (SLURM's, Open MPI's, Kubernetes', Cloud TPU's), never from JAX's 
 
 import glob
 import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -196,3 +200,86 @@ def test_the_project_uses_no_private_jax_module():
   offenders = [path for path in glob.glob(f"{PROJECT}/**/*.py", recursive=True)
                if "/tests/" not in path and "jax._src" in open(path).read()]
   assert not offenders
+
+
+# A child of the supervisor (parallel/supervisor.py) that writes a log line and `sys.argv[1]` to
+# its standard error, then ends as `sys.argv[2]` says: abort (as JAX's distributed service ends
+# a survivor), exit 3, or wait for a signal (SIGTERM: exit 143).
+CHILD = """
+import os, signal, sys, time
+from {{cookiecutter.project_slug}}.parallel import supervisor
+supervisor.supervise()
+sys.stderr.write(f"I1128 00:00:00.000000 {os.getpid()} train.py:1] step 10/100\\n")
+sys.stderr.write(sys.argv[1])
+sys.stderr.flush()
+if sys.argv[2] == "abort":
+  os.abort()
+if sys.argv[2] == "wait":
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+  time.sleep(60)
+sys.exit(3)
+"""
+# The last words of process 0 of 2 when process 1 was SIGKILLed (JAX 0.12, CPU, the default
+# heartbeat), from the first line the supervisor holds back (its stack dumps shortened).
+LOST_PROCESS_1 = (
+    "E1128 03:08:44.132272    4677 coordination_service.cc:1518] [16124307152456746073] Use "
+    "error polling to propagate the following error to all tasks: UNAVAILABLE: The following "
+    "tasks are unhealthy (stopped sending heartbeats):\n1\nThe tasks have crashed. Check the "
+    "task logs for an earlier error, or scheduler events (e.g. preemption, eviction) to debug "
+    "further. [type.googleapis.com/tensorflow.CoordinationServiceError='']\n"
+    "=== Source Location Trace: ===\n"
+    "external/xla+/xla/pjrt/distributed/coordination/coordination_service.cc:232\n\n"
+    "E1128 03:08:44.134527    4688 coordination_service_agent.cc:288] Polled an error from "
+    "coordination service (this can be an error from this or another task).\n"
+    "F1128 03:08:44.134682    4688 client.h:86] Terminating process because the JAX distributed "
+    "service detected fatal errors. This most likely indicates that another task died; see the "
+    "other task logs for more details. Disable Python buffering, i.e. `python -u`, to be sure to "
+    "see all the previous output. absl::Status: UNAVAILABLE: The following tasks are unhealthy "
+    "(stopped sending heartbeats):\n1\nThe tasks have crashed.\n\n"
+    "*** Check failure stack trace: ***\n"
+    "    @     0x7f6cb88f81b4  absl::lts_20260526::log_internal::LogMessage::SendToLog()\n"
+    "Fatal Python error: Aborted\n\nThread 0x00007f6b70b626c0 (most recent call first):\n"
+    '  File "/usr/lib/python3.12/threading.py", line 1030 in _bootstrap\n')
+
+
+def supervised(*args: str) -> subprocess.Popen:
+  return subprocess.Popen([sys.executable, "-c", CHILD, *args], cwd=PROJECT,
+                          stderr=subprocess.PIPE, text=True)
+
+
+def test_a_lost_process_is_one_line_from_the_survivors_supervisor():
+  """The survivor's abort (JAX's distributed service: another task stopped sending heartbeats)
+  is one `error:` line naming the lost process, exit 1, the log before it passed on as it was;
+  any other end is passed on whole, with the child's status (an abort: 134)."""
+  child = supervised(LOST_PROCESS_1, "abort")
+  _, stderr = child.communicate(timeout=60)
+  lines = stderr.splitlines()
+  assert child.returncode == 1 and len(lines) == 2, stderr
+  assert lines[0].endswith("train.py:1] step 10/100")
+  assert lines[1] == (
+      "error: the job lost process 1 (no heartbeat from it: killed, out of memory, or its host "
+      "gone), so this one stopped too; once every process can run, the same command on each "
+      "resumes from the last checkpoint.")
+  other = "Fatal Python error: Segmentation fault\n\nCurrent thread 0x01 (most recent call):\n"
+  child = supervised(other, "abort")
+  _, stderr = child.communicate(timeout=60)
+  assert child.returncode == 128 + signal.SIGABRT and stderr.endswith(other), stderr
+  child = supervised("error: something else\n", "exit")
+  _, stderr = child.communicate(timeout=60)
+  assert child.returncode == 3 and stderr.endswith("] step 10/100\nerror: something else\n")
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_the_supervisor_passes_signals_on_and_its_child_ends_with_it(how):
+  """SIGTERM to the supervisor reaches the child (which exits 143, and so does the supervisor);
+  a SIGKILL of the supervisor ends the child within seconds (Linux: PR_SET_PDEATHSIG)."""
+  child = supervised("", "wait")
+  first = child.stderr.readline()  # (the child's: it runs)
+  pid = int(first.split()[2])
+  assert pid != child.pid
+  child.send_signal(getattr(signal, how))
+  assert child.wait(timeout=30) == (143 if how == "SIGTERM" else -signal.SIGKILL)
+  deadline = time.monotonic() + 10
+  while os.path.exists(f"/proc/{pid}") and "zombie" not in open(f"/proc/{pid}/status").read():
+    assert time.monotonic() < deadline, f"the supervisor's child {pid} outlived it"
+    time.sleep(0.1)

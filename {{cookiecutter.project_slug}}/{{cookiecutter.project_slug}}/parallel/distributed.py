@@ -149,6 +149,19 @@ def cluster(environ=os.environ) -> dict | None:
   return None
 
 
+def supervised() -> None:
+  """Where this is one of several processes, hands the run to a child process watched by this
+  one (supervisor.py: a lost process said in one line); returns in the child, exits here."""
+  try:
+    several = bool(_COORDINATOR.value) or cluster() is not None
+  except ValueError:  # (initialize says why)
+    return
+  if several:
+    from . import supervisor
+
+    supervisor.supervise()
+
+
 def initialize() -> None:
   """Joins JAX's distributed runtime when this is one of several processes; else does nothing."""
   # (JAX's own timeout a little later than ours: at its own it aborts, with a C++ stack dump.)

@@ -115,10 +115,21 @@ def saving(workdir: str):
   try:
     yield
   except Exception as e:  # noqa: BLE001  (whatever the storage raised: said, the run stopped)
+    said, where = errors.one_line(e, 300), os.path.join(workdir, "checkpoints")
+    if jax.process_count() > 1 and any(mark in said for mark in LOST_PEER):
+      raise SaveFailed(f"the job lost a process while saving a checkpoint in {where} ({said}); "
+                       "training stopped there. Once every process can run, the same command "
+                       "on each resumes from the newest checkpoint saved.") from None
     raise SaveFailed(
-        f"a checkpoint could not be written in {os.path.join(workdir, 'checkpoints')} "
-        f"({errors.one_line(e, 300)}); training stopped there. Give it room or write access, "
-        "then run the same command: it resumes from the newest checkpoint saved.") from None
+        f"a checkpoint could not be written in {where} ({said}); training stopped there. Give "
+        "it room or write access, then run the same command: it resumes from the newest "
+        "checkpoint saved.") from None
+
+
+# How the processes' agreement on a save fails when one of them is gone (gloo's collectives on
+# the CPU, JAX's distributed service elsewhere): not the storage's fault.
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Barrier timed out",
+             "stopped sending heartbeats")
 
 
 def leaf_name(path) -> str:
