@@ -27,6 +27,10 @@ def supervise() -> None:
   if parent := os.environ.get(SUPERVISED):
     end_with_the_parent(int(parent))
     return
+  arguments = sys.orig_argv[len(sys.orig_argv) - len(sys.argv) + 1:]
+  run = sys.argv[0] in ("-c", *sys.orig_argv) and arguments == sys.argv[1:]
+  if not run:  # (its main called from Python, not run as a command: nothing to run again)
+    return
   # (In a process group of its own: a terminal's Ctrl-C reaches it once, passed on from here.)
   child = subprocess.Popen([sys.executable, *sys.orig_argv[1:]], stderr=subprocess.PIPE,
                            env=dict(os.environ, **{SUPERVISED: str(os.getpid())}),
