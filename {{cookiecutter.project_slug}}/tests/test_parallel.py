@@ -422,7 +422,7 @@ def test_batchnorm_normalises_each_group_by_its_real_examples(parallelism, group
   assert float(jnp.abs(global_mean).min()) > 0.4  # (moved from 0 by half the batch's mean)
 
 
-@pytest.mark.parametrize("batch_norm_devices", [1, 2])
+@pytest.mark.parametrize("batch_norm_devices", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_batchnorm_over_groups_of_devices_is_the_same_on_every_path(tiny_config,
                                                                      batch_norm_devices):
   """config.batch_norm_devices = 1 (each device its own statistics) or 2: 3 padded SGD steps
