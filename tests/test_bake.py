@@ -44,11 +44,13 @@ EXPECTED_FILES = [
     "nnx_data_parallel/data/__init__.py",
     "nnx_data_parallel/data/arrayrecord.py",
     "nnx_data_parallel/data/augment.py",
+    "nnx_data_parallel/data/batches.py",
     "nnx_data_parallel/data/digits.py",
     "nnx_data_parallel/data/huggingface.py",
     "nnx_data_parallel/data/image_files.py",
     "nnx_data_parallel/data/input_pipeline.py",
     "nnx_data_parallel/data/shm.py",
+    "nnx_data_parallel/data/sources.py",
     "nnx_data_parallel/data/synthetic.py",
     "nnx_data_parallel/data/tfds_data.py",
     "nnx_data_parallel/errors.py",
@@ -68,9 +70,12 @@ EXPECTED_FILES = [
     "nnx_data_parallel/tools/benchmark_steps.py",
     "nnx_data_parallel/tools/topologies.py",
     "nnx_data_parallel/training/__init__.py",
+    "nnx_data_parallel/training/checkpoints.py",
+    "nnx_data_parallel/training/damaged.py",
     "nnx_data_parallel/training/flops.py",
     "nnx_data_parallel/training/metrics.py",
     "nnx_data_parallel/training/optim.py",
+    "nnx_data_parallel/training/report.py",
     "nnx_data_parallel/training/runs.py",
     "nnx_data_parallel/training/steps.py",
     "nnx_data_parallel/training/stopping.py",
@@ -277,8 +282,11 @@ def test_bake_layout_commands_at_the_top_machinery_in_one_package_no_import_cycl
 
 
 # What a run reaches only when its config asks for it: its modules and their libraries.
-OPTIONAL_MODULES = ("nnx_data_parallel.data.huggingface", "nnx_data_parallel.data.tfds_data",
-                    "nnx_data_parallel.data.image_files", "nnx_data_parallel.training.trained",
+DATA_SOURCES = ("nnx_data_parallel.data.digits", "nnx_data_parallel.data.synthetic",
+                "nnx_data_parallel.data.arrayrecord", "nnx_data_parallel.data.huggingface",
+                "nnx_data_parallel.data.tfds_data")
+OPTIONAL_MODULES = (*DATA_SOURCES, "nnx_data_parallel.data.image_files",
+                    "nnx_data_parallel.data.shm", "nnx_data_parallel.training.trained",
                     "nnx_data_parallel.training.wandb_writer", "nnx_data_parallel.parallel.pmap",
                     "nnx_data_parallel.tools", "datasets", "tensorflow_datasets", "tensorflow",
                     "wandb", "PIL")
@@ -286,8 +294,9 @@ OPTIONAL_MODULES = ("nnx_data_parallel.data.huggingface", "nnx_data_parallel.dat
 
 def test_bake_train_imports_only_what_every_run_uses(cookies):
   """`import train` (what train.py needs before it reads its config) loads none of the optional
-  parts: Hugging Face, TFDS, W&B, image decoding, pmap, a trained run's reader, aot's and
-  benchmark's tools. Prints the project's lines it does load (the issue's figure; no bound)."""
+  parts: the data sources (Hugging Face, TFDS, ...), shared memory, W&B, image decoding, pmap, a
+  trained run's reader, aot's and benchmark's tools. Prints the project's lines it does load
+  (the issue's figure; no bound)."""
   project = bake_ok(cookies)
   script = ("import json, os, sys, train\n"
             "mine = {n: m.__file__ for n, m in sys.modules.items() if getattr(m, '__file__', None)"
@@ -303,6 +312,32 @@ def test_bake_train_imports_only_what_every_run_uses(cookies):
       m == name or m.startswith(name + ".") for name in OPTIONAL_MODULES)]
   assert not reached, reached
 
+
+
+def test_bake_a_default_run_loads_its_own_data_source_alone(cookies):
+  """A default run (the digits, in memory: no worker) imports its data source and no other, and
+  no shared memory (sources.SOURCES says what each source reads without importing it). Prints the
+  project's lines loaded by the end of the run (`sys.modules`: the issue's figure)."""
+  project = bake_ok(cookies)
+  script = ("import json, os, sys, tempfile, train\n"
+            "from configs import default\n"
+            "config = default.get_config()\n"
+            "config.update(num_epochs=1)\n"
+            "train.train_and_evaluate(config, tempfile.mkdtemp())\n"
+            "mine = {n: m.__file__ for n, m in sys.modules.items() if getattr(m, '__file__', None)"
+            " and os.path.abspath(m.__file__).startswith(os.getcwd())}\n"
+            "print(json.dumps({'modules': sorted(sys.modules), 'lines': sum(len(open(f).read()"
+            ".splitlines()) for f in mine.values()), 'files': len(mine)}))\n")
+  env = os.environ | {"JAX_PLATFORMS": "cpu"}
+  result = run([sys.executable, "-c", script], cwd=project, env=env)
+  assert result.returncode == 0, result.stderr[-3000:]
+  loaded = json.loads(result.stdout.strip().splitlines()[-1])
+  print(f"a default digits run loads {loaded['lines']} lines in {loaded['files']} files")
+  assert "nnx_data_parallel.data.digits" in loaded["modules"]
+  assert "nnx_data_parallel.training.steps" in loaded["modules"]
+  reached = [m for m in loaded["modules"] if m in DATA_SOURCES[1:] + (
+      "nnx_data_parallel.data.image_files", "nnx_data_parallel.data.shm")]
+  assert not reached, reached
 
 # One training call of the default CNN, traced (the jit's first call): which of the project's
 # functions it runs (model.py, yours, and lambdas left out), by file.

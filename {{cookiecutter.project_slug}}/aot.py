@@ -7,7 +7,7 @@ what a device holds, what the step moves and how fast it can be at best.
 
 TPUs need the `tpu` extra (libtpu), NVIDIA GPUs the `cuda12` extra; neither needs the device.
 Nothing is read or built: the state and the batches are abstract (shapes, dtypes, shardings),
-from the data's description (`input_pipeline.describe`). The mesh, shardings, k (rolled, as on
+from the data's description (`sources.describe`). The mesh, shardings, k (rolled, as on
 an accelerator) and steps are train.py's own (plan.py, sharding.py, steps.py, runs.py). The
 figures are the compiler's; they leave out the input pipeline and the host's memory.
 """
@@ -35,7 +35,7 @@ from absl.flags import FLAGS  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from {{cookiecutter.project_slug}} import errors, plan  # noqa: E402
-from {{cookiecutter.project_slug}}.data import input_pipeline  # noqa: E402
+from {{cookiecutter.project_slug}}.data import batches, sources  # noqa: E402
 from {{cookiecutter.project_slug}}.parallel import chips, sharding  # noqa: E402
 from {{cookiecutter.project_slug}}.tools import topologies  # noqa: E402
 from {{cookiecutter.project_slug}}.training import flops, metrics, optim, steps  # noqa: E402
@@ -232,22 +232,22 @@ def analyze(config, devices, hlo: str | None = None) -> dict:
 def _analyze(config, devices, hlo: str | None) -> dict:
   plan.validate_config(config, devices=devices)
   config = plan.resolved(config, devices)
-  info = input_pipeline.describe(config)
+  info = sources.describe(config)
   kind, num_devices = devices[0].device_kind, len(devices)
   device = chips.chip(kind)
   memory_bytes = device.memory_bytes if device else 0
-  num_train_steps = input_pipeline.num_batches(
+  num_train_steps = batches.num_batches(
       config.num_epochs * info.num_examples["train"], config.run.global_batch_size)
   mesh = sharding.make_mesh(config, devices)
   graphdef, state, init = optim.initial_state(config, info, mesh, num_train_steps)
   pmap = config.parallelism == "pmap"
   compiled_steps = steps.make(graphdef, config, mesh, unroll=False, info=info,
                               pmap_devices=devices if pmap else None)
-  batches = abstract_batches(config, info, num_devices, mesh, pmap)
+  elements = abstract_batches(config, info, num_devices, mesh, pmap)
   where = None if pmap else sharding.replicated(mesh)
   train_args = (abstract(state, leading=num_devices) if pmap else compiled_steps.put_state(state),
-                abstract(metrics.of(config).train.empty(), where), batches)
-  eval_args = (train_args[0], abstract(metrics.of(config).eval.empty(), where), batches)
+                abstract(metrics.of(config).train.empty(), where), elements)
+  eval_args = (train_args[0], abstract(metrics.of(config).eval.empty(), where), elements)
 
   state_bytes = bytes_per_device(state) if not pmap else bytes_per_device(
       abstract(state, sharding.replicated(mesh)))

@@ -65,7 +65,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from configs import default, imagenet, tiny
 
 from {{cookiecutter.project_slug}} import errors, plan
-from {{cookiecutter.project_slug}}.data import input_pipeline
+from {{cookiecutter.project_slug}}.data import batches, sources
 from {{cookiecutter.project_slug}}.tools import (
   benchmark_data,
   benchmark_host,
@@ -169,8 +169,8 @@ def measure_loop(config, path: str, loop_first: bool) -> dict:
   import train  # (here: train.py's --config flag would clash with this module's; see below)
 
   config.parallelism = path
-  num_steps = input_pipeline.num_batches(
-      config.num_epochs * input_pipeline.get_datasets(config)[1].num_examples["train"],
+  num_steps = batches.num_batches(
+      config.num_epochs * sources.get_datasets(config)[1].num_examples["train"],
       config.batch_size) - config.steps_per_dispatch  # the loop's clock skips the first call
 
   def loop():
@@ -197,7 +197,7 @@ def measure_loop(config, path: str, loop_first: bool) -> dict:
 
 
 def describe(config) -> dict:
-  return dict(image_shape=list(input_pipeline.get_datasets(config)[1].image_shape),
+  return dict(image_shape=list(sources.get_datasets(config)[1].image_shape),
               model=(f"cnn {tuple(config.model.features)}" if config.model.name == "cnn"
                      else config.model.name), dtype=config.model.dtype,
               batch_size=config.batch_size, timed_steps=config.rounds * config.turn_steps)

@@ -22,7 +22,7 @@ from absl import app, flags, logging
 from flax import nnx
 
 from {{cookiecutter.project_slug}} import plan
-from {{cookiecutter.project_slug}}.data import arrayrecord, image_files, input_pipeline
+from {{cookiecutter.project_slug}}.data import arrayrecord, batches, image_files, input_pipeline, sources
 from {{cookiecutter.project_slug}}.errors import BadData
 from {{cookiecutter.project_slug}}.parallel import distributed, sharding
 from {{cookiecutter.project_slug}}.training import metrics, steps, trained, writers
@@ -30,7 +30,7 @@ from {{cookiecutter.project_slug}}.training import metrics, steps, trained, writ
 FLAGS = flags.FLAGS
 
 
-def image_folder_source(folder: str, run: trained.Restored) -> input_pipeline.ArraySource:
+def image_folder_source(folder: str, run: trained.Restored) -> sources.ArraySource:
   """The images under `folder`/CLASS/, decoded as predict.py decodes them, labelled by the run's
   class names; unreadable files are reported on stderr and skipped."""
   info = run.info
@@ -58,7 +58,7 @@ def image_folder_source(folder: str, run: trained.Restored) -> input_pipeline.Ar
   if not images:
     raise plan.ConfigError(f"--image_folder={folder!r} holds no readable image in a class "
                            "folder.")
-  return input_pipeline.ArraySource(np.stack(images), np.array(labels, np.int32))
+  return sources.ArraySource(np.stack(images), np.array(labels, np.int32))
 
 
 def confusion_image(counts: np.ndarray) -> np.ndarray:
@@ -89,9 +89,9 @@ def evaluate(run: trained.Restored, source) -> dict:
   compiled = steps.make(graphdef, config, run.mesh, info=run.info)
   collection = metrics.with_confusion(config, run.info.num_classes)
   rows = sharding.process_rows(run.mesh, config.run.global_batch_size)
-  batches = input_pipeline.eval_batches(source, config, rows)
-  with contextlib.closing(input_pipeline.as_iterator(batches, config)) as iterator:
-    running = jax.device_get(steps.evaluate(compiled, state, iterator, len(batches), config,
+  elements = batches.eval_batches(source, config, rows)
+  with contextlib.closing(input_pipeline.as_iterator(elements, config)) as iterator:
+    running = jax.device_get(steps.evaluate(compiled, state, iterator, len(elements), config,
                                             collection))
   counts = np.asarray(running.confusion.counts)
   with np.errstate(invalid="ignore"):
@@ -117,7 +117,7 @@ def main(argv):
           raise plan.ConfigError(f"--data_dir={config.data_dir!r} holds no "
                                  "eval-*.array_record files; write them with "
                                  "write_arrayrecord.py.")
-      splits, info = input_pipeline.get_datasets(config)
+      splits, info = sources.get_datasets(config)
       if (info.image_shape, info.num_classes) != (run.info.image_shape, run.info.num_classes):
         raise plan.ConfigError(f"the data hold {info.num_classes} classes of "
                                f"{'x'.join(map(str, info.image_shape))} images; the run was "

@@ -30,7 +30,7 @@ from absl import app, flags, logging
 from jax.experimental import multihost_utils
 
 from {{cookiecutter.project_slug}} import plan
-from {{cookiecutter.project_slug}}.data import input_pipeline
+from {{cookiecutter.project_slug}}.data import sources
 from {{cookiecutter.project_slug}}.parallel import distributed
 from {{cookiecutter.project_slug}}.training import steps, trained
 
@@ -101,7 +101,7 @@ def main(argv):
   with open(beside, "w") as f:
     json.dump(dict(class_names=list(run.info.class_names), image_shape=list(run.info.image_shape),
                    pixel_dtype=run.info.pixel_dtype,
-                   model_input=input_pipeline.model_input(run.info.pixel_dtype), step=run.step),
+                   model_input=sources.model_input(run.info.pixel_dtype), step=run.step),
               f, indent=2)
   print(f"wrote {FLAGS.out} (the checkpoint of step {run.step}, for {', '.join(PLATFORMS)}) "
         f"and {beside} (the class names)")

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from {{cookiecutter.project_slug}} import plan
-from {{cookiecutter.project_slug}}.data import image_files, input_pipeline
+from {{cookiecutter.project_slug}}.data import batches, image_files
 from {{cookiecutter.project_slug}}.parallel import distributed
 from {{cookiecutter.project_slug}}.training import steps, trained
 
@@ -47,7 +47,7 @@ def predict(run: trained.Restored, paths: list[str], batch_size: int = 0):
   put = lambda x: jax.make_array_from_process_local_data(sharding, x)  # noqa: E731
   read = functools.partial(image_files.read_image, image_shape=run.info.image_shape,
                            pixel_dtype=run.info.pixel_dtype, center_ratio=trained.center_ratio(run))
-  with concurrent.futures.ThreadPoolExecutor(input_pipeline.available_cpus()) as pool:
+  with concurrent.futures.ThreadPoolExecutor(batches.available_cpus()) as pool:
     for start in range(0, len(paths), batch_size):
       chunk = paths[start:start + batch_size]
       mine = chunk[first:first + local]

@@ -14,22 +14,22 @@ from typing import NamedTuple
 
 import jax
 import ml_collections
-import orbax.checkpoint as ocp
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from {{cookiecutter.project_slug}} import errors, plan
-from {{cookiecutter.project_slug}}.data import input_pipeline
+from {{cookiecutter.project_slug}}.data import batches, input_pipeline, sources
 from {{cookiecutter.project_slug}}.errors import BadData, ConfigError
 from {{cookiecutter.project_slug}}.parallel import distributed, sharding
 from {{cookiecutter.project_slug}}.training import (
+  checkpoints,
   flops,
   metrics,
   optim,
+  report,
   runs,
   steps,
   stopping,
-  writers,
 )
 
 
@@ -56,16 +56,11 @@ class Run(NamedTuple):
   first_step: int  # the checkpoint's (0: a new run)
   compiled: steps.Steps
   state: object  # the first step's, placed for `compiled` (`put_state`)
-  checkpoints: ocp.CheckpointManager
+  checkpoints: checkpoints.Checkpoints
   train_iter: input_pipeline.Iterator  # k batches an element, from the step after `first_step`
-  eval_batches: input_pipeline.Elements
+  eval_batches: batches.Elements
   eval_iter: input_pipeline.Iterator  # the eval split, repeated: its workers start once
-  schedule: callable  # the learning rate at update n (for the log)
-  speed: flops.Speed
-  writer: writers.Writers
-  clock: writers.Clock
-  progress: writers.Progress
-  profiler: writers.Profiler
+  report: report.Report  # the writers, the log, the clock, the profile
   eval_compile_s: float
 
 
@@ -79,12 +74,12 @@ def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   # The devices' layout; the data, and what the run will do with it.
   mesh = sharding.make_mesh(config)
   rows = sharding.process_rows(mesh, config.run.global_batch_size)  # this process's rows
-  splits, info = input_pipeline.get_datasets(config)
-  num_train_steps = input_pipeline.num_batches(
+  splits, info = sources.get_datasets(config)
+  num_train_steps = batches.num_batches(
       config.num_epochs * info.num_examples["train"], config.run.global_batch_size)
   memory = input_pipeline.host_memory(config, info, jax.process_count())
-  eval_batches = input_pipeline.eval_batches(splits["eval"], config, rows)
-  writers.log_run(config, info, recipe, memory, num_train_steps, workdir)
+  eval_batches = batches.eval_batches(splits["eval"], config, rows)
+  report.log_run(config, info, recipe, memory, num_train_steps, workdir)
   optim.check_model(config, info)  # model.py on this data, abstractly: before any compile
   # Compiled now, as one program: op by op, it would compile at the first log, inside the first
   # timed interval (a GPU: ~1 s of a ResNet-50 run's second interval).
@@ -96,32 +91,28 @@ def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
     from {{cookiecutter.project_slug}}.training import trained
 
     init = trained.init_from(config.init_from, abstract, init)
-  checkpoints = runs.checkpoint_manager(workdir, config)
-  first_step, state = runs.restore_or_init(checkpoints, abstract, init, workdir)
+  saved = checkpoints.Checkpoints(workdir, config)
+  first_step, state = saved.restore_or_init(abstract, init)
   runs.write_description(workdir, config, info)  # what predict.py, export.py, ... read
   speed = flops.Speed(graphdef, state, info.image_shape, config)
-  writers.log_state(config, graphdef, state, speed, num_train_steps)
+  report.log_state(config, graphdef, state, speed, num_train_steps)
   # What the run reports (process 0 writes): metrics, progress, a profile.
-  is_main = jax.process_index() == 0
-  writer = writers.create_writer(workdir, write=is_main, config=config, new_run=first_step == 0)
-  clock = writers.Clock()
-  progress = writers.Progress(num_train_steps, writer, clock, show=is_main,
-                              metrics=tuple(recipe.METRICS))
-  profiler = writers.Profiler(config, workdir)
+  reporting = report.Report(config, workdir, num_train_steps, first_step == 0, recipe.METRICS,
+                            speed, schedule)
   # The steps, compiled at their first call; the state placed for them.
   compiled = steps.make(graphdef, config, mesh, info=info)
   state = compiled.put_state(state)
   # The input: its workers start here; the eval step compiled on its first and last batches.
   train_iter = input_pipeline.as_iterator(
-      input_pipeline.train_batches(splits["train"], config, first_step, rows), config,
+      batches.train_batches(splits["train"], config, first_step, rows), config,
       put=compiled.put_batch)
   eval_iter = input_pipeline.as_iterator(eval_batches.repeat(), config)  # endless: workers once
   if config.print_shardings:
     logging.info("%s", sharding.describe_run(compiled.get_state(state),
                                              compiled.put_batch(eval_batches[0])))
-  return Run(config, workdir, num_train_steps, first_step, compiled, state, checkpoints,
-             train_iter, eval_batches, eval_iter, schedule, speed, writer, clock, progress,
-             profiler, steps.compile_eval(compiled, state, eval_batches, config))
+  return Run(config, workdir, num_train_steps, first_step, compiled, state, saved, train_iter,
+             eval_batches, eval_iter, reporting,
+             steps.compile_eval(compiled, state, eval_batches, config))
 
 
 def train_loop(run: Run, received: list):
@@ -129,8 +120,8 @@ def train_loop(run: Run, received: list):
   returns the last step, its state, the last evaluation's metrics (None if stopped before one)
   and what stopped the run early (`stopping.stop_now`: a signal in `received`, or a preemption
   notice), or None."""
-  config, compiled, checkpoints, clock, progress, profiler = (
-      run.config, run.compiled, run.checkpoints, run.clock, run.progress, run.profiler)
+  config, compiled, saved, reporting = run.config, run.compiled, run.checkpoints, run.report
+  clock, progress, profiler = reporting.clock, reporting.progress, reporting.profiler
   k, num_train_steps, state = config.run.steps_per_dispatch, run.num_train_steps, run.state
   # `running` merges the metrics of the training steps from `since` on, on the devices. Each
   # dispatch runs the steps of one element: up to the next multiple of k (or the end).
@@ -153,20 +144,15 @@ def train_loop(run: Run, received: list):
       progress.log("first calls (compiling, or loading from the cache): train %.2f s, eval "
                    "%.2f s", clock.start(step), run.eval_compile_s)
     is_last = step == num_train_steps
-    stopped_by = stopping.stop_now(received, checkpoints, -(-step // k),  # (its dispatch)
+    stopped_by = stopping.stop_now(received, saved.manager, -(-step // k),  # (its dispatch)
                                    can_agree=step % config.log_every_steps == 0)
     log_now = step % config.log_every_steps == 0 or is_last
     if log_now or step % config.checkpoint_every_steps == 0 or stopped_by:
-      with runs.saving(run.workdir):  # an asynchronous save that failed since: stop here
-        checkpoints.check_for_errors()
+      saved.check()  # an asynchronous save that failed since: stop here
       fetched = jax.device_get(running)  # one transfer, for the check and the summary
-      stopping.check_finite(fetched.nonfinite_steps, since, config, checkpoints)
+      stopping.check_finite(fetched.nonfinite_steps, since, config, saved.manager)
       if log_now:
-        lap = clock.lap(step, since)
-        summary = writers.train_summary(steps.summarize(fetched), step, since, lap, run.speed,
-                                        run.schedule)
-        run.writer.write_scalars(step, {f"train_{name}": v for name, v in summary.items()})
-        progress.report(step, since, summary, lap)
+        reporting.train(step, since, steps.summarize(fetched))
         running, since = compiled.empty(metrics.of(config).train), step + 1
     # On a stop signal: save, and leave the evaluation (the grace period is for saving).
     evaluate_now = (step % config.eval_every_steps == 0 or is_last) and not stopped_by
@@ -175,13 +161,11 @@ def train_loop(run: Run, received: list):
       jax.block_until_ready(state)  # the steps queued so far are training time
       with clock.paused():  # left out of the training rates
         if save_now:  # first: asynchronous, it writes while the evaluation runs
-          with runs.saving(run.workdir):
-            runs.save(checkpoints, step, compiled.get_state(state))
+          saved.save(step, compiled.get_state(state))
         if evaluate_now:
           eval_metrics = steps.summarize(steps.evaluate(compiled, state, run.eval_iter,
                                                         len(run.eval_batches), config))
-          run.writer.write_scalars(step, {f"eval_{name}": v for name, v in eval_metrics.items()})
-          progress.report_eval(step, eval_metrics)
+          reporting.eval(step, eval_metrics)
     if stopped_by:
       break
   if eval_metrics is None and not stopped_by:  # nothing left to train: the restored state's
@@ -198,17 +182,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   config, workdir = run.config, run.workdir
   # Closed at the end, however it ends: the workers stopped, the progress bar cleared.
   with (stopping.stop_signals() as received, contextlib.closing(run.train_iter),
-        contextlib.closing(run.eval_iter), contextlib.closing(run.progress)):
+        contextlib.closing(run.eval_iter), contextlib.closing(run.report.progress)):
     step, state, eval_metrics, stopped_by = train_loop(run, received)
-  with runs.saving(workdir):
-    run.checkpoints.close()  # waits for the last asynchronous save
+  run.checkpoints.close()  # waits for the last asynchronous save
   if stopped_by:
-    run.writer.close()
+    run.report.end()
     logging.warning("%s", stopping.Stopped(stopped_by, step, run.num_train_steps, workdir))
     raise stopping.Stopped(stopped_by, step, run.num_train_steps, workdir)  # (no local: no cycle)
-  if loop := run.clock.whole_loop(run.num_train_steps, config.run.global_batch_size):
-    run.writer.write_scalars(run.num_train_steps, loop)
-  run.writer.close()
+  run.report.end(run.num_train_steps, config.run.global_batch_size)
   logging.info("Final eval: accuracy %.4f, loss %.4f, on %d examples", eval_metrics["accuracy"],
                eval_metrics["loss"], eval_metrics["examples"])
   return eval_metrics
@@ -222,7 +203,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints and metrics g
 class _QuietLibraries(logging.logging.Filter):
   """Keeps the log to progress and metrics: drops INFO lines from inside the libraries, and
   Orbax's errors with their tracebacks (each reaches the run as an exception: a failed save is
-  said in one line, runs.saving)."""
+  said in one line, checkpoints.saving)."""
 
   def filter(self, record):
     if f"{os.sep}orbax{os.sep}" in record.pathname and record.levelno >= logging.logging.ERROR:
@@ -252,7 +233,7 @@ def main(argv):
     train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except (BadData, ConfigError, stopping.NonFiniteLoss) as e:
     raise SystemExit(f"error: {e}") from None
-  except runs.SaveFailed as e:
+  except checkpoints.SaveFailed as e:
     exit_leaving_threads(f"error: {e}")
   except stopping.Stopped as e:  # saved, and said
     raise SystemExit(e.exit_code) from None

@@ -43,8 +43,8 @@ from array_record.python.array_record_module import ArrayRecordWriter
 from flax import serialization
 from PIL import Image
 
-from {{cookiecutter.project_slug}}.data import image_files, input_pipeline
-from {{cookiecutter.project_slug}}.training import writers
+from {{cookiecutter.project_slug}}.data import batches, image_files, sources
+from {{cookiecutter.project_slug}}.training import report
 
 KEYS = ("train_images", "train_labels", "eval_images", "eval_labels")
 
@@ -217,7 +217,7 @@ def write_image_folder(out_dir: str, folder: str, image_size: tuple[int, int] | 
                      f"{','.join(map(str, image_size))}: the stored photos would be enlarged; "
                      "give a shorter side of at least the image size.")
   classes, examples = list_image_folder(folder, eval_fraction)
-  num_threads = num_threads or input_pipeline.available_cpus()
+  num_threads = num_threads or batches.available_cpus()
   skipped = []
   with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:  # PIL releases the GIL
     for split, pairs in examples.items():
@@ -253,10 +253,10 @@ def write_image_folder(out_dir: str, folder: str, image_size: tuple[int, int] | 
               continue
             yield start + i, encode(image, label)
             if sys.stderr.isatty() and (start + i) % 64 == 0:
-              writers.draw_bar(start + i + 1, len(triples), split)
+              report.draw_bar(start + i + 1, len(triples), split)
       num_examples[split] = write_records(out_dir, split, records(), len(triples), num_shards)
       if sys.stderr.isatty():
-        writers.draw_bar(len(triples), len(triples), split)
+        report.draw_bar(len(triples), len(triples), split)
         sys.stderr.write("\n")
   for path, reason in skipped:
     print(f"skipped {path}: {reason}", file=sys.stderr)
@@ -327,8 +327,8 @@ def main(argv):
     else:
       from configs import default
 
-      sources, _ = input_pipeline.get_datasets(default.get_config())
-      splits = {split: (source.images, source.labels) for split, source in sources.items()}
+      data, _ = sources.get_datasets(default.get_config())
+      splits = {split: (source.images, source.labels) for split, source in data.items()}
     write_dataset(out_dir, splits, _NUM_SHARDS.value)
   except ValueError as e:
     raise SystemExit(f"error: {e}") from None

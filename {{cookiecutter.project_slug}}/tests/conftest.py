@@ -149,14 +149,14 @@ def reads_as_the_digits(config) -> tuple[dict, dict]:
   from configs import default
 
   from {{cookiecutter.project_slug}} import plan
-  from {{cookiecutter.project_slug}}.data import input_pipeline
+  from {{cookiecutter.project_slug}}.data import sources
 
   plan.validate_config(config)
-  sources, info = input_pipeline.get_datasets(config)
+  splits, info = sources.get_datasets(config)
   assert (info.image_shape, info.num_classes, info.class_names, info.pixel_dtype) == (
       (8, 8, 1), 10, DIGIT_NAMES, "uint8")
   assert info.num_examples == {"train": 1437, "eval": 360}
-  return sources, input_pipeline.get_datasets(default.get_config())[0]
+  return splits, sources.get_datasets(default.get_config())[0]
 
 
 def trains_as_written(config, workdir, splits: dict, class_names) -> dict:
@@ -169,7 +169,7 @@ def trains_as_written(config, workdir, splits: dict, class_names) -> dict:
   import train
   import write_arrayrecord
 
-  from {{cookiecutter.project_slug}}.data import input_pipeline
+  from {{cookiecutter.project_slug}}.data import sources
 
   metrics = train.train_and_evaluate(config, str(workdir / "run"))
   write_arrayrecord.write_dataset(str(workdir / "records"), splits)
@@ -179,7 +179,7 @@ def trains_as_written(config, workdir, splits: dict, class_names) -> dict:
   assert written["loss"] == pytest.approx(metrics["loss"], abs=1e-6)
   run = trained.Restored(str(workdir / "run"))
   assert run.info.class_names == class_names
-  source = input_pipeline.get_datasets(run.config)[0]["eval"]
+  source = sources.get_datasets(run.config)[0]["eval"]
   assert evaluate.evaluate(run, source)["accuracy"] == metrics["accuracy"]
   return metrics
 

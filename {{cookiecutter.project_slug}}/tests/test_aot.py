@@ -26,7 +26,7 @@ import aot
 from configs import default
 
 from {{cookiecutter.project_slug}} import plan
-from {{cookiecutter.project_slug}}.data import input_pipeline
+from {{cookiecutter.project_slug}}.data import sources
 from {{cookiecutter.project_slug}}.parallel import sharding
 from {{cookiecutter.project_slug}}.tools import topologies
 from {{cookiecutter.project_slug}}.training import metrics, optim
@@ -85,19 +85,19 @@ def run_aot(*args, timeout=600) -> subprocess.CompletedProcess:
 
 
 def test_describe_is_what_get_datasets_reads(tmp_path):
-  """aot.py never reads the data: `input_pipeline.describe` gives the same description."""
+  """aot.py never reads the data: `sources.describe` gives the same description."""
   import write_arrayrecord
 
   config = owned(default.get_config())
   config.synthetic.num_train, config.synthetic.num_eval = 40, 8
   for dataset in ("digits", "synthetic", "arrayrecord"):
     if dataset == "arrayrecord":
-      sources = input_pipeline.get_datasets(config)[0]  # the synthetic ones, written
+      splits = sources.get_datasets(config)[0]  # the synthetic ones, written
       write_arrayrecord.write_dataset(str(tmp_path), {
-          split: (source.images, source.labels) for split, source in sources.items()})
+          split: (source.images, source.labels) for split, source in splits.items()})
       config.data_dir = str(tmp_path)
     config.dataset = dataset
-    assert input_pipeline.describe(config) == input_pipeline.get_datasets(config)[1], dataset
+    assert sources.describe(config) == sources.get_datasets(config)[1], dataset
 
 
 def test_xla_options_reach_the_compiler(tiny_config):
@@ -109,7 +109,7 @@ def test_xla_options_reach_the_compiler(tiny_config):
   assert plan.xla_options(tiny_config) == {"xla_cpu_enable_fast_math": False,
                                             "xla_no_such_option": 1}
   config = plan.resolved(tiny_config)
-  info = input_pipeline.describe(config)
+  info = sources.describe(config)
   mesh = sharding.make_mesh(config)
   graphdef, state, _ = optim.initial_state(config, info, mesh, 10)
   batches = aot.abstract_batches(config, info, 8, mesh, pmap=False)

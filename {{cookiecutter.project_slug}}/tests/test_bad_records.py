@@ -21,7 +21,7 @@ import write_arrayrecord
 from configs import default, tiny
 
 from {{cookiecutter.project_slug}} import plan
-from {{cookiecutter.project_slug}}.data import arrayrecord, input_pipeline
+from {{cookiecutter.project_slug}}.data import arrayrecord, batches, input_pipeline, sources
 from {{cookiecutter.project_slug}}.errors import BadData
 
 BAD = {5: "truncated", 17: "garbage", 30: "garbage"}  # eval rows and what is wrong with them
@@ -39,10 +39,10 @@ def damaged(row: int, data: bytes, bad: dict) -> bytes:
 
 def digits(bad: dict, damaged_split: str = "eval") -> dict[str, tuple[list[bytes], np.ndarray]]:
   """The digits' splits as PNG bytes, the rows in `bad` of `damaged_split` damaged."""
-  sources, _ = input_pipeline.get_datasets(default.get_config())
+  data, _ = sources.get_datasets(default.get_config())
   return {split: ([damaged(i, png(image), bad if split == damaged_split else {})
                    for i, image in enumerate(source.images)], source.labels)
-          for split, source in sources.items()}
+          for split, source in data.items()}
 
 
 def write_arrayrecord_digits(root, bad: dict, garbled_records=(), damaged_split="eval") -> str:
@@ -109,9 +109,9 @@ def config_for(source: str, root) -> tuple:
 @pytest.mark.parametrize("source", ["arrayrecord", "huggingface", "tfds"])
 def test_a_bad_record_is_named_and_skipped(source, tmp_path, caplog):
   config, bad_rows = config_for(source, tmp_path)
-  splits, _ = input_pipeline.get_datasets(config)
+  splits, _ = sources.get_datasets(config)
   caplog.set_level(logging.WARNING)
-  elements = list(input_pipeline.eval_batches(splits["eval"], plan.resolved(config)))
+  elements = list(batches.eval_batches(splits["eval"], plan.resolved(config)))
   positions = np.concatenate([e["position"][e["mask"]] for e in elements])
   assert sorted(positions.tolist()) == sorted(set(range(360)) - set(bad_rows))  # each once
   skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipped ")]
@@ -130,9 +130,9 @@ def test_a_small_share_bad_is_read_around(tmp_path, caplog):
   config = owned(tiny.get_config())
   config.dataset, config.num_workers, config.steps_per_dispatch = "arrayrecord", 0, 1
   config.data_dir = write_arrayrecord_digits(tmp_path / "data", bad, damaged_split="train")
-  splits, _ = input_pipeline.get_datasets(config)
+  splits, _ = sources.get_datasets(config)
   caplog.set_level(logging.WARNING)
-  elements = list(input_pipeline.eval_batches(splits["train"], plan.resolved(config)))
+  elements = list(batches.eval_batches(splits["train"], plan.resolved(config)))
   assert sum(int(e["mask"].sum()) for e in elements) == 1437 - len(bad) == 1425
   assert len([r for r in caplog.records if r.getMessage().startswith("skipped ")]) == 12
 
@@ -142,12 +142,12 @@ def test_more_than_a_small_share_bad_stops_in_one_line(tmp_path):
   bad = {i: "garbage" for i in range(0, 360, 3)}
   write_arrayrecord_digits(tmp_path / "data", bad)
   with pytest.raises(BadData, match=r"^\d+ of the \d+ records read in this process could not be "
-                     r"read, more than 1% \(input_pipeline.MAX_BAD_SHARE\); the last: "):
+                     r"read, more than 1% \(batches.MAX_BAD_SHARE\); the last: "):
     config = owned(tiny.get_config())
     config.dataset, config.data_dir, config.num_workers = "arrayrecord", str(tmp_path / "data"), 0
     config.steps_per_dispatch = 1
-    splits, _ = input_pipeline.get_datasets(config)
-    list(input_pipeline.eval_batches(splits["eval"], plan.resolved(config)))
+    splits, _ = sources.get_datasets(config)
+    list(batches.eval_batches(splits["eval"], plan.resolved(config)))
   error = run_in_process("--config=configs/tiny.py", *OWN, f"--workdir={tmp_path / 'run'}",
                          "--config.dataset=arrayrecord", f"--config.data_dir={tmp_path / 'data'}",
                          "--config.num_workers=0")
@@ -209,8 +209,8 @@ def write_digits_with_records_of_every_bad_kind(root) -> str:
   """The digits stored decoded (write_arrayrecord's records), the eval rows of NOT_AN_EXAMPLE
   each made its kind of bad record."""
   root.mkdir(parents=True)
-  sources, _ = input_pipeline.get_datasets(default.get_config())
-  for split, source in sources.items():
+  splits, _ = sources.get_datasets(default.get_config())
+  for split, source in splits.items():
     records = ((i, not_an_example(image, label, NOT_AN_EXAMPLE[i][0])
                 if split == "eval" and i in NOT_AN_EXAMPLE else
                 write_arrayrecord.encode(image, label))
@@ -226,7 +226,7 @@ def test_records_of_every_bad_kind_are_named_and_masked_and_the_run_ends(tmp_pat
   """A record without an image, an image of another shape or dtype, a label outside the classes
   (99, -1): each named (source, row, why) and masked, every other example evaluated once; the
   run ends normally (12 bad of the 1797 read: under 1%)."""
-  monkeypatch.setattr(input_pipeline, "_records", collections.Counter())  # this run's alone
+  monkeypatch.setattr(batches, "_records", collections.Counter())  # this run's alone
   config = owned(tiny.get_config())
   config.dataset, config.num_workers, config.eval_every_steps = "arrayrecord", 0, 1000
   config.data_dir = write_digits_with_records_of_every_bad_kind(tmp_path / "data")
@@ -251,16 +251,16 @@ def test_the_stop_is_counted_over_all_workers_the_same_for_0_1_and_2(tmp_path, m
   config = owned(tiny.get_config())
   config.dataset, config.steps_per_dispatch = "arrayrecord", 1
   config.data_dir = write_arrayrecord_digits(tmp_path / "data", bad, damaged_split="train")
-  splits, _ = input_pipeline.get_datasets(config)
+  splits, _ = sources.get_datasets(config)
   verdicts = {}
   for workers in (0, 1, 2):
     config.num_workers = workers
-    batches = input_pipeline.eval_batches(splits["train"], plan.resolved(config))
+    elements = batches.eval_batches(splits["train"], plan.resolved(config))
     assert batches.shares == (8 if workers else 1)
-    monkeypatch.setattr(input_pipeline, "_records", collections.Counter())
-    iterator = input_pipeline.as_iterator(batches, config)
+    monkeypatch.setattr(batches, "_records", collections.Counter())
+    iterator = input_pipeline.as_iterator(elements, config)
     try:
-      verdicts[workers] = sum(int(next(iterator)["mask"].sum()) for _ in range(len(batches)))
+      verdicts[workers] = sum(int(next(iterator)["mask"].sum()) for _ in range(len(elements)))
     except BadData as e:
       verdicts[workers] = str(e)
     finally:
@@ -271,5 +271,5 @@ def test_the_stop_is_counted_over_all_workers_the_same_for_0_1_and_2(tmp_path, m
   else:
     assert verdicts[0] == (  # rows 0, 3, ..., 63 bad: 22 in the first element, 64 rows
         "22 of the 64 records read in this process could not be read, more than 1% "
-        "(input_pipeline.MAX_BAD_SHARE); the last: arrayrecord "
+        "(batches.MAX_BAD_SHARE); the last: arrayrecord "
         f"{config.data_dir} train row 63: UnidentifiedImageError: cannot identify image file")

@@ -140,7 +140,7 @@ def test_the_input_pipeline_alone_on_your_own_data(tmp_path):
 
   from configs import imagenet
 
-  from {{cookiecutter.project_slug}}.data import input_pipeline
+  from {{cookiecutter.project_slug}}.data import sources
 
   write_wide_photos(tmp_path / "photos", per_class=8)
   done = subprocess.run([sys.executable, "write_arrayrecord.py", f"--out_dir={tmp_path / 'data'}",
@@ -165,7 +165,7 @@ def test_the_input_pipeline_alone_on_your_own_data(tmp_path):
                                   "images_per_worker_cpu_second",
                                   "main_cpu_seconds_per_gb_with_staging_copy",
                                   "host_resize_images_per_cpu_second", "over_host_resize"), "data")
-  canvas = input_pipeline.canvas(imagenet.get_config(), 73, (64, 64, 3))
+  canvas = sources.canvas(imagenet.get_config(), 73, (64, 64, 3))
   assert result["canvas"] == list(canvas) and result["over_host_resize"] == pytest.approx(
       result["images_per_cpu_second"] / result["host_resize_images_per_cpu_second"], rel=1e-9)
   assert result["bytes_per_image"] == math.prod(canvas) * 3 + 6 * 4 + 9

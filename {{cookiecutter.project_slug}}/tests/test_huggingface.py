@@ -14,13 +14,13 @@ from PIL import Image
 from configs import default, tiny
 
 from {{cookiecutter.project_slug}} import plan
-from {{cookiecutter.project_slug}}.data import image_files, input_pipeline
+from {{cookiecutter.project_slug}}.data import image_files, sources
 from {{cookiecutter.project_slug}}.training import trained
 
 
 def digits_dataset(split_names=("train", "validation")) -> datasets.DatasetDict:
   """The digits as PNG images (column 'picture'), their names (ClassLabel 'digit') and a note."""
-  sources, _ = input_pipeline.get_datasets(default.get_config())
+  splits, _ = sources.get_datasets(default.get_config())
   features = datasets.Features({"note": datasets.Value("string"), "picture": datasets.Image(),
                                 "digit": datasets.ClassLabel(names=list(NAMES))})
 
@@ -32,7 +32,7 @@ def digits_dataset(split_names=("train", "validation")) -> datasets.DatasetDict:
   return datasets.DatasetDict({name: datasets.Dataset.from_dict(
       {"note": ["a digit"] * len(source), "digit": source.labels.tolist(),
        "picture": [{"bytes": png(image), "path": None} for image in source.images]},
-      features=features) for name, source in zip(split_names, (sources["train"], sources["eval"]),
+      features=features) for name, source in zip(split_names, (splits["train"], splits["eval"]),
                                                  strict=True)})
 
 
@@ -98,7 +98,7 @@ def test_what_cannot_be_read_is_one_line(folders, tmp_path):
     assert str(e.value) == message
   config = config_for(str(both), eval_split="test")
   plan.validate_config(config)
-  assert input_pipeline.get_datasets(config)[1].num_examples["eval"] == 360
+  assert sources.get_datasets(config)[1].num_examples["eval"] == 360
 
 
 def test_photos_are_cropped_from_all_of_each(tmp_path):
@@ -137,16 +137,16 @@ def test_images_of_several_sizes_are_said_at_start(tmp_path, caplog):
   datasets.DatasetDict(train=dataset, test=dataset).save_to_disk(str(tmp_path / "saved"))
   config = config_for(str(tmp_path / "saved"))
   caplog.set_level(logging.WARNING)
-  sources, info = input_pipeline.get_datasets(config)
+  splits, info = sources.get_datasets(config)
   said = [r.getMessage() for r in caplog.records if "sizes" in r.getMessage()]
   assert said == ["huggingface: the first 4 training images have 3 sizes (height x width "
                   "40x60, 89x71, 120x90); each is scaled to cover and centre-cropped to the "
                   "first's, 89x71: give --config.image_size=H,W to choose"]
   assert info.image_shape == (89, 71, 3)
-  assert sources["train"].take(np.arange(4))["image"].shape == (4, 89, 71, 3)
+  assert splits["train"].take(np.arange(4))["image"].shape == (4, 89, 71, 3)
   caplog.clear()
   config.image_size = (64, 64, 3)
-  assert input_pipeline.get_datasets(config)[1].image_shape == (64, 64, 3)
+  assert sources.get_datasets(config)[1].image_shape == (64, 64, 3)
   assert not [r for r in caplog.records if "sizes" in r.getMessage()]
 
 
@@ -159,12 +159,12 @@ def test_a_run_on_a_hugging_face_dataset_keeps_its_class_names(folders, tmp_path
 
   config = config_for(folders["saved"])
   config.num_epochs = 4
-  digits, _ = input_pipeline.get_datasets(default.get_config())
+  digits, _ = sources.get_datasets(default.get_config())
   metrics = trains_as_written(config, tmp_path, {
       split: (digits[split].images, digits[split].labels) for split in ("train", "eval")}, NAMES)
   assert metrics["examples"] == 360 and metrics["accuracy"] > 0.5
   run = trained.Restored(str(tmp_path / "run"))
-  source = input_pipeline.get_datasets(run.config)[0]["eval"]
+  source = sources.get_datasets(run.config)[0]["eval"]
   images = source.take(np.arange(40))
   for i, image in enumerate(images["image"]):
     Image.fromarray(image[..., 0]).save(tmp_path / f"{i:02d}.png")

@@ -30,23 +30,25 @@ from {{cookiecutter.project_slug}} import plan
 from {{cookiecutter.project_slug}}.data import (
     arrayrecord,
     augment,
+    batches,
     image_files,
     input_pipeline,
+    sources,
 )
-from {{cookiecutter.project_slug}}.training import runs
+from {{cookiecutter.project_slug}}.training import checkpoints
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def write_digits_as_pngs(root) -> dict[str, input_pipeline.ArraySource]:
+def write_digits_as_pngs(root) -> dict[str, sources.ArraySource]:
   """The digits' train and eval splits (those of dataset=digits) as root/{train,val}/LABEL/*.png."""
-  sources, _ = input_pipeline.get_datasets(default.get_config())
+  data, _ = sources.get_datasets(default.get_config())
   for split, folder in (("train", "train"), ("eval", "val")):
-    for i, (image, label) in enumerate(zip(sources[split].images, sources[split].labels,
+    for i, (image, label) in enumerate(zip(data[split].images, data[split].labels,
                                            strict=True)):
       os.makedirs(directory := os.path.join(root, folder, str(label)), exist_ok=True)
       Image.fromarray(image[..., 0]).save(os.path.join(directory, f"{i:04d}.png"))
-  return sources
+  return data
 
 
 def convert(*args, process: bool = False) -> subprocess.CompletedProcess:
@@ -69,13 +71,13 @@ def read_all(data_dir: str, split: str) -> dict[str, np.ndarray]:
 def convert_digits_pngs(tmp_path) -> str:
   """The digits written as PNG files and converted; checks that they read back bitwise, with
   the class names. Returns the data directory."""
-  sources = write_digits_as_pngs(tmp_path / "pngs")
+  digits = write_digits_as_pngs(tmp_path / "pngs")
   done = convert(f"--out_dir={tmp_path / 'data'}", f"--image_folder={tmp_path / 'pngs'}")
   assert done.returncode == 0, done.stderr
   assert "wrote train: 1437, eval: 360 images of 8x8x1 in 10 classes" in done.stdout
   meta = json.loads((tmp_path / "data" / "metadata.json").read_text())
   assert meta["class_names"] == [str(i) for i in range(10)]
-  for split, source in sources.items():
+  for split, source in digits.items():
     order = np.argsort(source.labels, kind="stable")  # class folders, then file names
     examples = read_all(str(tmp_path / "data"), split)
     np.testing.assert_array_equal(examples["image"], source.images[order])
@@ -132,21 +134,21 @@ def test_images_kept_encoded_are_decoded_by_grain_as_when_written(tmp_path, num_
   config = owned(default.get_config())
   config.dataset, config.batch_size, config.num_epochs, config.steps_per_dispatch = (
       "arrayrecord", 4, 3, 2)
-  batches = {}
+  read = {}
   for name, workers in (("decoded", 0), ("encoded", num_workers)):
     config.data_dir = str(tmp_path / name)
-    splits, info = input_pipeline.get_datasets(config)
+    splits, info = sources.get_datasets(config)
     assert info.image_shape == (16, 12, 3) and info.class_names == ("cat", "dog", "emu")
     iterator = input_pipeline.as_iterator(
-        input_pipeline.train_batches(splits["train"], plan.resolved(config)), config,
+        batches.train_batches(splits["train"], plan.resolved(config)), config,
         num_workers=workers)
-    batches[name] = list(iterator)
+    read[name] = list(iterator)
     iterator.close()
-  assert len(batches["decoded"]) == len(batches["encoded"]) == 4  # ceil(ceil(27 / 4) / 2)
-  for decoded, encoded in zip(batches["decoded"], batches["encoded"], strict=True):
+  assert len(read["decoded"]) == len(read["encoded"]) == 4  # ceil(ceil(27 / 4) / 2)
+  for decoded, encoded in zip(read["decoded"], read["encoded"], strict=True):
     for key in ("image", "label", "mask", "position"):
       np.testing.assert_array_equal(decoded[key], encoded[key])
-  assert sum(b["mask"].sum() for b in batches["encoded"]) == 27  # 3 epochs of 9, none twice
+  assert sum(b["mask"].sum() for b in read["encoded"]) == 27  # 3 epochs of 9, none twice
 
 
 @pytest.mark.slow
@@ -161,13 +163,13 @@ def test_evaluation_decodes_encoded_images_in_worker_processes(tmp_path):
   config = owned(default.get_config())
   config.dataset, config.data_dir = "arrayrecord", str(tmp_path / "data")
   config.batch_size, config.steps_per_dispatch = 1, 2
-  splits, _ = input_pipeline.get_datasets(config)
-  batches = input_pipeline.eval_batches(splits["eval"], plan.resolved(config))
-  assert [len(e["mask"]) for e in batches] == [2, 1]  # 3 images: no batch of padding alone
-  expected = [batches[i] for i in range(len(batches))]  # read here, in this process
-  assert input_pipeline.default_workers(config) >= 1
-  with contextlib.closing(input_pipeline.as_iterator(batches.repeat(), config)) as iterator:
-    passes = [[next(iterator) for _ in range(len(batches))] for _ in range(2)]
+  splits, _ = sources.get_datasets(config)
+  stream = batches.eval_batches(splits["eval"], plan.resolved(config))
+  assert [len(e["mask"]) for e in stream] == [2, 1]  # 3 images: no batch of padding alone
+  expected = [stream[i] for i in range(len(stream))]  # read here, in this process
+  assert batches.default_workers(config) >= 1
+  with contextlib.closing(input_pipeline.as_iterator(stream.repeat(), config)) as iterator:
+    passes = [[next(iterator) for _ in range(len(stream))] for _ in range(2)]
     assert multiprocessing.active_children()  # the workers, alive between passes
   for elements in passes:
     for element, want in zip(elements, expected, strict=True):
@@ -213,33 +215,33 @@ def test_photos_kept_whole_are_cropped_from_all_of_them(tmp_path, resize_on_devi
   config = owned(default.get_config())
   config.update(dataset="arrayrecord", data_dir=str(tmp_path / "data"),
                 resize_on_device=resize_on_device)
-  splits, batches = cropped_from_the_whole_photo(config, eval_examples=2)
-  assert ("box" in batches[0]) == resize_on_device
-  again = input_pipeline.train_batches(splits["train"], plan.resolved(config), first_step=4)
+  splits, elements = cropped_from_the_whole_photo(config, eval_examples=2)
+  assert ("box" in elements[0]) == resize_on_device
+  again = batches.train_batches(splits["train"], plan.resolved(config), first_step=4)
   for element in range(4, 8):
-    np.testing.assert_array_equal(again[element - 4]["image"], batches[element]["image"])
+    np.testing.assert_array_equal(again[element - 4]["image"], elements[element]["image"])
 
 
 def cropped_from_the_whole_photo(config, eval_examples: int):
   """Asserts that `config`'s data (`write_wide_photos`' photos, however stored), read at 32 x 32
   with the random-resized crop on, are cut on the host: training's crops reach beyond the
   central square (red 64-191), each its own; evaluation keeps the centre 0.875 of the photo
-  scaled to cover 32 / 0.875 (red about 72-183). Returns the sources and training's batches."""
+  scaled to cover 32 / 0.875 (red about 72-183). Returns the sources and training's elements."""
   config.update(batch_size=3, num_epochs=20, augment_crop=True, augment_crop_scale=(0.08, 1.0),
                 steps_per_dispatch=1)
-  splits, info = input_pipeline.get_datasets(config)
+  splits, info = sources.get_datasets(config)
   assert info.image_shape == (32, 32, 3) and info.crops_on_host
-  batches = input_pipeline.train_batches(splits["train"], plan.resolved(config))
-  red = np.concatenate([pixels(batches[i])[batches[i]["mask"]][..., 0] for i in range(
-      len(batches))])
+  elements = batches.train_batches(splits["train"], plan.resolved(config))
+  red = np.concatenate([pixels(elements[i])[elements[i]["mask"]][..., 0] for i in range(
+      len(elements))])
   assert red.shape[1:] == (32, 32)
   assert red.min() < 30 and red.max() > 225  # beyond the central square's 64-191
   assert len({image.tobytes() for image in red}) > 0.9 * len(red)  # every crop its own
-  evaluated = input_pipeline.eval_batches(splits["eval"], plan.resolved(config))
+  evaluated = batches.eval_batches(splits["eval"], plan.resolved(config))
   eval_red = np.concatenate([pixels(e)[e["mask"]][..., 0] for e in evaluated])
   assert len(eval_red) == eval_examples and 60 < eval_red.min() and eval_red.max() < 195
   assert abs(float(eval_red.mean()) - 127.5) < 3
-  return splits, batches
+  return splits, elements
 
 
 def pixels(element, shape=(32, 32)) -> np.ndarray:
@@ -293,14 +295,14 @@ def test_the_devices_resize_the_crops_as_the_host_does(shape):
   """Crops cut on the host and resized on the devices (`Crops.cut`, `augment.resize_crops`) are
   the host's PIL resize of the same boxes within one level of 255 at every pixel: training's
   random crops (every DCT scale) and evaluation's centre, RGB and gray; in the canvas that
-  `input_pipeline.canvas` gives photos stored at shorter side 256 none is resized on the host,
+  `sources.canvas` gives photos stored at shorter side 256 none is resized on the host,
   and in one too small for some (2 pixels larger than the image) those are resized there, as
   before. A padding example (zeros, its box zeros) gives zeros."""
   photos = smooth_photos()
   config = default.get_config()
   config.update(augment_crop=True, resize_on_device=True)
   resize = jax.jit(augment.resize_crops, static_argnums=2)
-  for canvas, small in ((input_pipeline.canvas(config, 384, shape), False),
+  for canvas, small in ((sources.canvas(config, 384, shape), False),
                         ((shape[0] + 2, shape[1] + 2), True)):
     for crops in (image_files.Crops(seed=1, scale=(0.08, 1.0)), image_files.Crops()):
       positions = np.arange(12 if crops.scale else 1).repeat(len(photos))
@@ -412,7 +414,7 @@ def test_the_imagenet_recipe_trains_on_a_photo_folder(tmp_path):
                 eval_every_steps=2, checkpoint_every_steps=2, num_workers=0)
   result = train.train_and_evaluate(config, str(tmp_path / "run"))
   assert result["examples"] == 6 and np.isfinite(result["loss"])
-  assert runs.checkpoint_manager(str(tmp_path / "run")).latest_step() == 2  # ceil(12 / 8)
+  assert checkpoints.checkpoint_manager(str(tmp_path / "run")).latest_step() == 2  # ceil(12 / 8)
 
 
 def seconds_after_last_line(command: list[str]) -> tuple[subprocess.CompletedProcess, float]:
@@ -445,12 +447,12 @@ def test_commands_reading_with_workers_end_within_3_seconds_of_their_last_line(t
   config = owned(default.get_config())
   config.dataset, config.data_dir, config.num_workers = "arrayrecord", str(tmp_path / "data"), 2
   config.batch_size, config.steps_per_dispatch = 64, 1
-  splits, _ = input_pipeline.get_datasets(config)
-  batches = input_pipeline.eval_batches(splits["eval"], plan.resolved(config))
+  splits, _ = sources.get_datasets(config)
+  elements = batches.eval_batches(splits["eval"], plan.resolved(config))
   closing = []
   for _ in range(5):
-    iterator = input_pipeline.as_iterator(batches.repeat(), config)
-    assert sum(int(next(iterator)["mask"].sum()) for _ in range(len(batches))) == 128
+    iterator = input_pipeline.as_iterator(elements.repeat(), config)
+    assert sum(int(next(iterator)["mask"].sum()) for _ in range(len(elements))) == 128
     start = time.perf_counter()
     iterator.close()
     closing.append(time.perf_counter() - start)

@@ -16,20 +16,20 @@ import write_arrayrecord
 from write_arrayrecord import write_dataset
 
 from {{cookiecutter.project_slug}} import plan
-from {{cookiecutter.project_slug}}.data import arrayrecord, input_pipeline, shm
+from {{cookiecutter.project_slug}}.data import arrayrecord, batches, input_pipeline, shm, sources
 from {{cookiecutter.project_slug}}.parallel import pmap, sharding
 
 
-def numbered(n: int) -> input_pipeline.ArraySource:
+def numbered(n: int) -> sources.ArraySource:
   """n examples whose label is their index, so we can tell exactly which ones a batch holds."""
   images = np.arange(1, n + 1, dtype=np.uint8).reshape(n, 1, 1, 1)
-  return input_pipeline.ArraySource(images, np.arange(n, dtype=np.int32))
+  return sources.ArraySource(images, np.arange(n, dtype=np.int32))
 
 
 def eval_batches(source, batch_size, k=1, **process):
   config = ml_collections.ConfigDict(dict(batch_size=batch_size, per_device_batch_size=0,
                                           steps_per_dispatch=k, num_workers=0))
-  return input_pipeline.eval_batches(source, plan.resolved(config), **process)
+  return batches.eval_batches(source, plan.resolved(config), **process)
 
 
 def unstacked(elements) -> list[dict]:
@@ -77,17 +77,17 @@ def test_processes_split_each_global_batch(n, batch_size, processes):
 def test_train_stream_is_a_fresh_seeded_permutation_each_epoch(tiny_config):
   tiny_config.num_epochs, tiny_config.batch_size = 3, 16
   n = 50
-  epochs = [real_labels(b) for b in unstacked(input_pipeline.train_batches(numbered(n),
+  epochs = [real_labels(b) for b in unstacked(batches.train_batches(numbered(n),
                                                                            plan.resolved(tiny_config)))]
   labels = sum(epochs, [])
   assert len(labels) == 3 * n
   per_epoch = [labels[i * n:(i + 1) * n] for i in range(3)]
   assert all(sorted(epoch) == list(range(n)) for epoch in per_epoch)
   assert per_epoch[0] != per_epoch[1] != per_epoch[2]
-  again = unstacked(input_pipeline.train_batches(numbered(n), plan.resolved(tiny_config)))
+  again = unstacked(batches.train_batches(numbered(n), plan.resolved(tiny_config)))
   assert sum((real_labels(b) for b in again), []) == labels
   tiny_config.seed += 1
-  other = unstacked(input_pipeline.train_batches(numbered(n), plan.resolved(tiny_config)))
+  other = unstacked(batches.train_batches(numbered(n), plan.resolved(tiny_config)))
   assert sum((real_labels(b) for b in other), []) != labels
 
 
@@ -95,9 +95,9 @@ def test_train_stream_is_a_fresh_seeded_permutation_each_epoch(tiny_config):
 def test_resumed_stream_starts_at_the_batch_after_the_last_step(tiny_config, first_step):
   tiny_config.num_epochs, tiny_config.batch_size = 2, 16  # 13 batches: elements of 5, 5, 3 + 2
   k = tiny_config.steps_per_dispatch = 5
-  everything = unstacked(input_pipeline.train_batches(numbered(100), plan.resolved(tiny_config)))
+  everything = unstacked(batches.train_batches(numbered(100), plan.resolved(tiny_config)))
   resumed = unstacked(input_pipeline.as_iterator(
-      input_pipeline.train_batches(numbered(100), plan.resolved(tiny_config), first_step),
+      batches.train_batches(numbered(100), plan.resolved(tiny_config), first_step),
       tiny_config))
   skipped = first_step % k  # batches of the first element already trained on: all padding
   assert len(resumed) == len(everything) - first_step + skipped
@@ -119,11 +119,11 @@ def test_training_batches_do_not_depend_on_the_process_count(tiny_config):
   the position in the stream: 2 processes together produce exactly the global batches of 1, row
   for row (a model's random draws, keyed by row, fall on the same examples)."""
   tiny_config.batch_size = 64
-  source = input_pipeline.ArraySource(
+  source = sources.ArraySource(
       np.random.default_rng(0).integers(0, 256, (100, 8, 8, 1), dtype=np.uint8), np.arange(100))
   config = plan.resolved(tiny_config)
-  single = list(input_pipeline.train_batches(source, config))
-  parts = [list(input_pipeline.train_batches(source, config, rows=block(p, 2, 64)))
+  single = list(batches.train_batches(source, config))
+  parts = [list(batches.train_batches(source, config, rows=block(p, 2, 64)))
            for p in range(2)]
   for step, element in enumerate(single):
     for key in element:
@@ -131,7 +131,7 @@ def test_training_batches_do_not_depend_on_the_process_count(tiny_config):
       np.testing.assert_array_equal(joined, element[key])
   # Rows of another order (a mesh whose processes' devices alternate): read where they sit.
   rows = tuple(r for r in range(64) if r // 8 % 2)
-  odd = list(input_pipeline.train_batches(source, plan.resolved(tiny_config), rows=rows))
+  odd = list(batches.train_batches(source, plan.resolved(tiny_config), rows=rows))
   for step, element in enumerate(single):
     for key in element:
       np.testing.assert_array_equal(odd[step][key], element[key][:, list(rows)])
@@ -145,7 +145,7 @@ def test_a_worker_reads_one_devices_share_of_an_element(tiny_config, processes):
   evaluation, for k = 1 and 5. Without workers a unit is the whole element (one gather)."""
   tiny_config.batch_size, tiny_config.num_epochs, tiny_config.num_workers = 64, 2, 0
   k = tiny_config.steps_per_dispatch
-  elements = input_pipeline.train_batches(numbered(150), plan.resolved(tiny_config))
+  elements = batches.train_batches(numbered(150), plan.resolved(tiny_config))
   assert elements.units[0]["mask"].shape == (k, 64)
   tiny_config.num_workers = 1
   source = numbered(150)
@@ -153,14 +153,14 @@ def test_a_worker_reads_one_devices_share_of_an_element(tiny_config, processes):
     tiny_config.steps_per_dispatch = k
     for name, trim in (("train_batches", False), ("eval_batches", True)):
       rows = block(processes - 1, processes, 64) if processes > 1 else None
-      elements = getattr(input_pipeline, name)(source, plan.resolved(tiny_config), rows=rows)
+      elements = getattr(batches, name)(source, plan.resolved(tiny_config), rows=rows)
       assert elements.shares == 8
       kept = min(k, -(-150 // 64)) if trim else k  # evaluation: the batches there are
       assert elements.units[0]["image"].shape == (kept, 64 // 8 // processes, 1, 1, 1)
-      whole = input_pipeline.LoadUnit(  # an element a unit
+      whole = batches.LoadUnit(  # an element a unit
           source, 64, 1 if trim else 2, None if trim else tiny_config.seed, k, trim=trim,
           rows=rows)
-      expected = input_pipeline.elements(whole)
+      expected = batches.elements(whole)
       assert len(elements) == len(expected) == -(-(150 if trim else 300) // 64 // k)
       for got, want in zip(elements, expected, strict=True):
         for key in want:
@@ -174,7 +174,7 @@ def test_an_elements_shares_are_placed_as_the_element_itself(tiny_config, parall
   JAX: on spmd's mesh, fsdp's 2 x 4 and pmap's devices."""
   tiny_config.num_workers, tiny_config.batch_size, tiny_config.steps_per_dispatch = 1, 64, 3
   tiny_config.parallelism, tiny_config.fsdp_devices = parallelism, 4
-  elements = input_pipeline.train_batches(numbered(150), plan.resolved(tiny_config))
+  elements = batches.train_batches(numbered(150), plan.resolved(tiny_config))
   assert elements.shares == 8
   if parallelism == "pmap":
     put = pmap.pmap_batch
@@ -254,7 +254,7 @@ def test_what_a_killed_run_left_is_removed_by_the_next_run_and_a_live_runs_kept(
 
 
 def test_digits_split(tiny_config):
-  splits, info = input_pipeline.get_datasets(tiny_config)
+  splits, info = sources.get_datasets(tiny_config)
   assert info.image_shape == (8, 8, 1) and info.num_classes == 10
   assert info.num_examples == {"train": 1437, "eval": 360}
   images = splits["eval"].take(np.arange(360))["image"]
@@ -263,8 +263,8 @@ def test_digits_split(tiny_config):
 
 def test_synthetic_images_are_uint8(tiny_config):
   tiny_config.dataset = "synthetic"
-  splits, info = input_pipeline.get_datasets(tiny_config)
-  element = input_pipeline.train_batches(splits["train"], plan.resolved(tiny_config))[0]
+  splits, info = sources.get_datasets(tiny_config)
+  element = batches.train_batches(splits["train"], plan.resolved(tiny_config))[0]
   assert element["image"].dtype == np.uint8
   assert element["image"].shape == (tiny_config.steps_per_dispatch, tiny_config.batch_size,
                                     *info.image_shape)
@@ -279,7 +279,7 @@ def test_arrayrecord_round_trip(tmp_path, tiny_config):
   write_dataset(str(tmp_path), arrays, num_shards=3)
   assert len(arrayrecord.arrayrecord_paths(str(tmp_path), "train")) == 3
   tiny_config.dataset, tiny_config.data_dir = "arrayrecord", str(tmp_path)
-  splits, info = input_pipeline.get_datasets(tiny_config)
+  splits, info = sources.get_datasets(tiny_config)
   assert info.image_shape == (6, 5, 3)
   assert info.num_classes == int(max(y.max() for _, y in arrays.values())) + 1
   assert info.num_examples == {"train": 53, "eval": 11}
@@ -287,7 +287,7 @@ def test_arrayrecord_round_trip(tmp_path, tiny_config):
     read = splits[split].take(np.arange(len(labels)))
     np.testing.assert_array_equal(read["image"], images)
     np.testing.assert_array_equal(read["label"], labels)
-  batch = unstacked(input_pipeline.eval_batches(splits["eval"], plan.resolved(tiny_config)))[0]
+  batch = unstacked(batches.eval_batches(splits["eval"], plan.resolved(tiny_config)))[0]
   np.testing.assert_array_equal(batch["image"][:11], arrays["eval"][0])  # still uint8
 
 
@@ -356,7 +356,7 @@ def test_write_arrayrecord_checks_the_pixels(tmp_path, case):
   if case == "dark":
     assert warned[0].startswith("warning: train_images are at most 16 of 255; the step divides")
   config = ml_collections.ConfigDict(dict(dataset="arrayrecord", data_dir=str(tmp_path / "data")))
-  splits, _ = input_pipeline.get_datasets(config)
+  splits, _ = sources.get_datasets(config)
   read = splits["train"].take(np.arange(20))["image"]
   assert read.dtype == np.uint8
   np.testing.assert_array_equal(read, arrays["train_images"])
@@ -366,12 +366,12 @@ def test_write_arrayrecord_checks_the_pixels(tmp_path, case):
     ("digits", 16, 0), ("synthetic", 16, 0), ("arrayrecord", 16, 15), ("arrayrecord", 4, 3),
     ("arrayrecord", 1, 1), ("tfds", 224, 223)])
 def test_workers_chosen_from_the_cores(tiny_config, monkeypatch, dataset, cores, expected):
-  monkeypatch.setattr(input_pipeline, "available_cpus", lambda: cores)
+  monkeypatch.setattr(batches, "available_cpus", lambda: cores)
   tiny_config.dataset = dataset
   assert tiny_config.num_workers == -1  # the default: chosen
-  assert input_pipeline.default_workers(tiny_config) == expected
+  assert batches.default_workers(tiny_config) == expected
   tiny_config.num_workers = 2
-  assert input_pipeline.default_workers(tiny_config) == 2
+  assert batches.default_workers(tiny_config) == 2
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS")
@@ -383,7 +383,7 @@ def test_workers_follow_the_cores_this_process_may_use(tiny_config, monkeypatch)
   allowed = os.sched_getaffinity(0)
   os.sched_setaffinity(0, {min(allowed)})
   try:
-    assert input_pipeline.default_workers(tiny_config) == 1
+    assert batches.default_workers(tiny_config) == 1
   finally:
     os.sched_setaffinity(0, allowed)
   assert os.sched_getaffinity(0) == allowed
@@ -393,9 +393,7 @@ NPZ_SOURCE = '''
 """A data source of one's own: arrays in an .npz file (config.data_dir), held in memory."""
 import numpy as np
 
-from {{cookiecutter.project_slug}}.data.input_pipeline import ArraySource, Loaded
-
-READS_DATA_DIR = True
+from {{cookiecutter.project_slug}}.data.sources import ArraySource, Loaded
 
 
 def load(config):
@@ -423,18 +421,18 @@ def test_a_new_data_source_is_a_module_and_one_line(tiny_config, tmp_path, monke
 
   (tmp_path / "npz_source.py").write_text(NPZ_SOURCE)
   monkeypatch.syspath_prepend(str(tmp_path))
-  monkeypatch.setitem(input_pipeline.SOURCES, "npz", "npz_source")  # the one line
-  digits, _ = input_pipeline.get_datasets(tiny_config)
+  monkeypatch.setitem(sources.SOURCES, "npz", sources.Source("npz_source", reads_data_dir=True))
+  digits, _ = sources.get_datasets(tiny_config)
   np.savez(tmp_path / "digits.npz", x_train=digits["train"].images, y_train=digits["train"].labels,
            x_test=digits["eval"].images, y_test=digits["eval"].labels)
   tiny_config.dataset, tiny_config.data_dir = "npz", str(tmp_path / "digits.npz")
   plan.validate_config(tiny_config)
-  sources, info = input_pipeline.get_datasets(tiny_config)
+  splits, info = sources.get_datasets(tiny_config)
   assert (info.image_shape, info.num_classes, info.num_examples) == ((8, 8, 1), 10, {
       "train": 1437, "eval": 360})
-  assert input_pipeline.describe(tiny_config) == info
-  batches = input_pipeline.eval_batches(sources["eval"], plan.resolved(tiny_config))
-  assert sum(int(element["mask"].sum()) for element in batches) == 360
+  assert sources.describe(tiny_config) == info
+  elements = batches.eval_batches(splits["eval"], plan.resolved(tiny_config))
+  assert sum(int(element["mask"].sum()) for element in elements) == 360
   tiny_config.data_dir = str(tmp_path)
   with pytest.raises(plan.ConfigError, match=r"config.data_dir='.*' is not an .npz file."):
     plan.validate_config(tiny_config)

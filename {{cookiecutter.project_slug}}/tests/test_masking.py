@@ -16,7 +16,7 @@ from shipped_model import create_model
 import train
 
 from {{cookiecutter.project_slug}} import layers, plan
-from {{cookiecutter.project_slug}}.data import input_pipeline
+from {{cookiecutter.project_slug}}.data import batches, input_pipeline, sources
 from {{cookiecutter.project_slug}}.parallel import sharding
 from {{cookiecutter.project_slug}}.plan import ConfigError
 from {{cookiecutter.project_slug}}.training import metrics, optim, steps
@@ -91,19 +91,19 @@ def test_train_step_on_padded_batch_equals_step_on_real_examples(tiny_config):
 
 
 def test_eval_counts_every_example_once(tiny_config):
-  """1001 examples, batch 64 on 8 devices: 15 full batches and one with 41 real examples, in
-  calls of 5 batches (the last call: one batch, then four of padding alone)."""
+  """1001 examples, batch 64 on 8 devices: 15 full elements and one with 41 real examples, in
+  calls of 5 elements (the last call: one batch, then four of padding alone)."""
   tiny_config.dataset, tiny_config.steps_per_dispatch = "synthetic", 5
   tiny_config.synthetic.update(image_shape=(8, 8, 1), num_classes=10, num_eval=1001)
   config = plan.resolved(tiny_config)
-  splits, info = input_pipeline.get_datasets(config)
+  splits, info = sources.get_datasets(config)
   model, optimizer = model_and_optimizer(config)
   graphdef, state = nnx.split((model, optimizer))
   compiled = steps.make(graphdef, config, sharding.make_mesh())
-  batches = input_pipeline.eval_batches(splits["eval"], config)
-  with contextlib.closing(input_pipeline.as_iterator(batches, config)) as iterator:
+  elements = batches.eval_batches(splits["eval"], config)
+  with contextlib.closing(input_pipeline.as_iterator(elements, config)) as iterator:
     result = steps.summarize(steps.evaluate(compiled, compiled.put_state(state), iterator,
-                                            len(batches), config))
+                                            len(elements), config))
   assert result["examples"] == 1001
 
   examples = splits["eval"].take(np.arange(1001))

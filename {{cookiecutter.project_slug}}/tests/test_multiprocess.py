@@ -67,11 +67,11 @@ def test_two_processes_train_like_the_straight_spmd_run(straight_runs, tmp_path)
   # (8 devices), reproduces the final evaluation of the two processes.
   import evaluate
 
-  from {{cookiecutter.project_slug}}.data import input_pipeline
+  from {{cookiecutter.project_slug}}.data import sources
 
   run = trained.Restored(str(tmp_path))
   assert run.step == 45
-  result = evaluate.evaluate(run, input_pipeline.get_datasets(run.config)[0]["eval"])
+  result = evaluate.evaluate(run, sources.get_datasets(run.config)[0]["eval"])
   assert result["examples"] == multi["eval_examples"][45] == 360
   assert result["accuracy"] == pytest.approx(multi["eval_accuracy"][45], abs=1e-6)
   assert result["loss"] == pytest.approx(multi["eval_loss"][45], rel=1e-6)
@@ -501,11 +501,11 @@ def test_evaluate_predict_and_export_on_two_processes(straight_runs, tmp_path):
 
   from configs import tiny
 
-  from {{cookiecutter.project_slug}}.data import input_pipeline
+  from {{cookiecutter.project_slug}}.data import sources
 
   workdir = tmp_path / "run"
   shutil.copytree(straight_runs["fsdp"][0], workdir)  # evaluate.py writes into it
-  images = input_pipeline.get_datasets(tiny.get_config())[0]["eval"].images[:11]
+  images = sources.get_datasets(tiny.get_config())[0]["eval"].images[:11]
   (folder := tmp_path / "images").mkdir()
   for i, image in enumerate(images):
     Image.fromarray(image[..., 0]).save(folder / f"{i:02d}.png")

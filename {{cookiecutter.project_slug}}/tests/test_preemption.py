@@ -24,13 +24,13 @@ import train
 from write_arrayrecord import write_dataset
 
 from {{cookiecutter.project_slug}} import plan
-from {{cookiecutter.project_slug}}.data import input_pipeline
+from {{cookiecutter.project_slug}}.data import batches, sources
 from {{cookiecutter.project_slug}}.training import (
+  damaged,
   metrics,
-  runs,
+  report,
   steps,
   stopping,
-  writers,
 )
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,14 +45,14 @@ from absl import flags, logging
 flags.FLAGS.mark_as_parsed()
 logging.set_verbosity(logging.INFO)
 import train
-from {{cookiecutter.project_slug}}.data import input_pipeline
+from {{cookiecutter.project_slug}}.data import batches
 from configs import tiny
 from conftest import owned
 workdir, overrides, record_path = sys.argv[1:]
 config = owned(tiny.get_config())
 config.update(json.loads(overrides))
 record = open(record_path, "a")
-make_unit = input_pipeline.LoadUnit.__call__
+make_unit = batches.LoadUnit.__call__
 def recorded(self, u):  # (in memory, without workers: a unit is an element, [k, batch, ...])
   unit = make_unit(self, u)
   for i in range(len(unit["mask"]) if self.shuffle_seed is not None else 0):  # training's
@@ -61,7 +61,7 @@ def recorded(self, u):  # (in memory, without workers: a unit is an element, [k,
       digest = hashlib.sha1(b"".join(batch[k].tobytes() for k in sorted(batch)))
       print(u * self.steps_per_element + i, digest.hexdigest(), file=record, flush=True)
   return unit
-input_pipeline.LoadUnit.__call__ = recorded
+batches.LoadUnit.__call__ = recorded
 from {{cookiecutter.project_slug}}.training import stopping
 try:
   result = train.train_and_evaluate(config, workdir)
@@ -201,14 +201,14 @@ def test_same_config_and_seed_give_the_same_bits(straight_runs, tmp_path):
 
 def digits_with_a_nan(directory, tiny_config):
   """The digits as ArrayRecord files, with one training image made of NaNs."""
-  sources, _ = input_pipeline.get_datasets(tiny_config)
-  images = sources["train"].images / np.float32(255)  # float pixels go to the model as they are
+  splits, _ = sources.get_datasets(tiny_config)
+  images = splits["train"].images / np.float32(255)  # float pixels go to the model as they are
   images[100] = np.nan
-  write_dataset(str(directory), {"train": (images, sources["train"].labels),
-                                 "eval": (sources["eval"].images / np.float32(255),
-                                          sources["eval"].labels)})
+  write_dataset(str(directory), {"train": (images, splits["train"].labels),
+                                 "eval": (splits["eval"].images / np.float32(255),
+                                          splits["eval"].labels)})
   tiny_config.dataset, tiny_config.data_dir = "arrayrecord", str(directory)
-  elements = input_pipeline.train_batches(input_pipeline.get_datasets(tiny_config)[0]["train"],
+  elements = batches.train_batches(sources.get_datasets(tiny_config)[0]["train"],
                                           plan.resolved(tiny_config))
   images = np.stack([batch["image"] for batch in elements])  # [batches, ...]
   return next(b + 1 for b in range(len(images)) if np.isnan(images[b]).any())
@@ -220,7 +220,7 @@ def test_a_stop_signal_on_an_eval_step_saves_first_and_leaves_the_evaluation(
   """SIGTERM during step 10 of 23, an eval step (and no regular checkpoint step): the run saves
   step 10, evaluates nothing (the grace period is for saving) and stops; resumed, it ends."""
   tiny_config.checkpoint_every_steps = 1000
-  evaluated, evaluate, update = [], steps.evaluate, writers.Progress.update
+  evaluated, evaluate, update = [], steps.evaluate, report.Progress.update
 
   def recording_evaluate(*args, **kwargs):
     evaluated.append(True)
@@ -232,11 +232,11 @@ def test_a_stop_signal_on_an_eval_step_saves_first_and_leaves_the_evaluation(
       os.kill(os.getpid(), signal.SIGTERM)
 
   monkeypatch.setattr(steps, "evaluate", recording_evaluate)
-  monkeypatch.setattr(writers.Progress, "update", update_then_signal)
+  monkeypatch.setattr(report.Progress, "update", update_then_signal)
   with pytest.raises(stopping.Stopped, match="Stopped by SIGTERM after step 10 of 23"):
     train.train_and_evaluate(tiny_config, str(tmp_path / "run"))
   assert evaluated == [] and final_state(tmp_path / "run")[0] == 10
-  monkeypatch.setattr(writers.Progress, "update", update)
+  monkeypatch.setattr(report.Progress, "update", update)
   result = train.train_and_evaluate(tiny_config, str(tmp_path / "run"))
   assert result["examples"] == 360 and len(evaluated) == 2  # steps 20 and 23
 
@@ -326,7 +326,7 @@ def flip_a_bit(checkpoint: pathlib.Path) -> None:
         state=ocp.args.StandardRestore()))["state"]
 
   def flip(path, x):
-    if runs.leaf_name(path) != "0/dense/kernel/value":
+    if damaged.leaf_name(path) != "0/dense/kernel/value":
       return x
     x = np.array(x)
     x.view(np.uint32).flat[0] ^= 1
@@ -349,14 +349,15 @@ def save_nonfinite(workdir, step: int) -> None:
         state=ocp.args.StandardRestore()))["state"]
     state = jax.tree_util.tree_map_with_path(
         lambda path, x: jax.numpy.full_like(x, np.nan)
-        if runs.leaf_name(path) in ("0/dense/kernel/value", "2/dense/kernel/value") else x, state)
+        if damaged.leaf_name(path) in ("0/dense/kernel/value", "2/dense/kernel/value") else x,
+        state)
     checkpoints.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)))
 
 
 def test_the_other_failed_reads_of_a_damaged_checkpoint_are_not_reported_again(caplog):
-  """Orbax reads a checkpoint's arrays as asyncio tasks: when one fails (what `runs.damage` names),
-  asyncio reports each other failed one whenever it is collected, with its traceback. Those from
-  Orbax's code are dropped; any other's is kept."""
+  """Orbax reads a checkpoint's arrays as asyncio tasks: when one fails (what `damaged.damage`
+  names), asyncio reports each other failed one whenever it is collected, with its traceback.
+  Those from Orbax's code are dropped; any other's is kept."""
   def failed_future(filename: str) -> None:  # (dropped, never retrieved, when this returns)
     loop = asyncio.new_event_loop()
     future = loop.create_future()
@@ -427,9 +428,9 @@ def test_a_step_damaged_twice_is_kept_twice_and_all_damaged_is_refused_again(str
   for _ in range(2):
     damage_checkpoint(workdir / "checkpoints" / str(last), "garbled")
     train.train_and_evaluate(two_epochs("spmd"), str(workdir))
-  damaged = workdir / runs.DAMAGED
-  assert sorted(p.name for p in damaged.iterdir()) == [str(last), f"{last}.2"]
-  assert f"kept in {damaged}/{last}.2; resuming from an older one" in caplog.text
+  aside = workdir / damaged.DAMAGED
+  assert sorted(p.name for p in aside.iterdir()) == [str(last), f"{last}.2"]
+  assert f"kept in {aside}/{last}.2; resuming from an older one" in caplog.text
   for checkpoint in (workdir / "checkpoints").iterdir():
     if checkpoint.name.isdigit():
       damage_checkpoint(checkpoint, "no_metadata")

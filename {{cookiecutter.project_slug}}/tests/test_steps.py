@@ -16,7 +16,7 @@ from shipped_model import create_model
 from configs import default
 
 from {{cookiecutter.project_slug}} import plan
-from {{cookiecutter.project_slug}}.data import input_pipeline
+from {{cookiecutter.project_slug}}.data import batches, sources
 from {{cookiecutter.project_slug}}.parallel import sharding
 from {{cookiecutter.project_slug}}.training import flops, metrics, optim, steps
 
@@ -71,11 +71,11 @@ def test_random_shift_moves_pixels_by_stream_position():
 def test_flops_of_the_default_cnn_step_equal_the_analytic_count():
   config = owned(default.get_config())
   config.steps_per_dispatch = 1
-  splits, info = input_pipeline.get_datasets(config)
+  splits, info = sources.get_datasets(config)
   model = create_model(config, info.image_shape, info.num_classes, nnx.Rngs(0))
   optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
   graphdef, state = nnx.split((model, optimizer))
-  element = input_pipeline.train_batches(splits["train"], plan.resolved(config))[0]
+  element = batches.train_batches(splits["train"], plan.resolved(config))[0]
   batch = jax.tree.map(lambda x: x[0], element)
   step = functools.partial(steps.train_step, graphdef, **plain_options(config, augment_max_shift=1))
 

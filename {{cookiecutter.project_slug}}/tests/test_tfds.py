@@ -14,7 +14,7 @@ from PIL import Image
 from configs import default, tiny
 
 from {{cookiecutter.project_slug}} import plan
-from {{cookiecutter.project_slug}}.data import input_pipeline
+from {{cookiecutter.project_slug}}.data import sources
 
 
 class DigitsForTest(tfds.core.GeneratorBasedBuilder):
@@ -33,7 +33,7 @@ class DigitsForTest(tfds.core.GeneratorBasedBuilder):
             "validation": self._generate_examples("eval")}
 
   def _generate_examples(self, split):
-    source = input_pipeline.get_datasets(default.get_config())[0][split]
+    source = sources.get_datasets(default.get_config())[0][split]
     for i, (image, label) in enumerate(zip(source.images, source.labels, strict=True)):
       out = io.BytesIO()
       Image.fromarray(image[..., 0]).save(out, format="PNG")
@@ -124,8 +124,8 @@ def test_a_run_on_a_tfds_dataset_keeps_its_class_names(data_dir, tmp_path):
   evaluate.py reads the split."""
   config = config_for(data_dir)
   config.num_epochs, config.num_workers = 4, 1
-  sources, _ = input_pipeline.get_datasets(config)
-  taken = {split: source.take(np.arange(len(source))) for split, source in sources.items()}
+  splits, _ = sources.get_datasets(config)
+  taken = {split: source.take(np.arange(len(source))) for split, source in splits.items()}
   metrics = trains_as_written(config, tmp_path, {
       split: (t["image"], t["label"]) for split, t in taken.items()}, NAMES)
   assert metrics["examples"] == 360 and metrics["accuracy"] > 0.5

@@ -27,7 +27,14 @@ from test_preemption import final_state
 import train
 
 from {{cookiecutter.project_slug}} import errors, plan
-from {{cookiecutter.project_slug}}.training import optim, runs, steps, stopping, writers
+from {{cookiecutter.project_slug}}.training import (
+  checkpoints,
+  optim,
+  report,
+  runs,
+  steps,
+  stopping,
+)
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -446,14 +453,14 @@ def test_a_run_stopped_on_8_devices_resumes_on_4_as_the_same_run(tiny_config, tm
   tiny_config.per_device_batch_size, tiny_config.num_epochs = 16, 3
   tiny_config.lr_scaling, tiny_config.warmup_steps = "linear", 5
   expected = train.train_and_evaluate(tiny_config, str(tmp_path / "straight"))
-  update = writers.Progress.update
+  update = report.Progress.update
 
   def update_then_signal(self, step):
     update(self, step)
     if step == 15:  # a log step, not an eval or checkpoint step
       os.kill(os.getpid(), signal.SIGTERM)
 
-  monkeypatch.setattr(writers.Progress, "update", update_then_signal)
+  monkeypatch.setattr(report.Progress, "update", update_then_signal)
   with pytest.raises(stopping.Stopped) as stopped:
     train.train_and_evaluate(tiny_config, str(tmp_path / "moved"))
   assert (stopped.value.step, stopped.value.exit_code) == (15, 143)
@@ -864,11 +871,11 @@ def test_the_state_is_built_in_shards_with_the_values_of_an_eager_build(tiny_con
   from flax import nnx
   from shipped_model import create_model
 
-  from {{cookiecutter.project_slug}}.data import input_pipeline
+  from {{cookiecutter.project_slug}}.data import sources
   from {{cookiecutter.project_slug}}.parallel import sharding
 
   tiny_config.parallelism, tiny_config.fsdp_min_size = "fsdp", 0
-  _, info = input_pipeline.get_datasets(tiny_config)
+  _, info = sources.get_datasets(tiny_config)
   graphdef, abstract, init = optim.initial_state(plan.resolved(tiny_config), info,
                                                  sharding.make_mesh(tiny_config), 100)
   state = init()
@@ -931,7 +938,7 @@ def test_a_bucket_workdir_without_its_packages_is_refused(tiny_config, monkeypat
 
 def test_checkpoints_are_written_by_one_replica_on_cpu_and_by_all_on_tpu(monkeypatch):
   def handler():
-    return runs.array_handlers().get(jax.Array)
+    return checkpoints.array_handlers().get(jax.Array)
 
   assert handler()._use_replica_parallel is False  # measured: 0.25 s against 2.7 s on CPU
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")

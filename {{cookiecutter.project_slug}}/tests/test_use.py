@@ -30,7 +30,7 @@ import write_arrayrecord
 from configs import default
 
 from {{cookiecutter.project_slug}} import plan
-from {{cookiecutter.project_slug}}.data import image_files, input_pipeline
+from {{cookiecutter.project_slug}}.data import image_files, sources
 from {{cookiecutter.project_slug}}.parallel import sharding
 from {{cookiecutter.project_slug}}.training import optim, runs, steps, trained
 
@@ -49,9 +49,9 @@ def folder_run(straight_runs, shared_tmp):
 
 
 def fine_tune_on_a_folder(source, root):
-  sources, _ = input_pipeline.get_datasets(default.get_config())
+  splits, _ = sources.get_datasets(default.get_config())
   for split, folder in (("train", "train"), ("eval", "val")):
-    for i, (image, label) in enumerate(zip(sources[split].images, sources[split].labels,
+    for i, (image, label) in enumerate(zip(splits[split].images, splits[split].labels,
                                            strict=True)):
       if label < len(CLASSES):
         os.makedirs(directory := root / "pngs" / folder / CLASSES[label], exist_ok=True)
@@ -147,7 +147,7 @@ def test_predictions_agree_with_evaluation_and_are_named_by_the_folders(folder_r
   loss = np.mean([-np.log(p[labels[path]]) for path, p in predicted.items()])
   assert loss == pytest.approx(metrics["loss"], rel=1e-5)
 
-  for source in (input_pipeline.get_datasets(run.config)[0]["eval"],
+  for source in (sources.get_datasets(run.config)[0]["eval"],
                  evaluate.image_folder_source(str(root / "pngs" / "val"), run)):
     result = evaluate.evaluate(run, source)
     assert result["examples"] == 144 and result["accuracy"] == metrics["accuracy"]
@@ -168,7 +168,7 @@ def test_every_path_evaluates_its_checkpoint_as_training_did(straight_runs, para
   assert {x.dtype for x in jax.tree.leaves(run.state)} == {np.dtype(np.float32)}
   held = sharding.bytes_per_device(run.state)
   assert held < run.bytes / 2 if parallelism == "fsdp" else held == run.bytes
-  result = evaluate.evaluate(run, input_pipeline.get_datasets(run.config)[0]["eval"])
+  result = evaluate.evaluate(run, sources.get_datasets(run.config)[0]["eval"])
   assert result["examples"] == 360 and result["accuracy"] == metrics["accuracy"]
   assert result["loss"] == pytest.approx(metrics["loss"], rel=1e-6)
 
@@ -365,10 +365,10 @@ def test_a_run_on_float_pixels_is_used_as_it_was_trained(tmp_path):
   reach the model as stored, in training and so in evaluate.py, predict.py (.npy arrays: image
   files are refused in one line) and the exported artifact (float input); data.json and
   model.json say so, and the three agree."""
-  sources, _ = input_pipeline.get_datasets(default.get_config())
+  splits, _ = sources.get_datasets(default.get_config())
   standardise = lambda x: ((x / np.float32(255) - 0.3) / 0.4).astype(np.float32)  # noqa: E731
   write_arrayrecord.write_dataset(str(tmp_path / "data"), {
-      split: (standardise(sources[split].images), sources[split].labels)
+      split: (standardise(splits[split].images), splits[split].labels)
       for split in ("train", "eval")})
   config = two_epochs("spmd")
   config.dataset, config.data_dir, config.num_workers = "arrayrecord", str(tmp_path / "data"), 0
@@ -378,19 +378,19 @@ def test_a_run_on_float_pixels_is_used_as_it_was_trained(tmp_path):
   assert (data["pixel_dtype"], data["model_input"]) == ("float32", "pixels as stored")
 
   run = trained.Restored(str(workdir))
-  evaluated = evaluate.evaluate(run, input_pipeline.get_datasets(run.config)[0]["eval"])
+  evaluated = evaluate.evaluate(run, sources.get_datasets(run.config)[0]["eval"])
   assert evaluated["examples"] == 360 and evaluated["accuracy"] == metrics["accuracy"] > 0.5
-  images = standardise(sources["eval"].images)
+  images = standardise(splits["eval"].images)
   exported = export.export(run)
   probs = np.asarray(exported.call([np.asarray(x) for x in jax.tree.leaves(run.state)], images))
-  assert (probs.argmax(-1) == sources["eval"].labels).sum() == round(360 * metrics["accuracy"])
+  assert (probs.argmax(-1) == splits["eval"].labels).sum() == round(360 * metrics["accuracy"])
   for i in range(12):
     np.save(tmp_path / f"{i:02d}.npy", images[i])
   paths = image_files.find_images([str(tmp_path)])
   predicted = np.stack([p for _, p in predict.predict(run, paths)])
   np.testing.assert_allclose(predicted, probs[:12], atol=1e-6)
 
-  Image.fromarray(sources["eval"].images[0, ..., 0]).save(tmp_path / "digit.png")
+  Image.fromarray(splits["eval"].images[0, ..., 0]).save(tmp_path / "digit.png")
   done = script("predict.py", f"--workdir={workdir}", str(tmp_path))
   assert done.returncode == 1 and done.stderr.strip().splitlines() == [
       f"error: the run was trained on float32 pixels as stored (its data.json), which image "
@@ -461,7 +461,7 @@ def test_a_run_whose_model_py_changed_is_built_with_its_copy_only_when_asked(str
     run = trained.Restored(str(workdir), runs_model=True)
     assert run.summary.endswith(f"model: the run's own, {workdir / runs.MODEL_FILE} "
                                 f"(--use_runs_model; {name}.py has changed since)"), run.summary
-    result = evaluate.evaluate(run, input_pipeline.get_datasets(run.config)[0]["eval"])
+    result = evaluate.evaluate(run, sources.get_datasets(run.config)[0]["eval"])
     assert result["examples"] == 360 and result["accuracy"] == metrics["accuracy"]
   finally:
     changed.unlink()
@@ -494,7 +494,7 @@ def test_train_replace_model_py_then_evaluate_predict_and_export_the_old_run(tmp
   assert done.returncode == 0, done.stderr[-3000:]
   (project / "model.py").write_text(CHANGED_MODEL)
   image = tmp_path / "digit.png"
-  Image.fromarray(input_pipeline.get_datasets(default.get_config())[0]["eval"].images[0, ..., 0]
+  Image.fromarray(sources.get_datasets(default.get_config())[0]["eval"].images[0, ..., 0]
                   ).save(image)
   said = f"model: the run's own, {workdir / runs.MODEL_FILE} (--use_runs_model; model.py has"
   for args in (["evaluate.py"], ["predict.py", str(image)],
@@ -526,7 +526,7 @@ def test_a_workdirs_model_py_runs_only_with_use_runs_model(straight_runs, tmp_pa
   copy = workdir / runs.MODEL_FILE
   copy.write_text(copy.read_text() + PAYLOAD)
   image = tmp_path / "digit.png"
-  Image.fromarray(input_pipeline.get_datasets(default.get_config())[0]["eval"].images[0, ..., 0]
+  Image.fromarray(sources.get_datasets(default.get_config())[0]["eval"].images[0, ..., 0]
                   ).save(image)
   command = lambda *args: subprocess.run(  # noqa: E731
       [sys.executable, *args, f"--workdir={workdir}"], cwd=PROJECT, capture_output=True,

@@ -33,8 +33,8 @@ import train
 from configs import tiny
 
 from {{cookiecutter.project_slug}} import plan
-from {{cookiecutter.project_slug}}.data import input_pipeline
-from {{cookiecutter.project_slug}}.training import optim, runs, steps, trained
+from {{cookiecutter.project_slug}}.data import sources
+from {{cookiecutter.project_slug}}.training import damaged, optim, runs, steps, trained
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,10 +60,10 @@ def test_your_model_maps_images_to_logits():
   """The check that train.py makes before compiling anything (`optim.check_model`: abstract),
   then the model run in train mode and in eval mode (as the steps set them): finite logits."""
   config = plan.resolved(config_as_shipped())
-  sources, info = input_pipeline.get_datasets(config)
+  splits, info = sources.get_datasets(config)
   optim.check_model(config, info)
   model = optim.create_model(config, info.image_shape, info.num_classes, nnx.Rngs(0))
-  images = jnp.asarray(sources["eval"].images[:5], jnp.float32) / 255
+  images = jnp.asarray(splits["eval"].images[:5], jnp.float32) / 255
   for set_mode in (model.train, model.eval):
     set_mode()
     logits = steps.forward(model, {"image": images, "mask": jnp.ones(5, bool)}, None)
@@ -91,7 +91,7 @@ def comparable(config):
 def differences(got, want, start) -> list[str]:
   """Each leaf of `got` that differs from `want` beyond its bound, said with the bound; integer
   leaves (counts, RNG keys) must be equal. Names as the checkpoint's: 0/ the model's leaves."""
-  leaves = lambda tree: {runs.leaf_name(p).removesuffix("/value"): as_numpy(x)  # noqa: E731
+  leaves = lambda tree: {damaged.leaf_name(p).removesuffix("/value"): as_numpy(x)  # noqa: E731
                          for p, x in jax.tree_util.tree_leaves_with_path(tree)}
   got, want, start = leaves(got), leaves(want), leaves(start)
   floats = [n for n, x in want.items() if np.issubdtype(x.dtype, np.floating)]
@@ -149,11 +149,11 @@ def takes_the_same_steps_on_every_path(batch_norm_devices: int, paths=("spmd", "
   config = comparable(config_as_shipped())
   config.fsdp_min_size = 0  # split every leaf that divides over 8
   config.batch_norm_devices = batch_norm_devices
-  sources, info = input_pipeline.get_datasets(config)
+  splits, info = sources.get_datasets(config)
   assert info.image_shape == (8, 8, 1)  # (test_parallel.batches: digits-shaped)
   config = plan.resolved(config)
   graphdef, state = nnx.split(optim.build_state(config, info.image_shape, info.num_classes, 3))
-  images = jnp.asarray(sources["eval"].images[:16], jnp.float32) / 255
+  images = jnp.asarray(splits["eval"].images[:16], jnp.float32) / 255
   quiet = with_randomness_off(graphdef, state)
   assert not draws_randomness(*quiet, images), (
       "your model draws random numbers with `deterministic=True` (what model.eval() sets): "
@@ -246,7 +246,7 @@ def test_your_model_resumes_bit_for_bit(straight, tmp_path, caplog):
 def test_predict_evaluate_and_export_work_on_your_model(straight, tmp_path):
   workdir, expected = straight
   run = trained.Restored(str(workdir))
-  source = input_pipeline.get_datasets(run.config)[0]["eval"]
+  source = sources.get_datasets(run.config)[0]["eval"]
   result = evaluate.evaluate(run, source)
   assert result["examples"] == 360 and result["accuracy"] == expected["accuracy"]
   assert result["loss"] == pytest.approx(expected["loss"], rel=1e-5)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from . import errors
-from .data import input_pipeline, shm
+from .data import batches, input_pipeline, sources
 from .errors import ConfigError
 from .parallel import sharding
 
@@ -174,9 +174,9 @@ class Target:
 # The rules of several keys, of the devices and of the workdir: each returns what is wrong, or
 # None. Each reads only keys that VALUE_RULES (and the rules before it) have passed.
 def _dataset_name(config, target):
-  if config.dataset in input_pipeline.SOURCES:
+  if config.dataset in sources.SOURCES:
     return None
-  fix = f"use one of {tuple(input_pipeline.SOURCES)}."
+  fix = f"use one of {tuple(sources.SOURCES)}."
   if config.data_dir and _holds_image_folders(config.data_dir):
     fix = (f"config.data_dir={config.data_dir!r} holds folders of images: write them as "
            f"ArrayRecord files first (python write_arrayrecord.py --image_folder="
@@ -197,12 +197,12 @@ def _holds_image_folders(directory: str) -> bool:
 
 
 def _data_dir_read(config, target):
-  readers = [name for name in input_pipeline.SOURCES
-             if getattr(input_pipeline.source(name), "READS_DATA_DIR", False)]
+  readers = [name for name, source in sources.SOURCES.items() if source.reads_data_dir]
   if config.data_dir and config.dataset not in readers:
     return (f"config.data_dir={config.data_dir!r} is read only by config.dataset="
             f"{', '.join(map(repr, readers[:-1]))} or {readers[-1]!r}, not {config.dataset!r}; "
-            "add --config.dataset=arrayrecord (or leave data_dir empty).")
+            "add --config.dataset=arrayrecord, or leave data_dir empty (a source of your own "
+            "that reads it says so in its line in sources.SOURCES: reads_data_dir=True).")
 
 
 def _warmup(config, target):
@@ -323,18 +323,18 @@ def _batch_divides(config, target):
 
 
 def _dataset(config, target):  # the data source's own check (its module's `check`)
-  return input_pipeline.source(config.dataset).check(config)
+  return sources.source(config.dataset).check(config)
 
 
 def _input_memory(config, target):
   """The input alone would not fit this host (aot.py's topologies are not here: not checked)."""
   if target.devices[0] not in jax.devices():
     return None
-  info = input_pipeline.source(config.dataset).describe(config)
+  info = sources.source(config.dataset).describe(config)
   if info is None:  # known once read (Hugging Face, TFDS): unless decoded to image_size
     if not config.get("image_size"):
       return None
-    info = input_pipeline.DatasetInfo(tuple(config.image_size), 0, {})
+    info = sources.DatasetInfo(tuple(config.image_size), 0, {})
   memory = input_pipeline.host_memory(target.resolved, info, target.num_processes)
   have = input_pipeline.available_memory()
   if memory.bytes <= have:
@@ -350,8 +350,12 @@ def _input_memory(config, target):
 
 def _shared_memory(config, target):
   """Grain's workers need some room in /dev/shm even when every image travels pickled."""
-  workers = input_pipeline.default_workers(config)
-  if not workers or target.devices[0] not in jax.devices() or not shm.available():
+  workers = batches.default_workers(config)
+  if not workers or target.devices[0] not in jax.devices():
+    return None
+  from .data import shm  # (only where workers run)
+
+  if not shm.available():
     return None
   free, need = shm.free_bytes(), shm.fallback_bytes(workers)
   if free < need:

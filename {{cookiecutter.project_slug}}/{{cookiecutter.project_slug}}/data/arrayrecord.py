@@ -1,7 +1,7 @@
 """ArrayRecord shards that write_arrayrecord.py wrote into `config.data_dir`: `train-*` and
 `eval-*.array_record` (msgpack records: image, label) and `metadata.json` (shape, classes, pixel
 dtype, and `resize_shorter` for photos stored whole, which the host then crops). A data source:
-`load`, `describe`, `check` (input_pipeline.SOURCES)."""
+`load`, `describe`, `check` (sources.SOURCES)."""
 
 import glob
 import json
@@ -12,12 +12,11 @@ import grain
 import numpy as np
 from flax import serialization
 
-from .input_pipeline import DatasetInfo, Loaded, canvas, host_crops
+from .sources import DatasetInfo, Loaded, canvas, host_crops
 
 if TYPE_CHECKING:  # (image_files is imported where images are decoded or cropped)
   from .image_files import Crops
 
-READS_DATA_DIR = True  # (plan.py: config.data_dir is this source's)
 
 
 class RecordSource:
@@ -110,7 +109,7 @@ def load(config) -> Loaded:
 
 def crops_of(config, meta: dict) -> tuple[bool, tuple[int, int] | None]:
   """Whether the host crops (photos stored whole), and the canvas its crops are sent in
-  (`input_pipeline.canvas`: None where the host resizes them)."""
+  (`sources.canvas`: None where the host resizes them)."""
   shorter = meta.get("resize_shorter")
   return bool(shorter), canvas(config, shorter, meta["image_shape"]) if shorter else None
 

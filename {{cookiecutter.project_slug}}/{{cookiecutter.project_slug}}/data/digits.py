@@ -1,16 +1,14 @@
 """The UCI handwritten digits that scikit-learn ships on disk (1797 images of 8x8, 10 classes):
 the default data, nothing downloaded; `config.eval_fraction` of them held out (stratified).
 
-A data source, whole: `load`, `describe` and `check` (named in input_pipeline.SOURCES). Copy it
+A data source, whole: `load`, `describe` and `check` (named in sources.SOURCES). Copy it
 to add your own."""
 
 import math
 
 import numpy as np
 
-from .input_pipeline import ArraySource, DatasetInfo, Loaded
-
-IN_MEMORY = True  # (input_pipeline.default_workers: a batch is one NumPy gather, no worker)
+from .sources import ArraySource, DatasetInfo, Loaded
 
 SHAPE, CLASSES, EXAMPLES = (8, 8, 1), 10, 1797  # load_digits()
 

@@ -8,7 +8,7 @@ one, unless named in `config.huggingface`; label ids and class names are the `Cl
 Training reads the split 'train'; evaluation 'validation' or 'test', whichever exists (named by
 `config.huggingface.eval_split` when both or neither do). Images are decoded in Grain's workers,
 to `image_shape` (the first training image's height and width, 1 channel if it is gray, else 3,
-or `config.image_size`): cut from the whole photo by `input_pipeline.host_crops` when the run
+or `config.image_size`): cut from the whole photo by `sources.host_crops` when the run
 crops (`augment_crop`), else as predict.py decodes files (`image_files.decode_image`).
 """
 
@@ -17,9 +17,8 @@ import os
 import numpy as np
 
 from . import image_files
-from .input_pipeline import Loaded, host_crops
+from .sources import Loaded, host_crops
 
-READS_DATA_DIR = True  # (plan.py: config.data_dir is this source's)
 EVAL_SPLITS = ("validation", "test")
 
 
@@ -135,7 +134,7 @@ def sources(config, crops: dict) -> tuple[dict[str, Source], tuple[int, int, int
            for split, ds in loaded.items()}, shape, names)
 
 
-def load(config) -> Loaded:  # (the data source's interface: input_pipeline.SOURCES)
+def load(config) -> Loaded:  # (the data source's interface: sources.SOURCES)
   return read_in_place(config, sources)
 
 

@@ -1,342 +1,22 @@
-"""Grain input pipeline: sources, a seeded shuffle, and padded-and-masked batches.
+"""The loader: Grain worker processes read a split's elements (batches.py) and hand them over in
+shared memory (shm.py, where workers run); the main process places each device's share on its
+device as it is (`sharding.global_batch`), touching no pixel. A worker gathers a device's share of
+an element at a time with NumPy (Grain's per-example path costs more than a small step).
+`host_memory` says what all this holds."""
 
-Each element is k = `config.run.steps_per_dispatch` batches stacked, each this process's share of a
-global batch (NumPy): image [k, B, H, W, C] as stored, label, mask (False on padding), position
-(the example's place in the stream), and box [k, B, 6] where the image is a photo's crop in a
-canvas, for the devices to resize (`DatasetInfo.canvas`). Every process cuts a split into
-ceil(examples / global_batch) batches, so no example is dropped or counted twice. Batch b holds
-stream positions [b * global_batch, (b + 1) * global_batch) (`num_epochs` seeded permutations),
-position b * global_batch + r in row r: a process reads the rows its devices hold
-(`sharding.process_rows`), so the global batch is the same, row for row, for any number of
-processes (and so are the random draws of a model that keys them by row: Dropout). A worker
-gathers a device's share of an element at a time with NumPy (Grain's per-example path costs more
-than a small step) and hands it over in shared memory: the main process places each share on its
-own device as it is (`sharding.global_batch`), touching no pixel."""
-
-import collections
 import dataclasses
 import functools
-import importlib
 import math
 import os
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING, NamedTuple
 
 import grain
-import jax
 import numpy as np
-from absl import logging
 
-from ..errors import BadData
-from . import shm
-
-if TYPE_CHECKING:  # (image_files is imported where images are decoded or cropped)
-  from .image_files import Crops
-
-# The data, by `config.dataset`: the module that loads, describes and checks each (a name that
-# starts with '.': a module of this folder). A new source is a module with `load(config)`,
-# `describe(config)` and `check(config)` (digits.py: the simplest) and a line here.
-SOURCES = {"digits": ".digits", "arrayrecord": ".arrayrecord", "huggingface": ".huggingface",
-           "tfds": ".tfds_data", "synthetic": ".synthetic"}
-
-
-def source(name: str):
-  """The module of the data source `name` (`SOURCES`)."""
-  return importlib.import_module(SOURCES[name], __package__)
-
-
-@dataclasses.dataclass(frozen=True)
-class DatasetInfo:
-  image_shape: tuple[int, int, int]  # (height, width, channels)
-  num_classes: int
-  num_examples: dict[str, int]  # split name -> number of examples
-  class_names: tuple[str, ...] = ()  # when the data name them (write_arrayrecord --image_folder)
-  # As stored: integer pixels reach the model divided by 255, floats as they are (model_input).
-  pixel_dtype: str = "uint8"
-  # Photos stored whole (write_arrayrecord --resize_shorter), cropped to `image_shape` here.
-  crops_on_host: bool = False
-  # (height, width) of the canvas those crops come in, each with its "box", for the devices to
-  # resize (`config.resize_on_device`: steps.forward); None: resized on the host.
-  canvas: tuple[int, int] | None = None
-
-
-class Loaded(NamedTuple):
-  """What a source's `load(config)` returns."""
-
-  sources: dict  # 'train' and 'eval': each with len() and take(indices) (ArraySource's kind)
-  image_shape: tuple[int, int, int]
-  num_classes: int
-  class_names: tuple[str, ...] = ()
-  crops_on_host: bool = False  # photos kept whole, cropped to image_shape by the reading workers
-  canvas: tuple[int, int] | None = None  # DatasetInfo's
-
-
-def model_input(pixel_dtype: str) -> str:
-  """What the model is given of stored pixels of `pixel_dtype` (steps.forward)."""
-  return "pixels / 255" if np.issubdtype(pixel_dtype, np.integer) else "pixels as stored"
-
-
-class ArraySource:
-  """Examples held in memory: `take` gathers a batch of them at once."""
-
-  def __init__(self, images: np.ndarray, labels: np.ndarray):
-    self.images, self.labels = images, labels
-
-  def __len__(self) -> int:
-    return len(self.labels)
-
-  def take(self, indices: np.ndarray) -> dict[str, np.ndarray]:
-    return {"image": self.images[indices], "label": self.labels[indices]}
-
-
-def host_crops(config, canvas: tuple[int, int] | None = None) -> "dict[str, Crops]":
-  """How the host cuts photos kept whole (stored whole by write_arrayrecord.py --resize_shorter,
-  or in a Hugging Face or TFDS dataset when the run crops): training's random-resized crop
-  (`augment_crop`: from the whole photo), else, and in evaluation, the `eval_crop_ratio` centre;
-  with a `canvas`, sent in it for the devices to resize (`Crops.cut`)."""
-  from .image_files import Crops
-
-  return {"eval": Crops(center_ratio=config.eval_crop_ratio, canvas=canvas),
-          "train": Crops(config.seed, tuple(config.augment_crop_scale)
-                         if config.augment_crop else None, tuple(config.augment_crop_ratio),
-                         config.eval_crop_ratio, canvas)}
-
-
-def canvas(config, resize_shorter: int, image_shape) -> tuple[int, int] | None:
-  """The (height, width) that holds any crop of photos stored at `resize_shorter` with the
-  pixels its resize reads around it (`Crops.cut`), for `config.resize_on_device`; else None. A
-  crop's longest side: the shorter side times the widest aspect drawn (`augment_crop_ratio`)."""
-  if not config.get("resize_on_device"):
-    return None
-  low, high = config.augment_crop_ratio if config.augment_crop else (1, 1)
-  longest = resize_shorter * max(high, 1 / low, 1)
-  side = math.ceil(longest + 2 * max(longest / min(image_shape[:2]), 1)) + 4
-  return max(side, image_shape[0]), max(side, image_shape[1])  # (a crop resized here: fits)
-
-
-def get_datasets(config) -> tuple[dict, DatasetInfo]:
-  """The 'train' and 'eval' sources of `config.dataset`, and what the model needs to know."""
-  loaded = source(config.dataset).load(config)
-  train = loaded.sources["train"]
-  first = train.take(np.zeros(1, np.int64))["image"] if len(train) else None
-  info = DatasetInfo(tuple(loaded.image_shape), int(loaded.num_classes),
-                     {split: len(data) for split, data in loaded.sources.items()},
-                     tuple(loaded.class_names), "uint8" if first is None else first.dtype.name,
-                     loaded.crops_on_host, loaded.canvas)
-  return loaded.sources, info
-
-
-def describe(config) -> DatasetInfo:
-  """What `get_datasets(config)` would say of the data, without reading it where the source can
-  (its `describe`: aot.py), else read."""
-  return source(config.dataset).describe(config) or get_datasets(config)[1]
-
-
-def num_batches(num_examples: int, global_batch_size: int) -> int:
-  return math.ceil(num_examples / global_batch_size)
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadUnit:
-  """A worker's unit of work: unit u -> share u % `shares` of element u // `shares`, i.e. that
-  slice of each of the element's k batches, `[k, local_batch // shares, ...]`, padded and masked
-  (with workers, a local device's share of the element: placed on it as it is). Batches past the
-  stream's end or before `first_batch` (a resume) are padding, read from nowhere; the stream is
-  cut into whole elements of k batches from its start, and with `trim` (evaluation) the last
-  element holds only the batches left."""
-
-  source: ArraySource  # or any source of len() and take(indices): arrayrecord.RecordSource, ...
-  global_batch_size: int
-  num_epochs: int = 1
-  shuffle_seed: int | None = None  # None: the source's order
-  steps_per_element: int = 1  # k
-  first_batch: int = 0
-  rows: tuple[int, ...] | None = None  # the global batch's rows this process reads; None: all
-  trim: bool = False
-  shares: int = 1  # units an element
-
-  @property
-  def local_batch_size(self) -> int:
-    return len(self.rows) if self.rows else self.global_batch_size
-
-  def __len__(self) -> int:  # whole elements of k batches
-    return -(-self.num_batches // self.steps_per_element) * self.shares
-
-  @property
-  def num_batches(self) -> int:
-    return num_batches(self.num_epochs * len(self.source), self.global_batch_size)
-
-  @functools.lru_cache(maxsize=4)  # noqa: B019  (a unit spans few epochs)
-  def permutation(self, epoch: int) -> np.ndarray:
-    return np.random.default_rng([self.shuffle_seed, epoch]).permutation(len(self.source))
-
-  def __call__(self, u: int) -> dict[str, np.ndarray]:
-    element, share = divmod(u, self.shares)
-    k, per_share = self.steps_per_element, self.local_batch_size // self.shares
-    batch_S = np.repeat(element * k + np.arange(k), per_share)
-    slot_S = np.tile(share * per_share + np.arange(per_share), k)
-    positions_S = batch_S * self.global_batch_size + (np.asarray(self.rows)[slot_S]
-                                                      if self.rows else slot_S)
-    mask_S = (positions_S < self.num_epochs * len(self.source)) & (batch_S >= self.first_batch)
-    read_S = mask_S | (np.arange(len(mask_S)) == 0)  # one example at least: the shapes
-    epoch, indices = np.divmod(positions_S[read_S] * mask_S[read_S], len(self.source))
-    if self.shuffle_seed is not None:
-      for e in np.unique(epoch):  # a unit may straddle epochs
-        indices[epoch == e] = self.permutation(e)[indices[epoch == e]]
-    if getattr(self.source, "crops", None) is not None:
-      taken = self.source.take(indices, positions_S[read_S])
-    else:
-      taken = self.source.take(indices)
-    failed = taken.pop("failed", None)  # records read from files: which could not be used
-    if failed is not None:
-      mask_S, bad_records = skip_failed(self.source, failed, indices, np.flatnonzero(read_S),
-                                        mask_S)
-    taken["label"] = taken["label"].astype(np.int32)
-    if not mask_S.all():  # padding: zeros
-      for key, value in taken.items():
-        taken[key] = np.zeros((len(mask_S), *value.shape[1:]), value.dtype)
-        taken[key][mask_S] = value[mask_S[read_S]]
-    unit = {**taken, "mask": mask_S, "position": positions_S.astype(np.uint32)}
-    # The batches that fill the last element (`trim`): left out (all but the first at least).
-    kept = min(k, self.num_batches - element * k) if self.trim else k
-    unit = {key: value.reshape(k, per_share, *value.shape[1:])[:kept]
-            for key, value in unit.items()}
-    return unit if failed is None else unit | bad_records
-
-
-# A record that cannot be used (unreadable, or not an example of the data) is masked, and named
-# in the log; a process stops once more than MAX_BAD_SHARE of the records it read, and more than
-# MAX_BAD_RECORDS, failed: counted in the main process an element at a time as they arrive
-# (`count_bad_records`), over all its workers, in the stream's order: the same verdict, at the
-# same element, for any number of workers.
-MAX_BAD_SHARE, MAX_BAD_RECORDS = 0.01, 10
-_records, _records_lock = collections.Counter(), threading.Lock()  # this process's
-
-
-def skip_failed(source, failed: dict[int, str], indices: np.ndarray, slots: np.ndarray,
-                mask_S: np.ndarray) -> tuple[np.ndarray, dict]:
-  """`mask_S` without the examples that `source.take` could not use (`failed`: their places in
-  `indices`, read into `slots`), and what the unit carries to `count_bad_records`: `read`, the
-  real examples it read, and `bad`, (where, why) of each that failed."""
-  failed = {j: why for j, why in failed.items() if mask_S[slots[j]]}  # not padding's stand-in
-  bad = np.empty(len(failed), object)  # (pickled, never in shared memory: shm.Outbox)
-  bad[:] = [(f"{source.name} row {indices[j]}", why) for j, why in failed.items()]
-  carried = {"read": np.array(int(mask_S.sum())), "bad": bad}
-  if failed:
-    mask_S = mask_S.copy()
-    mask_S[slots[list(failed)]] = False
-  return mask_S, carried
-
-
-def count_bad_records(units: list[dict], count: bool = True) -> list[dict]:
-  """In the main process, each element once, in order (`units`: its shares): its bad records
-  named in a warning and counted with the records read; raises BadData once too many failed.
-  Returns the units without what they carried for this (all that happens without `count`)."""
-  carried = [unit for unit in units if "bad" in unit]
-  units = [{key: value for key, value in unit.items() if key not in ("read", "bad")}
-           for unit in units]
-  if not carried or not count:
-    return units
-  bad_records = [record for unit in carried for record in unit["bad"]]
-  with _records_lock:
-    _records["read"] += sum(int(unit["read"]) for unit in carried)
-    _records["failed"] += len(bad_records)
-    read, bad = _records["read"], _records["failed"]
-  for where, why in bad_records:
-    logging.warning("skipped %s, unreadable (%s): %d of %d records read here so far", where, why,
-                    bad, read)
-  if bad_records and bad > MAX_BAD_RECORDS and bad > MAX_BAD_SHARE * read:
-    where, why = bad_records[-1]
-    share = format(MAX_BAD_SHARE, ".0%")
-    raise BadData(f"{bad} of the {read} records read in this process could not be read, more "
-                  f"than {share} (input_pipeline.MAX_BAD_SHARE); the last: {where}: {why}")
-  return units
-
-
-@dataclasses.dataclass(frozen=True)
-class Elements:
-  """A stream's elements, k batches stacked each (`train_batches`, `eval_batches`), made of
-  `units` (a Grain MapDataset of `LoadUnit`s, `shares` an element): `as_iterator` reads them;
-  `len`, indexing and iteration read them here, in this process, stacked: iteration as the input
-  reads them (bad records named and counted), indexing for a look (their shapes: not counted)."""
-
-  units: grain.MapDataset
-  shares: int  # units an element
-
-  def __len__(self) -> int:
-    return len(self.units) // self.shares
-
-  def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-    return self.element(i, count=False)
-
-  def __iter__(self):
-    return (self.element(i) for i in range(len(self)))
-
-  def element(self, i: int, count: bool = True) -> dict[str, np.ndarray]:
-    start = range(len(self))[i] * self.shares
-    return self.stack(count_bad_records([self.units[u] for u in range(start, start + self.shares)],
-                                        count))
-
-  def repeat(self) -> "Elements":
-    return dataclasses.replace(self, units=self.units.repeat())
-
-  @staticmethod
-  def stack(shares: list[dict]) -> dict[str, np.ndarray]:
-    """An element's shares as `[k, local_batch, ...]` (a copy, for a look: the devices take the
-    shares as they are)."""
-    if len(shares) == 1:
-      return shares[0]
-    return {key: np.concatenate([share[key] for share in shares], axis=1) for key in shares[0]}
-
-
-def shares(config, local_batch_size: int) -> int:
-  """The units of an element: with worker processes, one a local device (when they divide the
-  batch), each placed on its device as it is; without, one: the element in one gather from memory,
-  or read by this process's threads."""
-  devices = jax.local_device_count()
-  return devices if default_workers(config) and local_batch_size % devices == 0 else 1
-
-
-def elements(load: LoadUnit, first_element: int = 0) -> Elements:
-  units = grain.MapDataset.range(len(load)).map(load)[first_element * load.shares:]
-  return Elements(units, load.shares)
-
-
-def train_batches(source, config, first_step: int = 0, rows=None) -> Elements:
-  """`num_epochs` passes over `source`, reshuffled each epoch, as one stream of batches, from the
-  element holding batch `first_step` on; only the very last batch can be partial. `rows`: this
-  process's rows of each global batch (`sharding.process_rows`; None: one process)."""
-  k, batch = config.run.steps_per_dispatch, config.run.global_batch_size
-  load = LoadUnit(source, batch, config.num_epochs, config.seed, k, first_step, rows=rows,
-                  shares=shares(config, len(rows) if rows else batch))
-  return elements(load, first_step // k)
-
-
-def eval_batches(source, config, rows=None) -> Elements:
-  """The split once, in its order, k batches an element, the last one only those left."""
-  k, batch = config.run.steps_per_dispatch, config.run.global_batch_size
-  return elements(LoadUnit(source, batch, steps_per_element=k, trim=True, rows=rows,
-                           shares=shares(config, len(rows) if rows else batch)))
-
-
-def available_cpus() -> int:
-  """The cores this process may run on (its affinity: what SLURM, taskset or a container's
-  cpuset gave it), not all the machine's."""
-  if hasattr(os, "sched_getaffinity"):  # Linux (os.process_cpu_count: Python 3.13 on)
-    return len(os.sched_getaffinity(0))
-  return os.cpu_count() or 1
-
-
-def default_workers(config) -> int:
-  """`config.num_workers`, or when it is -1: none for datasets held in memory (a batch is one
-  NumPy gather, which workers would only copy again), else one per core of this process's but
-  one (each holds `prefetch_batches` batches and a few more: `host_memory`)."""
-  if config.num_workers >= 0:
-    return config.num_workers
-  in_memory = getattr(source(config.dataset), "IN_MEMORY", False)  # (the source says so)
-  return 0 if in_memory else max(available_cpus() - 1, 1)
+from .batches import Elements, count_bad_records, default_workers, shares
+from .sources import DatasetInfo
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,6 +95,8 @@ class Iterator:
   def close(self) -> None:
     self.elements.close()
     if self.prefix:
+      from . import shm
+
       shm.remove_unreceived(self.prefix)
 
 
@@ -431,6 +113,8 @@ def as_iterator(batches: Elements, config, put=None, num_workers: int | None = N
   workers = default_workers(config) if num_workers is None else num_workers
   prefix = receive = None
   if workers:
+    from . import shm  # (only where workers run)
+
     if shared_memory and shm.available():
       shm.remove_leftovers()
       # Each worker keeps mapped as many of its units as the main process holds (the elements

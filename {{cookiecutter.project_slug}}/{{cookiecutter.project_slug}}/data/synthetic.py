@@ -1,11 +1,9 @@
 """Random images and labels of any shape (`config.synthetic`): for benchmarks and tests, not for
-learning. A data source: `load`, `describe`, `check` (input_pipeline.SOURCES)."""
+learning. A data source: `load`, `describe`, `check` (sources.SOURCES)."""
 
 import numpy as np
 
-from .input_pipeline import ArraySource, DatasetInfo, Loaded
-
-IN_MEMORY = True  # (input_pipeline.default_workers: a batch is one NumPy gather, no worker)
+from .sources import ArraySource, DatasetInfo, Loaded
 
 
 def load(config) -> Loaded:

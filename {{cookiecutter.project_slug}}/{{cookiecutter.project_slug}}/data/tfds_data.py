@@ -8,7 +8,7 @@ The image feature is the `Image` one and the label the `ClassLabel` one, whose n
 class names. Training reads the split 'train'; evaluation 'validation', else 'test'. Images
 are decoded in Grain's workers, to `image_shape` (the first training image's height and width,
 1 channel if gray, else 3, or `config.image_size`): cut from the whole photo by
-`input_pipeline.host_crops` when the run crops (`augment_crop`), else as predict.py decodes
+`sources.host_crops` when the run crops (`augment_crop`), else as predict.py decodes
 files (`image_files.decode_image`).
 """
 
@@ -16,9 +16,8 @@ import numpy as np
 
 from . import image_files
 from .huggingface import read_in_place
-from .input_pipeline import Loaded
+from .sources import Loaded
 
-READS_DATA_DIR = True  # (plan.py: config.data_dir is this source's)
 EVAL_SPLITS = ("validation", "test")
 
 
@@ -96,7 +95,7 @@ def sources(config, crops: dict) -> tuple[dict[str, Source], tuple[int, int, int
           shape, tuple(found.info.features[label].names))
 
 
-def load(config) -> Loaded:  # (the data source's interface: input_pipeline.SOURCES)
+def load(config) -> Loaded:  # (the data source's interface: sources.SOURCES)
   return read_in_place(config, sources)
 
 

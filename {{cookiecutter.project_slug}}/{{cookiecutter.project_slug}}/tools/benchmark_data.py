@@ -26,7 +26,7 @@ from PIL import Image
 import write_arrayrecord
 
 from .. import plan
-from ..data import arrayrecord, image_files, input_pipeline
+from ..data import arrayrecord, batches, image_files, input_pipeline, sources
 from ..parallel import sharding
 
 PIPELINE = dict(image_shape=(64, 64, 3), batch_size=1024)
@@ -43,10 +43,10 @@ def measure_pipeline(config, is_tiny: bool, seconds: float = 3.0) -> dict:
   config.batch_size = PIPELINE["batch_size"]
   config.synthetic.num_train = 8 * config.batch_size
   config.num_epochs = 1000  # never runs out
-  splits, _ = input_pipeline.get_datasets(config)
+  splits, _ = sources.get_datasets(config)
   put = functools.partial(sharding.global_batch, mesh=sharding.make_mesh())
   iterator = input_pipeline.as_iterator(
-      input_pipeline.train_batches(splits["train"], plan.resolved(config)), config, put=put)
+      batches.train_batches(splits["train"], plan.resolved(config)), config, put=put)
   jax.block_until_ready(next(iterator))  # threads started, first element read
   start, images = time.perf_counter(), 0
   while time.perf_counter() - start < (0.3 if is_tiny else seconds):
@@ -77,9 +77,9 @@ def measure_decoding(config, is_tiny: bool, seconds: float = 3.0) -> dict:
     write_jpeg_folder(f"{root}/jpeg", num_images, DECODING["image_shape"][0])
     write_arrayrecord.write_image_folder(f"{root}/data", f"{root}/jpeg", keep_encoded=True)
     config.data_dir = f"{root}/data"
-    splits, _ = input_pipeline.get_datasets(config)
+    splits, _ = sources.get_datasets(config)
     iterator = input_pipeline.as_iterator(
-        input_pipeline.train_batches(splits["train"], plan.resolved(config)), config)
+        batches.train_batches(splits["train"], plan.resolved(config)), config)
     next(iterator)  # workers started, first element read
     start, images = time.perf_counter(), 0
     while time.perf_counter() - start < (0.3 if is_tiny else seconds):
@@ -87,7 +87,7 @@ def measure_decoding(config, is_tiny: bool, seconds: float = 3.0) -> dict:
     images_per_sec = images / (time.perf_counter() - start)
     iterator.close()
   return dict(DECODING, images_per_sec=images_per_sec, num_images=num_images,
-              workers=input_pipeline.default_workers(config))
+              workers=batches.default_workers(config))
 
 
 class PeakMemory(threading.Thread):
@@ -181,7 +181,7 @@ def measure_workers(config, is_tiny: bool, seconds: float = 5.0) -> dict:
   config.dataset, config.num_epochs, config.parallelism = "arrayrecord", 10**6, "spmd"
   config.batch_size = WORKERS["batch_size"]
   config.steps_per_dispatch = WORKERS["steps_per_dispatch"]
-  config.num_workers = input_pipeline.default_workers(config) or 1
+  config.num_workers = batches.default_workers(config) or 1
   num_images = WORKERS["num_images"] // (4 if is_tiny else 1)
   rng = np.random.default_rng(0)
   result = dict(WORKERS, num_images=num_images, workers=config.num_workers)
@@ -190,10 +190,10 @@ def measure_workers(config, is_tiny: bool, seconds: float = 5.0) -> dict:
         rng.integers(0, 256, (n, *WORKERS["image_shape"]), dtype=np.uint8),
         rng.integers(0, 10, n)) for split, n in (("train", num_images), ("eval", 8))})
     config.data_dir = root
-    splits, _ = input_pipeline.get_datasets(config)
+    splits, _ = sources.get_datasets(config)
     for name, shared_memory in (("", True), ("pickled_", False)):
       iterator = input_pipeline.as_iterator(
-          input_pipeline.train_batches(splits["train"], plan.resolved(config)), config,
+          batches.train_batches(splits["train"], plan.resolved(config)), config,
           put=placer(config), shared_memory=shared_memory)
       delivered = deliver(iterator, 0.5 if is_tiny else seconds)
       iterator.close()
@@ -242,7 +242,7 @@ def measure_input(config, splits, info, seconds: float, rate: float) -> dict:
   memory = PeakMemory()
   memory.start()
   put = Staged(placer(config))
-  iterator = input_pipeline.as_iterator(input_pipeline.train_batches(splits["train"], config),
+  iterator = input_pipeline.as_iterator(batches.train_batches(splits["train"], config),
                                         config, put=put)
   delivered = deliver(iterator, seconds, memory)
   put.on = True  # the same again, with a GPU's staging copy: the main process's cost alone
@@ -271,16 +271,16 @@ def measure_data(config, seconds: float, rate: float, image_folder: str | None =
   devices resize: the same again with the host resizing them (`host_resize_...`), in this run."""
   config = plan.resolved(config)
   config.num_epochs = 10**6  # never runs out
-  splits, info = input_pipeline.get_datasets(config)
+  splits, info = sources.get_datasets(config)
   result = dict(data_dir=config.data_dir, dataset=config.dataset,
                 image_shape=list(info.image_shape), crops_on_host=info.crops_on_host,
                 canvas=info.canvas and list(info.canvas),
                 decoder="simplejpeg" if image_files.simplejpeg else "PIL",
-                workers=input_pipeline.default_workers(config),
+                workers=batches.default_workers(config),
                 **measure_input(config, splits, info, seconds, rate))
   if info.canvas:  # today's other path, in the same run
     config.resize_on_device = False
-    splits, info = input_pipeline.get_datasets(config)
+    splits, info = sources.get_datasets(config)
     result.update({f"host_resize_{key}": value for key, value in measure_input(
         config, splits, info, seconds, rate).items()})
     result["over_host_resize"] = (result["images_per_cpu_second"]
@@ -306,7 +306,7 @@ def main(config, data_dir: str, seconds: float, rate: float, image_folder: str |
   """`benchmark.py --data_dir`: `measure_data` on `data_dir` read as `config.dataset` reads it
   ('arrayrecord' for the digits' and synthetic configs), printed and written to `out` (JSON)."""
   config.data_dir = data_dir
-  if getattr(input_pipeline.source(config.dataset), "IN_MEMORY", False):
+  if sources.SOURCES[config.dataset].in_memory:
     config.dataset = "arrayrecord"
   try:
     plan.validate_config(config)

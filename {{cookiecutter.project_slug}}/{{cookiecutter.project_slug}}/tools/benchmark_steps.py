@@ -11,7 +11,7 @@ import jax
 from flax import nnx
 
 from .. import plan
-from ..data import input_pipeline
+from ..data import batches, sources
 from ..parallel import sharding
 from ..training import metrics, optim, steps
 
@@ -25,8 +25,8 @@ def step_state_batch(config, path: str):
   config = config.copy_and_resolve_references()
   config.steps_per_dispatch = 1
   config = plan.resolved(config)
-  splits, info = input_pipeline.get_datasets(config)
-  batch = input_pipeline.train_batches(splits["train"], config)[0]  # [1, batch, ...]
+  splits, info = sources.get_datasets(config)
+  batch = batches.train_batches(splits["train"], config)[0]  # [1, batch, ...]
   graphdef, state = nnx.split(optim.build_state(config, info.image_shape, info.num_classes, 1000))
   if path == "single":
     device = jax.devices()[0]

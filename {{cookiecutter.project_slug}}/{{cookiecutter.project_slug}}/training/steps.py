@@ -55,7 +55,7 @@ def forward(model, batch, config, augment=None) -> jax.Array:
   (so any batching, device or process count, and any resume draw the same for it). The model is
   given the mask (`batch["mask"]`) when it takes one (`takes_mask`)."""
   images_BHWC = batch["image"].astype(jnp.float32)
-  if "box" in batch:  # (input_pipeline.DatasetInfo.canvas)
+  if "box" in batch:  # (sources.DatasetInfo.canvas)
     images_BHWC = augment_ops.resize_crops(images_BHWC, batch["box"], config.run.image_shape[:2])
   if jnp.issubdtype(batch["image"].dtype, jnp.integer):
     images_BHWC = images_BHWC / 255.0

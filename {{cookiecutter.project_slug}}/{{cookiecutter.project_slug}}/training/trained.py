@@ -18,23 +18,13 @@ from etils import epath
 from flax import nnx
 
 from .. import plan
-from ..data import input_pipeline
+from ..data import sources
 from ..errors import ConfigError
 from ..parallel import sharding
 from . import optim
-from .runs import (
-  CONFIG_FILE,
-  DATA_FILE,
-  MODEL_FILE,
-  absolute,
-  changed_leaf,
-  check_checkpoint_fits,
-  checkpoint_manager,
-  damage,
-  leaf_name,
-  newest_intact,
-  shapes,
-)
+from .checkpoints import changed_leaf, check_checkpoint_fits, checkpoint_manager, shapes
+from .damaged import damage, leaf_name, newest_intact
+from .runs import CONFIG_FILE, DATA_FILE, MODEL_FILE, absolute
 
 
 def read_description(workdir: str):
@@ -54,7 +44,7 @@ def read_description(workdir: str):
     config.run = dict(global_batch_size=config.batch_size,
                       steps_per_dispatch=config.steps_per_dispatch)
   data = json.loads((path / DATA_FILE).read_text())
-  info = input_pipeline.DatasetInfo(tuple(data["image_shape"]), data["num_classes"], {},
+  info = sources.DatasetInfo(tuple(data["image_shape"]), data["num_classes"], {},
                                     tuple(data["class_names"]),
                                     data.get("pixel_dtype", "uint8"),  # (older runs: uint8)
                                     data.get("crops_on_host", False))

@@ -1,0 +1,125 @@
+"""The data sources, by `config.dataset`, and what a source gives: its 'train' and 'eval' splits
+(`Loaded`) and what the model is told of them (`DatasetInfo`).
+
+A source is a module with `load(config)`, `describe(config)` and `check(config)` (digits.py is the
+simplest: copy it) and one line in `SOURCES`, which says what the source reads: plan.py checks a
+config against it without importing any source, and a run imports only its own."""
+
+import dataclasses
+import importlib
+import math
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+if TYPE_CHECKING:  # (image_files is imported where images are decoded or cropped)
+  from .image_files import Crops
+
+
+class Source(NamedTuple):
+  """A data source's line in `SOURCES`."""
+
+  module: str  # its module's name; one that starts with '.' is in this folder
+  reads_data_dir: bool = False  # config.data_dir names its data
+  in_memory: bool = False  # held in memory: a batch is one NumPy gather, read without workers
+
+
+SOURCES = {
+    "digits": Source(".digits", in_memory=True),
+    "synthetic": Source(".synthetic", in_memory=True),
+    "arrayrecord": Source(".arrayrecord", reads_data_dir=True),
+    "huggingface": Source(".huggingface", reads_data_dir=True),
+    "tfds": Source(".tfds_data", reads_data_dir=True),
+}
+
+
+def source(name: str):
+  """The module of the data source `name` (`SOURCES`), imported."""
+  return importlib.import_module(SOURCES[name].module, __package__)
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetInfo:
+  image_shape: tuple[int, int, int]  # (height, width, channels)
+  num_classes: int
+  num_examples: dict[str, int]  # split name -> number of examples
+  class_names: tuple[str, ...] = ()  # when the data name them (write_arrayrecord --image_folder)
+  # As stored: integer pixels reach the model divided by 255, floats as they are (model_input).
+  pixel_dtype: str = "uint8"
+  # Photos stored whole (write_arrayrecord --resize_shorter), cropped to `image_shape` here.
+  crops_on_host: bool = False
+  # (height, width) of the canvas those crops come in, each with its "box", for the devices to
+  # resize (`config.resize_on_device`: steps.forward); None: resized on the host.
+  canvas: tuple[int, int] | None = None
+
+
+class Loaded(NamedTuple):
+  """What a source's `load(config)` returns."""
+
+  sources: dict  # 'train' and 'eval': each with len() and take(indices) (ArraySource's kind)
+  image_shape: tuple[int, int, int]
+  num_classes: int
+  class_names: tuple[str, ...] = ()
+  crops_on_host: bool = False  # photos kept whole, cropped to image_shape by the reading workers
+  canvas: tuple[int, int] | None = None  # DatasetInfo's
+
+
+def model_input(pixel_dtype: str) -> str:
+  """What the model is given of stored pixels of `pixel_dtype` (steps.forward)."""
+  return "pixels / 255" if np.issubdtype(pixel_dtype, np.integer) else "pixels as stored"
+
+
+class ArraySource:
+  """Examples held in memory: `take` gathers a batch of them at once."""
+
+  def __init__(self, images: np.ndarray, labels: np.ndarray):
+    self.images, self.labels = images, labels
+
+  def __len__(self) -> int:
+    return len(self.labels)
+
+  def take(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+    return {"image": self.images[indices], "label": self.labels[indices]}
+
+
+def host_crops(config, canvas: tuple[int, int] | None = None) -> "dict[str, Crops]":
+  """How the host cuts photos kept whole (stored whole by write_arrayrecord.py --resize_shorter,
+  or in a Hugging Face or TFDS dataset when the run crops): training's random-resized crop
+  (`augment_crop`: from the whole photo), else, and in evaluation, the `eval_crop_ratio` centre;
+  with a `canvas`, sent in it for the devices to resize (`Crops.cut`)."""
+  from .image_files import Crops
+
+  return {"eval": Crops(center_ratio=config.eval_crop_ratio, canvas=canvas),
+          "train": Crops(config.seed, tuple(config.augment_crop_scale)
+                         if config.augment_crop else None, tuple(config.augment_crop_ratio),
+                         config.eval_crop_ratio, canvas)}
+
+
+def canvas(config, resize_shorter: int, image_shape) -> tuple[int, int] | None:
+  """The (height, width) that holds any crop of photos stored at `resize_shorter` with the
+  pixels its resize reads around it (`Crops.cut`), for `config.resize_on_device`; else None. A
+  crop's longest side: the shorter side times the widest aspect drawn (`augment_crop_ratio`)."""
+  if not config.get("resize_on_device"):
+    return None
+  low, high = config.augment_crop_ratio if config.augment_crop else (1, 1)
+  longest = resize_shorter * max(high, 1 / low, 1)
+  side = math.ceil(longest + 2 * max(longest / min(image_shape[:2]), 1)) + 4
+  return max(side, image_shape[0]), max(side, image_shape[1])  # (a crop resized here: fits)
+
+
+def get_datasets(config) -> tuple[dict, DatasetInfo]:
+  """The 'train' and 'eval' sources of `config.dataset`, and what the model needs to know."""
+  loaded = source(config.dataset).load(config)
+  train = loaded.sources["train"]
+  first = train.take(np.zeros(1, np.int64))["image"] if len(train) else None
+  info = DatasetInfo(tuple(loaded.image_shape), int(loaded.num_classes),
+                     {split: len(data) for split, data in loaded.sources.items()},
+                     tuple(loaded.class_names), "uint8" if first is None else first.dtype.name,
+                     loaded.crops_on_host, loaded.canvas)
+  return loaded.sources, info
+
+
+def describe(config) -> DatasetInfo:
+  """What `get_datasets(config)` would say of the data, without reading it where the source can
+  (its `describe`: aot.py), else read."""
+  return source(config.dataset).describe(config) or get_datasets(config)[1]

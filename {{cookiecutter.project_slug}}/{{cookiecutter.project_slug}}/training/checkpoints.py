@@ -1,0 +1,226 @@
+"""A run's Orbax checkpoints, behind one small interface (`Checkpoints`: restore or init, save,
+close): each checkpoint holds the training state and a checksum of each leaf; a restore takes the
+newest intact one (damaged.py puts aside those that are not)."""
+
+import contextlib
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import logging
+from etils import epath
+from jax.experimental import multihost_utils
+
+from .. import errors
+from ..errors import ConfigError
+from .damaged import DAMAGED, leaf_name, newest_intact, put_aside
+
+
+class Checkpoints:
+  """The checkpoints of the run in `workdir` (`checkpoint_manager`, written as `config` says).
+  Any error of a save, whenever Orbax reports it, is raised as SaveFailed, in one line."""
+
+  def __init__(self, workdir: str, config):
+    self.workdir, self.manager = workdir, checkpoint_manager(workdir, config)
+
+  def restore_or_init(self, abstract, init):
+    """The step and state to start from: `restore_or_init`'s."""
+    return restore_or_init(self.manager, abstract, init, self.workdir)
+
+  def save(self, step: int, state) -> None:
+    """Starts saving `state` as checkpoint `step`, in the background."""
+    with saving(self.workdir):
+      save(self.manager, step, state)
+
+  def check(self) -> None:
+    """Raises SaveFailed if a save in the background has failed since the last call."""
+    with saving(self.workdir):
+      self.manager.check_for_errors()
+
+  def close(self) -> None:
+    """Waits for the last save, and closes."""
+    with saving(self.workdir):
+      self.manager.close()
+
+
+def array_handlers():
+  """Orbax's writers of jax.Array leaves: a replicated array written by its replicas together on
+  TPU (Orbax's default), by one replica elsewhere (on the CPU splitting it compiles slicing
+  programs at the first save; on GPUs Orbax's own choice, detected only from JAX_PLATFORMS)."""
+  split = None if jax.default_backend() == "tpu" else False
+  return ocp.type_handlers.create_type_handler_registry(
+      (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=split)))
+
+
+def checkpoint_manager(workdir: str, config=None, create: bool = True):
+  """The checkpoints of `workdir`: with the run's `config`, written as it says (kept: the newest
+  `max_checkpoints_to_keep`, and each of a step that `keep_checkpoint_every_steps` divides);
+  without, read (`create=False`: never make the directory). Each holds the state and its
+  `checksums`. Orbax writes each checkpoint to a temporary directory and renames it when
+  complete, so a checkpoint cut short by a kill is never restored."""
+  policy = None  # (read: every one kept)
+  if config:
+    every = config.get("keep_checkpoint_every_steps", 0)
+    policy = ocp.checkpoint_managers.AnyPreservationPolicy([
+        ocp.checkpoint_managers.LatestN(n=config.max_checkpoints_to_keep),
+        *[ocp.checkpoint_managers.EveryNSteps(interval_steps=every)] * bool(every)])
+  handlers = ocp.handlers.DefaultCheckpointHandlerRegistry()
+  state = ocp.PyTreeCheckpointHandler(type_handler_registry=array_handlers())
+  checksums = ocp.JsonCheckpointHandler()
+  for item, handler, args in (("state", state, (ocp.args.PyTreeSave, ocp.args.PyTreeRestore)),
+                              ("checksums", checksums, (ocp.args.JsonSave, ocp.args.JsonRestore))):
+    for arg in args:
+      handlers.add(item, arg, handler)
+  return ocp.CheckpointManager(
+      os.path.join(workdir, "checkpoints"), handler_registry=handlers,
+      options=ocp.CheckpointManagerOptions(preservation_policy=policy, create=create))
+
+
+@jax.jit
+def _sums(leaves: list) -> list:
+  words = []
+  for x in leaves:  # each leaf's bits as unsigned words, then sum(word_i x (2i + 1)) mod 2^32
+    x = jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+    if x.dtype.itemsize in (2, 4):
+      x = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+    words.append(x.ravel().astype(jnp.uint32))
+  return [jnp.sum(w * (2 * jnp.arange(w.size, dtype=jnp.uint32) + 1), dtype=jnp.uint32)
+          for w in words]
+
+
+def checksums(state) -> dict[str, int]:
+  """A checksum of each leaf's bits (`leaf_name`: uint32): any one bit changed changes it (the
+  word's change, a power of two, times an odd weight, is never 0 mod 2^32). Saved with each
+  checkpoint; a restore compares (`changed_leaf`)."""
+  named = jax.tree_util.tree_leaves_with_path(state)
+  sums = _sums([x for _, x in named])  # (replicated: each process reads its own copy)
+  return {leaf_name(path): int(np.asarray(value.addressable_data(0)))
+          for (path, _), value in zip(named, sums, strict=True)}
+
+
+def save(checkpoints, step: int, state) -> None:
+  """Saves `state` (in the background) with its `checksums`."""
+  checkpoints.save(step, force=True, args=ocp.args.Composite(
+      state=ocp.args.PyTreeSave(state), checksums=ocp.args.JsonSave(checksums(state))))
+
+
+def changed_leaf(checkpoints, step: int, state) -> str | None:
+  """The first leaf of `state` (or of a part of it: those leaves alone) that is not what
+  checkpoint `step` saved by its checksums, or None (also for a checkpoint saved without them).
+  Every process computes the sums together; each reads the saved ones from the file itself."""
+  path = epath.Path(checkpoints.directory) / str(step) / "checksums" / "metadata"  # (Orbax's)
+  if not path.exists():
+    return None
+  saved = json.loads(path.read_text())
+  return next((name for name, value in checksums(state).items() if saved.get(name) != value),
+              None)
+
+
+class SaveFailed(Exception):
+  """A checkpoint could not be written; the message names the directory, the error and the fix."""
+
+
+@contextlib.contextmanager
+def saving(workdir: str):
+  """Raises SaveFailed, in one line, for an error of Orbax's saves under way inside (a save, the
+  check for an asynchronous save that failed since, the wait for the last one)."""
+  try:
+    yield
+  except Exception as e:  # noqa: BLE001  (whatever the storage raised: said, the run stopped)
+    said, where = errors.one_line(e, 300), os.path.join(workdir, "checkpoints")
+    if jax.process_count() > 1 and any(mark in said for mark in LOST_PEER):
+      raise SaveFailed(f"the job lost a process while saving a checkpoint in {where} ({said}); "
+                       "training stopped there. Once every process can run, the same command "
+                       "on each resumes from the newest checkpoint saved.") from None
+    raise SaveFailed(
+        f"a checkpoint could not be written in {where} ({said}); training stopped there. Give "
+        "it room or write access, then run the same command: it resumes from the newest "
+        "checkpoint saved.") from None
+
+
+# How the processes' agreement on a save fails when one of them is gone (gloo's collectives on
+# the CPU, JAX's distributed service elsewhere): not the storage's fault.
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Barrier timed out",
+             "stopped sending heartbeats")
+
+
+def stored_shape(x) -> tuple:
+  """A leaf's shape as Orbax stores it: a typed PRNG key (a Dropout's stream, `nnx.Rngs`) as its
+  raw key data (key<fry>[] is stored as uint32[2]); any other leaf as it is."""
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    return tuple(jax.eval_shape(jax.random.key_data, x).shape)
+  return tuple(x.shape)
+
+
+def shapes(tree) -> dict[str, tuple]:
+  """Each leaf's stored shape (`stored_shape`), by name: a checkpoint's metadata or a state."""
+  return {leaf_name(path): stored_shape(x)
+          for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def check_checkpoint_fits(checkpoints, step: int, abstract_state, workdir: str) -> None:
+  """Raises ConfigError if the checkpoint of `step` holds a different model or optimizer; a
+  checkpoint without its metadata is damage (FileNotFoundError), not another model."""
+  if not (epath.Path(checkpoints.directory) / str(step) / "state" / "_METADATA").exists():
+    raise FileNotFoundError("its metadata, state/_METADATA, is missing")  # (Orbax's file)
+  saved = shapes(checkpoints.item_metadata(step)["state"])
+  wanted = shapes(abstract_state)
+  # Named first: a parameter or statistic (a shape, a layer); an RNG stream's key or count only
+  # where nothing else differs (a random layer added or removed changes those too).
+  differ = sorted((name for name in saved.keys() | wanted.keys()
+                   if saved.get(name) != wanted.get(name)),
+                  key=lambda name: ("/rngs/" in name, name))
+  if differ:
+    name, more = differ[0], len(differ) - 1
+    raise ConfigError(
+        f"workdir {workdir!r} holds a checkpoint (step {step}) of a different model: {name} is "
+        f"{saved.get(name, 'absent')} there and {wanted.get(name, 'absent')} in this config and "
+        f"model{f' ({more} more leaves differ)' if more else ''}; use a new --workdir, or the "
+        f"config and model that wrote it (model.py in the workdir is a copy of the run's "
+        "model).")
+
+
+def restore_state(checkpoints, step: int, abstract, workdir: str):
+  """The state of checkpoint `step`, in the shapes, dtypes and shardings of `abstract`."""
+  check_checkpoint_fits(checkpoints, step, abstract, workdir)
+  return checkpoints.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+      abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))))["state"]
+
+
+def restore_or_init(checkpoints, abstract, init, workdir: str):
+  """The step and state of the latest intact checkpoint in `workdir` (into `abstract`'s shapes,
+  dtypes and shardings), or (0, `init()`). Each newer one that cannot be read, or holds non-finite
+  values, is named in a warning and put aside (`put_aside`). Every process must see the same
+  checkpoints."""
+  step = checkpoints.latest_step()
+  if jax.process_count() > 1:
+    seen = multihost_utils.process_allgather(np.int32(-1 if step is None else step)).tolist()
+    if len(set(seen)) > 1:
+      raise ConfigError(
+          f"the workdir is not shared by the processes: their latest checkpoints in {workdir!r} "
+          f"are {', '.join(f'{s if s >= 0 else None} (process {i})' for i, s in enumerate(seen))}; "
+          "give every process the same --workdir, on a file system that they all see (or a "
+          "bucket: gs://...).")
+  if step is None:
+    if (damaged := epath.Path(workdir) / DAMAGED).exists() and any(damaged.iterdir()):
+      raise ConfigError(
+          f"workdir {workdir!r} holds no checkpoint but those put aside as damaged in {damaged} "
+          "(the log of the run that put them aside said why): this run would start over from "
+          f"step 0. To start over here, remove or rename {damaged}; or use a new --workdir.")
+    return 0, init()
+  step, state = newest_intact(
+      sorted(checkpoints.all_steps(), reverse=True),
+      lambda s: restore_state(checkpoints, s, abstract, workdir),
+      lambda s, why: logging.warning("checkpoint %d in %s %s: kept in %s; resuming from an older "
+                                     "one", s, workdir, why, put_aside(checkpoints, s, workdir)),
+      functools.partial(changed_leaf, checkpoints))
+  if step is not None:
+    logging.info("Resumed from the checkpoint of step %d in %s", step, workdir)
+    return step, state
+  raise ConfigError(f"no checkpoint in {workdir!r} can be restored (each is in "
+                    f"{os.path.join(workdir, DAMAGED)}, the log says why); start again in a new "
+                    "--workdir.")
