@@ -34,11 +34,11 @@ from absl import app, flags  # noqa: E402
 from absl.flags import FLAGS  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from {{cookiecutter.project_slug}} import errors, plan  # noqa: E402
+from {{cookiecutter.project_slug}} import errors, plan, rules  # noqa: E402
 from {{cookiecutter.project_slug}}.data import batches, sources  # noqa: E402
 from {{cookiecutter.project_slug}}.parallel import chips, sharding  # noqa: E402
 from {{cookiecutter.project_slug}}.tools import topologies  # noqa: E402
-from {{cookiecutter.project_slug}}.training import flops, metrics, optim, steps  # noqa: E402
+from {{cookiecutter.project_slug}}.training import dispatch, flops, optim  # noqa: E402
 
 COLLECTIVES = ("all-reduce-scatter", "reduce-scatter", "all-gather", "all-reduce", "all-to-all",
                "collective-permute", "collective-broadcast")
@@ -217,7 +217,7 @@ def compile_timed(lowered_fn, what: str, device_kind: str, memory_bytes: int):
 def analyze(config, devices, hlo: str | None = None) -> dict:
   """Compiles `config`'s train step, eval step and initial state for `devices` (compile-only,
   from `topologies.compile_only_devices`) as train.py would build them there; returns the figures
-  (see the README: Will it fit?). Raises plan.ConfigError for a config that train.py would
+  (see the README: Will it fit?). Raises rules.ConfigError for a config that train.py would
   refuse on those devices, DoesNotFit for one that the compiler refuses. `hlo`: a file to write
   the compiled train program's text to."""
   # JAX's persistent cache cannot load what was compiled for devices that are not here.
@@ -230,7 +230,7 @@ def analyze(config, devices, hlo: str | None = None) -> dict:
 
 
 def _analyze(config, devices, hlo: str | None) -> dict:
-  plan.validate_config(config, devices=devices)
+  rules.validate_config(config, devices=devices)
   config = plan.resolved(config, devices)
   info = sources.describe(config)
   kind, num_devices = devices[0].device_kind, len(devices)
@@ -239,15 +239,16 @@ def _analyze(config, devices, hlo: str | None) -> dict:
   num_train_steps = batches.num_batches(
       config.num_epochs * info.num_examples["train"], config.run.global_batch_size)
   mesh = sharding.make_mesh(config, devices)
-  graphdef, state, init = optim.initial_state(config, info, mesh, num_train_steps)
+  run_plan = plan.make(config)
+  graphdef, state, init = optim.initial_state(run_plan, info, mesh, num_train_steps)
   pmap = config.parallelism == "pmap"
-  compiled_steps = steps.make(graphdef, config, mesh, unroll=False, info=info,
-                              pmap_devices=devices if pmap else None)
+  compiled_steps = dispatch.make(graphdef, run_plan, mesh, unroll=False, info=info,
+                                 pmap_devices=devices if pmap else None)
   elements = abstract_batches(config, info, num_devices, mesh, pmap)
   where = None if pmap else sharding.replicated(mesh)
   train_args = (abstract(state, leading=num_devices) if pmap else compiled_steps.put_state(state),
-                abstract(metrics.of(config).train.empty(), where), elements)
-  eval_args = (train_args[0], abstract(metrics.of(config).eval.empty(), where), elements)
+                abstract(run_plan.metrics.train.empty(), where), elements)
+  eval_args = (train_args[0], abstract(run_plan.metrics.eval.empty(), where), elements)
 
   state_bytes = bytes_per_device(state) if not pmap else bytes_per_device(
       abstract(state, sharding.replicated(mesh)))
@@ -275,7 +276,7 @@ def _analyze(config, devices, hlo: str | None) -> dict:
   if hlo:
     with open(hlo, "w") as f:
       f.write(train_text)
-  speed = flops.Speed(graphdef, abstract(state), info.image_shape, config, devices)
+  speed = flops.Speed(graphdef, abstract(state), info.image_shape, run_plan, devices)
   flops_per_step = speed.flops_per_step
   cost = train.cost_analysis() or {}
   compute_s = flops_per_step / speed.peak if speed.peak else 0.0
@@ -347,7 +348,7 @@ def main(argv):
   try:
     devices = topologies.compile_only_devices(topology, num_slices)
     result = analyze(FLAGS.config, devices, FLAGS.hlo)
-  except (topologies.TopologyError, plan.ConfigError) as e:
+  except (topologies.TopologyError, rules.ConfigError) as e:
     raise SystemExit(f"error: {e}") from None
   except DoesNotFit as e:
     result, error = dict(topology=topology, **e.figures, fits=False), str(e)

@@ -74,7 +74,7 @@ from {{cookiecutter.project_slug}}.tools import (
   benchmark_steps,
 )
 from {{cookiecutter.project_slug}}.tools.benchmark_data import PIPELINE
-from {{cookiecutter.project_slug}}.training import steps
+from {{cookiecutter.project_slug}}.training import dispatch
 
 NUM_DEVICES = 8
 MODELS = ("digits", "large")  # the config's CNN on the digits; a wider CNN on bigger images
@@ -185,7 +185,7 @@ def measure_loop(config, path: str, loop_first: bool) -> dict:
 
   def bare():
     runner = benchmark_steps.Runner(config, path)
-    return num_steps * config.batch_size / runner.stream(num_steps, steps.sync_every(config))
+    return num_steps * config.batch_size / runner.stream(num_steps, dispatch.sync_every(config))
 
   if loop_first:
     (loop_rate, host_us, mfu), step_rate = loop(), bare()

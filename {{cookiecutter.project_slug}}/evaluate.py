@@ -21,11 +21,17 @@ import numpy as np
 from absl import app, flags, logging
 from flax import nnx
 
-from {{cookiecutter.project_slug}} import plan
-from {{cookiecutter.project_slug}}.data import arrayrecord, batches, image_files, input_pipeline, sources
+from {{cookiecutter.project_slug}} import plan, rules
+from {{cookiecutter.project_slug}}.data import (
+    arrayrecord,
+    batches,
+    image_files,
+    input_pipeline,
+    sources,
+)
 from {{cookiecutter.project_slug}}.errors import BadData
 from {{cookiecutter.project_slug}}.parallel import distributed, sharding
-from {{cookiecutter.project_slug}}.training import metrics, steps, trained, writers
+from {{cookiecutter.project_slug}}.training import dispatch, metrics, trained, writers
 
 FLAGS = flags.FLAGS
 
@@ -35,9 +41,9 @@ def image_folder_source(folder: str, run: trained.Restored) -> sources.ArraySour
   class names; unreadable files are reported on stderr and skipped."""
   info = run.info
   if not os.path.isdir(folder):
-    raise plan.ConfigError(f"--image_folder={folder!r} is not a directory.")
+    raise rules.ConfigError(f"--image_folder={folder!r} is not a directory.")
   if info.pixel_dtype != "uint8":
-    raise plan.ConfigError(f"--image_folder: the run was trained on {info.pixel_dtype} pixels as "
+    raise rules.ConfigError(f"--image_folder: the run was trained on {info.pixel_dtype} pixels as "
                            "stored, which image files do not give; evaluate on its data "
                            "(--data_dir) instead.")
   images, labels = [], []
@@ -45,7 +51,7 @@ def image_folder_source(folder: str, run: trained.Restored) -> sources.ArraySour
     if not entry.is_dir():
       continue
     if entry.name not in info.class_names:
-      raise plan.ConfigError(f"--image_folder: {entry.path} is no class of the run; its classes "
+      raise rules.ConfigError(f"--image_folder: {entry.path} is no class of the run; its classes "
                              f"are {', '.join(info.class_names)}.")
     for path in image_files.find_images([entry.path]):
       image = image_files.read_image(path, info.image_shape,
@@ -56,7 +62,7 @@ def image_folder_source(folder: str, run: trained.Restored) -> sources.ArraySour
       images.append(image)
       labels.append(info.class_names.index(entry.name))
   if not images:
-    raise plan.ConfigError(f"--image_folder={folder!r} holds no readable image in a class "
+    raise rules.ConfigError(f"--image_folder={folder!r} holds no readable image in a class "
                            "folder.")
   return sources.ArraySource(np.stack(images), np.array(labels, np.int32))
 
@@ -86,13 +92,14 @@ def evaluate(run: trained.Restored, source) -> dict:
   config.run.steps_per_dispatch = 1  # (and the run's batch, rounded up to the devices here)
   config.run.global_batch_size = -(-config.run.global_batch_size // run.mesh.size) * run.mesh.size
   graphdef, state = nnx.split((nnx.merge(run.graphdef, run.state),))  # eval_step's (model,)
-  compiled = steps.make(graphdef, config, run.mesh, info=run.info)
-  collection = metrics.with_confusion(config, run.info.num_classes)
+  run_plan = plan.make(config)
+  compiled = dispatch.make(graphdef, run_plan, run.mesh, info=run.info)
+  collection = metrics.with_confusion(run_plan.recipe, run.info.num_classes)
   rows = sharding.process_rows(run.mesh, config.run.global_batch_size)
   elements = batches.eval_batches(source, config, rows)
   with contextlib.closing(input_pipeline.as_iterator(elements, config)) as iterator:
-    running = jax.device_get(steps.evaluate(compiled, state, iterator, len(elements), config,
-                                            collection))
+    running = jax.device_get(dispatch.evaluate(compiled, state, iterator, len(elements), config,
+                                               collection))
   counts = np.asarray(running.confusion.counts)
   with np.errstate(invalid="ignore"):
     per_class = np.diag(counts) / counts.sum(axis=1)  # NaN: a class without examples
@@ -114,17 +121,17 @@ def main(argv):
       if FLAGS.data_dir:
         config.dataset, config.data_dir = "arrayrecord", FLAGS.data_dir
         if not arrayrecord.arrayrecord_paths(config.data_dir, "eval"):
-          raise plan.ConfigError(f"--data_dir={config.data_dir!r} holds no "
+          raise rules.ConfigError(f"--data_dir={config.data_dir!r} holds no "
                                  "eval-*.array_record files; write them with "
                                  "write_arrayrecord.py.")
       splits, info = sources.get_datasets(config)
       if (info.image_shape, info.num_classes) != (run.info.image_shape, run.info.num_classes):
-        raise plan.ConfigError(f"the data hold {info.num_classes} classes of "
+        raise rules.ConfigError(f"the data hold {info.num_classes} classes of "
                                f"{'x'.join(map(str, info.image_shape))} images; the run was "
                                f"trained on {run.info.num_classes} of "
                                f"{'x'.join(map(str, run.info.image_shape))}.")
       source = splits["eval"]
-  except plan.ConfigError as e:
+  except rules.ConfigError as e:
     raise SystemExit(f"error: {e}") from None
   if distributed.is_first():
     print(run.summary, file=sys.stderr)

@@ -29,7 +29,7 @@ import numpy as np
 from absl import app, flags, logging
 from jax.experimental import multihost_utils
 
-from {{cookiecutter.project_slug}} import plan
+from {{cookiecutter.project_slug}} import rules
 from {{cookiecutter.project_slug}}.data import sources
 from {{cookiecutter.project_slug}}.parallel import distributed
 from {{cookiecutter.project_slug}}.training import steps, trained
@@ -90,7 +90,7 @@ def main(argv):
   try:
     run = trained.Restored(FLAGS.workdir, FLAGS.step,
                            runs_model=FLAGS.use_runs_model)
-  except plan.ConfigError as e:
+  except rules.ConfigError as e:
     raise SystemExit(f"error: {e}") from None
   if distributed.is_first():
     print(run.summary, file=sys.stderr)

@@ -17,18 +17,18 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from {{cookiecutter.project_slug}} import errors, plan
+from {{cookiecutter.project_slug}} import errors, plan, rules
 from {{cookiecutter.project_slug}}.data import batches, input_pipeline, sources
 from {{cookiecutter.project_slug}}.errors import BadData, ConfigError
 from {{cookiecutter.project_slug}}.parallel import distributed, sharding
 from {{cookiecutter.project_slug}}.training import (
   checkpoints,
+  dispatch,
   flops,
   metrics,
   optim,
   report,
   runs,
-  steps,
   stopping,
 )
 
@@ -38,7 +38,7 @@ def prepare(config: ml_collections.ConfigDict, workdir: str):
   `config.run` (`plan.resolved`: k, the global batch and a device's share) and, when `workdir`
   holds a run, that run's own config (`runs.resumed`; changes logged); the workdir an absolute
   path (a bucket's as it is)."""
-  plan.validate_config(config, workdir)
+  rules.validate_config(config, workdir)
   config, workdir = plan.resolved(config), runs.absolute(workdir)
   if (saved := runs.saved_config(workdir)) is not None:  # a resume
     config, changes = runs.resumed(config, saved, workdir)
@@ -54,8 +54,9 @@ class Run(NamedTuple):
   workdir: str
   num_train_steps: int
   first_step: int  # the checkpoint's (0: a new run)
-  compiled: steps.Steps
+  compiled: dispatch.Steps
   state: object  # the first step's, placed for `compiled` (`put_state`)
+  metrics: metrics.Collections  # the recipe's (the plan's): training's and evaluation's
   checkpoints: checkpoints.Checkpoints
   train_iter: input_pipeline.Iterator  # k batches an element, from the step after `first_step`
   eval_batches: batches.Elements
@@ -70,7 +71,8 @@ def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   `config.init_from`'s) and placed, the steps compiled, the writers opened, the input started;
   what the run is, logged."""
   config, workdir = prepare(config, workdir)
-  recipe = plan.recipe_module(config)  # recipe.py: the schedule, the metrics
+  run_plan = plan.make(config)  # the modules it names (model.py, recipe.py), made once
+  recipe = run_plan.recipe  # the schedule, the metrics
   # The devices' layout; the data, and what the run will do with it.
   mesh = sharding.make_mesh(config)
   rows = sharding.process_rows(mesh, config.run.global_batch_size)  # this process's rows
@@ -80,13 +82,13 @@ def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   memory = input_pipeline.host_memory(config, info, jax.process_count())
   eval_batches = batches.eval_batches(splits["eval"], config, rows)
   report.log_run(config, info, recipe, memory, num_train_steps, workdir)
-  optim.check_model(config, info)  # model.py on this data, abstractly: before any compile
+  optim.check_model(run_plan, info)  # model.py on this data, abstractly: before any compile
   # Compiled now, as one program: op by op, it would compile at the first log, inside the first
   # timed interval (a GPU: ~1 s of a ResNet-50 run's second interval).
   schedule = jax.jit(recipe.schedule(config, num_train_steps))
   schedule(0)
   # The state: built, or restored (the workdir's latest checkpoint), and the steps that take it.
-  graphdef, abstract, init = optim.initial_state(config, info, mesh, num_train_steps)
+  graphdef, abstract, init = optim.initial_state(run_plan, info, mesh, num_train_steps)
   if config.init_from:  # read before the workdir is touched: a mismatch stops here
     from {{cookiecutter.project_slug}}.training import trained
 
@@ -94,13 +96,13 @@ def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   saved = checkpoints.Checkpoints(workdir, config)
   first_step, state = saved.restore_or_init(abstract, init)
   runs.write_description(workdir, config, info)  # what predict.py, export.py, ... read
-  speed = flops.Speed(graphdef, state, info.image_shape, config)
+  speed = flops.Speed(graphdef, state, info.image_shape, run_plan)
   report.log_state(config, graphdef, state, speed, num_train_steps)
   # What the run reports (process 0 writes): metrics, progress, a profile.
   reporting = report.Report(config, workdir, num_train_steps, first_step == 0, recipe.METRICS,
                             speed, schedule)
   # The steps, compiled at their first call; the state placed for them.
-  compiled = steps.make(graphdef, config, mesh, info=info)
+  compiled = dispatch.make(graphdef, run_plan, mesh, info=info)
   state = compiled.put_state(state)
   # The input: its workers start here; the eval step compiled on its first and last batches.
   train_iter = input_pipeline.as_iterator(
@@ -110,9 +112,9 @@ def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   if config.print_shardings:
     logging.info("%s", sharding.describe_run(compiled.get_state(state),
                                              compiled.put_batch(eval_batches[0])))
-  return Run(config, workdir, num_train_steps, first_step, compiled, state, saved, train_iter,
-             eval_batches, eval_iter, reporting,
-             steps.compile_eval(compiled, state, eval_batches, config))
+  return Run(config, workdir, num_train_steps, first_step, compiled, state, run_plan.metrics,
+             saved, train_iter, eval_batches, eval_iter, reporting,
+             dispatch.compile_eval(compiled, state, eval_batches, run_plan.metrics.eval))
 
 
 def train_loop(run: Run, received: list):
@@ -125,8 +127,8 @@ def train_loop(run: Run, received: list):
   k, num_train_steps, state = config.run.steps_per_dispatch, run.num_train_steps, run.state
   # `running` merges the metrics of the training steps from `since` on, on the devices. Each
   # dispatch runs the steps of one element: up to the next multiple of k (or the end).
-  running, since = compiled.empty(metrics.of(config).train), run.first_step + 1
-  step, eval_metrics, stopped_by, every = run.first_step, None, None, steps.sync_every(config)
+  running, since = compiled.empty(run.metrics.train), run.first_step + 1
+  step, eval_metrics, stopped_by, every = run.first_step, None, None, dispatch.sync_every(config)
   while step < num_train_steps:
     done = min((step // k + 1) * k, num_train_steps)  # `done` counts finished updates
     profiler.before(step, done)
@@ -139,7 +141,7 @@ def train_loop(run: Run, received: list):
     step = done
     profiler.after(step, running)
     progress.update(step)
-    if not clock.running:  # the loop's clock starts once the first dispatch is compiled
+    if not clock.started:  # the loop's clock starts once the first dispatch is compiled
       jax.block_until_ready(running)
       progress.log("first calls (compiling, or loading from the cache): train %.2f s, eval "
                    "%.2f s", clock.start(step), run.eval_compile_s)
@@ -152,8 +154,8 @@ def train_loop(run: Run, received: list):
       fetched = jax.device_get(running)  # one transfer, for the check and the summary
       stopping.check_finite(fetched.nonfinite_steps, since, config, saved.manager)
       if log_now:
-        reporting.train(step, since, steps.summarize(fetched))
-        running, since = compiled.empty(metrics.of(config).train), step + 1
+        reporting.train(step, since, dispatch.summarize(fetched))
+        running, since = compiled.empty(run.metrics.train), step + 1
     # On a stop signal: save, and leave the evaluation (the grace period is for saving).
     evaluate_now = (step % config.eval_every_steps == 0 or is_last) and not stopped_by
     save_now = step % config.checkpoint_every_steps == 0 or is_last or stopped_by
@@ -163,14 +165,14 @@ def train_loop(run: Run, received: list):
         if save_now:  # first: asynchronous, it writes while the evaluation runs
           saved.save(step, compiled.get_state(state))
         if evaluate_now:
-          eval_metrics = steps.summarize(steps.evaluate(compiled, state, run.eval_iter,
-                                                        len(run.eval_batches), config))
+          eval_metrics = dispatch.summarize(dispatch.evaluate(
+              compiled, state, run.eval_iter, len(run.eval_batches), config, run.metrics.eval))
           reporting.eval(step, eval_metrics)
     if stopped_by:
       break
   if eval_metrics is None and not stopped_by:  # nothing left to train: the restored state's
-    eval_metrics = steps.summarize(steps.evaluate(compiled, state, run.eval_iter,
-                                                  len(run.eval_batches), config))
+    eval_metrics = dispatch.summarize(dispatch.evaluate(
+        compiled, state, run.eval_iter, len(run.eval_batches), config, run.metrics.eval))
   return step, state, eval_metrics, stopped_by
 
 

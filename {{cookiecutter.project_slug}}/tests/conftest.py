@@ -72,10 +72,19 @@ def plain(config=None, **changes):
 
 
 def plain_options(config=None, **changes):
-  """`steps.train_step`'s options (`steps.step_options`) of `plain(config, **changes)`."""
-  from {{cookiecutter.project_slug}}.training import steps
+  """`steps.train_step`'s options (`dispatch.step_options`) of `plain(config, **changes)`."""
+  from {{cookiecutter.project_slug}} import plan
+  from {{cookiecutter.project_slug}}.training import dispatch
 
-  return steps.step_options(plain(config, **changes))
+  return dispatch.step_options(plan.make(plain(config, **changes)))
+
+
+def recipe_metrics(config):
+  """The metric collections (`metrics.of`) of the recipe module that `config` names."""
+  from {{cookiecutter.project_slug}} import plan
+  from {{cookiecutter.project_slug}}.training import metrics
+
+  return metrics.of(plan.recipe_module(config))
 
 
 # The recipe's options, all on (off in configs/default.py): the runs of `two_epochs` check that
@@ -148,10 +157,10 @@ def reads_as_the_digits(config) -> tuple[dict, dict]:
   own, to compare."""
   from configs import default
 
-  from {{cookiecutter.project_slug}} import plan
+  from {{cookiecutter.project_slug}} import rules
   from {{cookiecutter.project_slug}}.data import sources
 
-  plan.validate_config(config)
+  rules.validate_config(config)
   splits, info = sources.get_datasets(config)
   assert (info.image_shape, info.num_classes, info.class_names, info.pixel_dtype) == (
       (8, 8, 1), 10, DIGIT_NAMES, "uint8")

@@ -19,17 +19,17 @@ import sys
 import types
 
 import pytest
-from conftest import OWN, owned
+from conftest import OWN, owned, recipe_metrics
 from flax import nnx
 
 import aot
 from configs import default
 
-from {{cookiecutter.project_slug}} import plan
+from {{cookiecutter.project_slug}} import plan, rules
 from {{cookiecutter.project_slug}}.data import sources
 from {{cookiecutter.project_slug}}.parallel import sharding
 from {{cookiecutter.project_slug}}.tools import topologies
-from {{cookiecutter.project_slug}}.training import metrics, optim
+from {{cookiecutter.project_slug}}.training import dispatch, optim
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.aot
@@ -103,7 +103,6 @@ def test_describe_is_what_get_datasets_reads(tmp_path):
 def test_xla_options_reach_the_compiler(tiny_config):
   """`config.xla_options` are parsed and given to XLA with the jit-compiled steps: an option
   that XLA does not know fails the compile."""
-  from {{cookiecutter.project_slug}}.training import steps
 
   tiny_config.xla_options = "xla_cpu_enable_fast_math=false, xla_no_such_option=1"
   assert plan.xla_options(tiny_config) == {"xla_cpu_enable_fast_math": False,
@@ -111,14 +110,14 @@ def test_xla_options_reach_the_compiler(tiny_config):
   config = plan.resolved(tiny_config)
   info = sources.describe(config)
   mesh = sharding.make_mesh(config)
-  graphdef, state, _ = optim.initial_state(config, info, mesh, 10)
+  graphdef, state, _ = optim.initial_state(plan.make(config), info, mesh, 10)
   batches = aot.abstract_batches(config, info, 8, mesh, pmap=False)
-  compiled = steps.make(graphdef, config, mesh)
-  running = aot.abstract(metrics.of(config).eval.empty(), sharding.replicated(mesh))
+  compiled = dispatch.make(graphdef, plan.make(config), mesh)
+  running = aot.abstract(recipe_metrics(config).eval.empty(), sharding.replicated(mesh))
   with pytest.raises(Exception, match="xla_no_such_option"):
     compiled.eval.lower(state, running, batches).compile()
   config.xla_options = "xla_cpu_enable_fast_math=false"
-  steps.make(graphdef, config, mesh).eval.lower(state, running, batches).compile()
+  dispatch.make(graphdef, plan.make(config), mesh).eval.lower(state, running, batches).compile()
 
 
 @pytest.mark.parametrize("platform, k", [("tpu", None), ("gpu", None), ("cpu", 1)])
@@ -133,7 +132,7 @@ def test_every_config_is_valid_at_the_accelerators_k_and_the_cpus(platform, k):
     config = owned(importlib.import_module(f"configs.{name}").get_config())
     if config.dataset == "arrayrecord" and not config.data_dir:  # (imagenet.py: data elsewhere)
       config.dataset = "synthetic"  # of its shapes
-    plan.validate_config(config, devices=devices)
+    rules.validate_config(config, devices=devices)
     resolved = plan.resolved(config, devices)
     expected = k or {"default": 10, "tiny": 5}.get(name, resolved.run.steps_per_dispatch)
     assert resolved.run.steps_per_dispatch == expected, name

@@ -21,7 +21,12 @@ import write_arrayrecord
 from configs import default, tiny
 
 from {{cookiecutter.project_slug}} import plan
-from {{cookiecutter.project_slug}}.data import arrayrecord, batches, input_pipeline, sources
+from {{cookiecutter.project_slug}}.data import (
+    arrayrecord,
+    batches,
+    input_pipeline,
+    sources,
+)
 from {{cookiecutter.project_slug}}.errors import BadData
 
 BAD = {5: "truncated", 17: "garbage", 30: "garbage"}  # eval rows and what is wrong with them

@@ -13,7 +13,7 @@ from PIL import Image
 
 from configs import default, tiny
 
-from {{cookiecutter.project_slug}} import plan
+from {{cookiecutter.project_slug}} import rules
 from {{cookiecutter.project_slug}}.data import image_files, sources
 from {{cookiecutter.project_slug}}.training import trained
 
@@ -93,11 +93,11 @@ def test_what_cannot_be_read_is_one_line(folders, tmp_path):
        "neither a dataset saved by save_to_disk (dataset_dict.json) nor data files that datasets "
        "reads (train.parquet, data/train-*.parquet, train/*.parquet, ...): The directory at "
        f"{tmp_path / 'empty'} doesn't contain any data files")]:
-    with pytest.raises(plan.ConfigError) as e:
-      plan.validate_config(config)
+    with pytest.raises(rules.ConfigError) as e:
+      rules.validate_config(config)
     assert str(e.value) == message
   config = config_for(str(both), eval_split="test")
-  plan.validate_config(config)
+  rules.validate_config(config)
   assert sources.get_datasets(config)[1].num_examples["eval"] == 360
 
 

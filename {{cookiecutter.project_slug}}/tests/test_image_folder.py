@@ -26,7 +26,7 @@ import train
 import write_arrayrecord
 from configs import default
 
-from {{cookiecutter.project_slug}} import plan
+from {{cookiecutter.project_slug}} import plan, rules
 from {{cookiecutter.project_slug}}.data import (
     arrayrecord,
     augment,
@@ -540,17 +540,17 @@ def test_a_folder_of_images_given_as_a_dataset_points_to_write_arrayrecord(tmp_p
     Image.fromarray(np.zeros((4, 4), np.uint8)).save(folder / "0.png")
   config = owned(default.get_config())
   config.dataset, config.data_dir = "imagefolder", str(tmp_path / "photos")
-  with pytest.raises(plan.ConfigError) as refused:
-    plan.validate_config(config)
+  with pytest.raises(rules.ConfigError) as refused:
+    rules.validate_config(config)
   assert str(refused.value) == (
       f"config.dataset='imagefolder' is unknown; config.data_dir={config.data_dir!r} holds "
       "folders of images: write them as ArrayRecord files first (python write_arrayrecord.py "
       f"--image_folder={config.data_dir} --out_dir=data/mine), then train on them with "
       "--config.dataset=arrayrecord --config.data_dir=data/mine.")
   config.data_dir = str(tmp_path)  # no image in a class folder: the sources are named
-  with pytest.raises(plan.ConfigError, match=r"^config.dataset='imagefolder' is unknown; use one "
+  with pytest.raises(rules.ConfigError, match=r"^config.dataset='imagefolder' is unknown; use one "
                      r"of \('digits', "):
-    plan.validate_config(config)
+    rules.validate_config(config)
 
 
 def test_a_shared_memory_too_small_for_the_workers_is_one_line(monkeypatch):
@@ -561,8 +561,8 @@ def test_a_shared_memory_too_small_for_the_workers_is_one_line(monkeypatch):
   config = owned(default.get_config())
   config.num_workers = 2
   monkeypatch.setattr(shm, "free_bytes", lambda: 64 * 2**10)
-  with pytest.raises(plan.ConfigError) as refused:
-    plan.validate_config(config)
+  with pytest.raises(rules.ConfigError) as refused:
+    rules.validate_config(config)
   assert str(refused.value) == (
       f"{shm.DIRECTORY} has 64 KiB free; the 2 + 2 Grain worker processes of training and "
       f"evaluation need {shm.fallback_bytes(2) // 2**10} KiB there at the least (their queues' "
@@ -570,7 +570,7 @@ def test_a_shared_memory_too_small_for_the_workers_is_one_line(monkeypatch):
       "Memory at /dev/shm, as clusters/gke-gpu-jobset.yaml), or read without workers: "
       "--config.num_workers=0.")
   config.num_workers = 0
-  plan.validate_config(config)
+  rules.validate_config(config)
 
 
 @pytest.mark.slow

@@ -15,8 +15,14 @@ import train
 import write_arrayrecord
 from write_arrayrecord import write_dataset
 
-from {{cookiecutter.project_slug}} import plan
-from {{cookiecutter.project_slug}}.data import arrayrecord, batches, input_pipeline, shm, sources
+from {{cookiecutter.project_slug}} import plan, rules
+from {{cookiecutter.project_slug}}.data import (
+    arrayrecord,
+    batches,
+    input_pipeline,
+    shm,
+    sources,
+)
 from {{cookiecutter.project_slug}}.parallel import pmap, sharding
 
 
@@ -426,7 +432,7 @@ def test_a_new_data_source_is_a_module_and_one_line(tiny_config, tmp_path, monke
   np.savez(tmp_path / "digits.npz", x_train=digits["train"].images, y_train=digits["train"].labels,
            x_test=digits["eval"].images, y_test=digits["eval"].labels)
   tiny_config.dataset, tiny_config.data_dir = "npz", str(tmp_path / "digits.npz")
-  plan.validate_config(tiny_config)
+  rules.validate_config(tiny_config)
   splits, info = sources.get_datasets(tiny_config)
   assert (info.image_shape, info.num_classes, info.num_examples) == ((8, 8, 1), 10, {
       "train": 1437, "eval": 360})
@@ -434,5 +440,5 @@ def test_a_new_data_source_is_a_module_and_one_line(tiny_config, tmp_path, monke
   elements = batches.eval_batches(splits["eval"], plan.resolved(tiny_config))
   assert sum(int(element["mask"].sum()) for element in elements) == 360
   tiny_config.data_dir = str(tmp_path)
-  with pytest.raises(plan.ConfigError, match=r"config.data_dir='.*' is not an .npz file."):
-    plan.validate_config(tiny_config)
+  with pytest.raises(rules.ConfigError, match=r"config.data_dir='.*' is not an .npz file."):
+    rules.validate_config(tiny_config)

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import plain_options
+from conftest import plain_options, recipe_metrics
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -17,9 +17,9 @@ import train
 
 from {{cookiecutter.project_slug}} import layers, plan
 from {{cookiecutter.project_slug}}.data import batches, input_pipeline, sources
+from {{cookiecutter.project_slug}}.errors import ConfigError
 from {{cookiecutter.project_slug}}.parallel import sharding
-from {{cookiecutter.project_slug}}.plan import ConfigError
-from {{cookiecutter.project_slug}}.training import metrics, optim, steps
+from {{cookiecutter.project_slug}}.training import dispatch, optim, steps
 
 
 def model_and_optimizer(config, image_shape=(8, 8, 1), num_classes=10):
@@ -78,12 +78,12 @@ def test_train_step_on_padded_batch_equals_step_on_real_examples(tiny_config):
 
   one_device = jax.jit(functools.partial(steps.train_step, graphdef,
                                          **plain_options(tiny_config, augment_max_shift=1)))
-  expected, expected_metrics = one_device(state, metrics.of(tiny_config).train.empty(), real)
+  expected, expected_metrics = one_device(state, recipe_metrics(tiny_config).train.empty(), real)
 
   tiny_config.augment_max_shift, tiny_config.seed = 1, 0  # shifts keyed by position: the same
-  compiled = steps.make(graphdef, tiny_config, sharding.make_mesh())
+  compiled = dispatch.make(graphdef, plan.make(tiny_config), sharding.make_mesh())
   placed = compiled.put_state(state)
-  new_state, running = compiled.train(placed, compiled.empty(metrics.of(tiny_config).train),
+  new_state, running = compiled.train(placed, compiled.empty(recipe_metrics(tiny_config).train),
                                       compiled.put_batch(jax.tree.map(lambda x: x[None], padded)))
   assert max_abs_diff(compiled.get_state(new_state), expected) < 1e-6
   assert int(running.loss.count) == int(expected_metrics.loss.count) == 77
@@ -99,11 +99,12 @@ def test_eval_counts_every_example_once(tiny_config):
   splits, info = sources.get_datasets(config)
   model, optimizer = model_and_optimizer(config)
   graphdef, state = nnx.split((model, optimizer))
-  compiled = steps.make(graphdef, config, sharding.make_mesh())
+  compiled = dispatch.make(graphdef, plan.make(config), sharding.make_mesh())
   elements = batches.eval_batches(splits["eval"], config)
   with contextlib.closing(input_pipeline.as_iterator(elements, config)) as iterator:
-    result = steps.summarize(steps.evaluate(compiled, compiled.put_state(state), iterator,
-                                            len(elements), config))
+    result = dispatch.summarize(dispatch.evaluate(compiled, compiled.put_state(state), iterator,
+                                                  len(elements), config,
+                                                  recipe_metrics(config).eval))
   assert result["examples"] == 1001
 
   examples = splits["eval"].take(np.arange(1001))

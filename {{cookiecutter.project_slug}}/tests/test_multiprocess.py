@@ -494,7 +494,7 @@ def test_evaluate_predict_and_export_on_two_processes(straight_runs, tmp_path):
   checkpoint (its parameters split over all 8 devices: each process restores its shards) give
   what 1 process of 8 gives, printed once; export.py writes one artifact, which answers as
   predict.py does. (Under load, these processes come to their first collective far apart:
-  distributed.connect_cpu_collectives.)"""
+  joined.connect_cpu_collectives.)"""
   import jax
   import numpy as np
   from PIL import Image
@@ -568,7 +568,7 @@ print(f"sum {total}")  # one string: the two processes' unbuffered prints interl
 @pytest.mark.slow
 def test_a_process_35_s_late_at_its_first_collective_is_waited_for(tmp_path):
   """What a process still compiling under load does: the collectives of both device groups
-  were connected when the processes joined (distributed.connect_cpu_collectives), so the other
+  were connected when the processes joined (joined.connect_cpu_collectives), so the other
   waits for it instead of failing ("Gloo context initialization failed: ... timed out")."""
   (tmp_path / "late.py").write_text(LATE_PROCESS)
   done = run_script(2, str(tmp_path / "late.py"))

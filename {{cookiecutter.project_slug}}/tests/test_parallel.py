@@ -12,7 +12,7 @@ import ml_collections
 import numpy as np
 import optax
 import pytest
-from conftest import two_epochs
+from conftest import recipe_metrics, two_epochs
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 from shipped_model import create_model
@@ -21,7 +21,7 @@ import aot
 
 from {{cookiecutter.project_slug}} import layers, plan
 from {{cookiecutter.project_slug}}.parallel import pmap, sharding
-from {{cookiecutter.project_slug}}.training import metrics, optim, steps
+from {{cookiecutter.project_slug}}.training import dispatch, optim, steps
 
 NUM_DEVICES = 8
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,7 +63,7 @@ def single_step(config, graphdef):
   """One device's train step; with `config.batch_norm_devices`, its batch split into as many
   groups for BatchNorm's statistics as 8 devices make."""
   groups = NUM_DEVICES // (config.get("batch_norm_devices") or NUM_DEVICES)
-  return jitted_single_step(graphdef, tuple(dict(steps.step_options(config),
+  return jitted_single_step(graphdef, tuple(dict(dispatch.step_options(plan.make(config)),
                                                  batch_norm_groups=groups).items()))
 
 
@@ -74,10 +74,10 @@ def jitted_single_step(graphdef, options):
 
 @functools.cache
 def compiled_steps(graphdef, config: ml_collections.FrozenConfigDict,
-                   unroll=None) -> tuple[steps.Steps, jax.sharding.Mesh]:
-  """`steps.make` for a graphdef and a config, made once per test session."""
+                   unroll=None) -> tuple[dispatch.Steps, jax.sharding.Mesh]:
+  """`dispatch.make` for a graphdef and a config, made once per test session."""
   mesh = sharding.make_mesh(config)
-  return steps.make(graphdef, config, mesh, unroll), mesh
+  return dispatch.make(graphdef, plan.make(config), mesh, unroll), mesh
 
 
 def steps_for(config, parallelism, graphdef, k=1, unroll=None):
@@ -89,23 +89,23 @@ def steps_for(config, parallelism, graphdef, k=1, unroll=None):
 
 def run(config, parallelism, batch_list, graphdef=None, state=None, k=1, unroll=None):
   """One train step per batch: on one device one call each, or on 8 devices with spmd, pmap or
-  fsdp, k steps a call (`unroll`: see steps.make). Returns the state and the summary of the
+  fsdp, k steps a call (`unroll`: see dispatch.make). Returns the state and the summary of the
   steps' merged metrics."""
   if graphdef is None:
     graphdef, state = initial_state(config)
   if parallelism == "single":
     step = single_step(config, graphdef)
-    state, running = jax.device_put((state, metrics.of(config).train.empty()), jax.devices()[0])
+    state, running = jax.device_put((state, recipe_metrics(config).train.empty()), jax.devices()[0])
     for batch in batch_list:
       state, running = step(state, running, batch)
-    return state, steps.summarize(running)
+    return state, dispatch.summarize(running)
   compiled, mesh = steps_for(config, parallelism, graphdef, k, unroll)
   state = compiled.put_state(sharding.place_state(state, mesh, config.fsdp_min_size))
-  running = compiled.empty(metrics.of(config).train)
+  running = compiled.empty(recipe_metrics(config).train)
   for group in stacked(batch_list, k):
     state, running = compiled.train(state, running, compiled.put_batch(group))
     jax.block_until_ready(state)  # as the training loop does on the CPU: never queue collectives
-  return compiled.get_state(state), steps.summarize(running)
+  return compiled.get_state(state), dispatch.summarize(running)
 
 
 def as_numpy(x):
@@ -176,7 +176,8 @@ def test_every_path_equals_one_device_with_the_recipe_on(straight_runs):
     straight_runs[parallelism]  # (made first: their programs are in the compilation cache)
   config = two_epochs("spmd")
   config.steps_per_dispatch = 1
-  graphdef, state = nnx.split(optim.build_state(plan.resolved(config), (8, 8, 1), 10, 45))
+  run_plan = plan.make(plan.resolved(config))
+  graphdef, state = nnx.split(optim.build_state(run_plan, (8, 8, 1), 10, 45))
   assert len(state) == 3  # model, optimizer, average
   data = batches([64, 20, 64])
   copy = lambda: jax.tree.map(jnp.copy, state)  # (the steps donate it)  # noqa: E731
@@ -314,7 +315,7 @@ def test_dropout_gives_the_same_numbers_on_spmd_fsdp_and_one_device_not_pmap(tin
 
   graphdef, state = fresh()
   compiled, _ = steps_for(tiny_config, "pmap", graphdef)
-  replicated, running = compiled.put_state(state), compiled.empty(metrics.of(tiny_config).train)
+  replicated, running = compiled.put_state(state), compiled.empty(recipe_metrics(tiny_config).train)
   for group in stacked(data, 1):
     replicated, running = compiled.train(replicated, running, compiled.put_batch(group))
   for leaf in jax.tree.leaves(replicated):
@@ -432,10 +433,10 @@ def test_batchnorm_over_groups_of_devices_is_the_same_on_every_path(tiny_config,
   tiny_config.fsdp_min_size, tiny_config.batch_norm_devices = 0, batch_norm_devices
   data = batches([64, 20, 64])
   graphdef, state = batchnorm_state(SGD)
+  options = dispatch.step_options(plan.make(tiny_config))
   step = jitted_single_step(graphdef, tuple(dict(
-      steps.step_options(tiny_config), batch_norm_groups=NUM_DEVICES // batch_norm_devices
-  ).items()))
-  expected, running = jax.device_put((state, metrics.of(tiny_config).train.empty()),
+      options, batch_norm_groups=NUM_DEVICES // batch_norm_devices).items()))
+  expected, running = jax.device_put((state, recipe_metrics(tiny_config).train.empty()),
                                      jax.devices()[0])
   for batch in data:
     expected, running = step(expected, running, batch)
@@ -478,7 +479,7 @@ def test_a_devices_own_statistics_add_no_all_reduce_a_layer(tiny_config):
     compiled, mesh = steps_for(tiny_config, "spmd", graphdef)
     program = compiled.train.lower(
         compiled.put_state(sharding.place_state(state, mesh, tiny_config.fsdp_min_size)),
-        compiled.empty(metrics.of(tiny_config).train),
+        compiled.empty(recipe_metrics(tiny_config).train),
         compiled.put_batch(stacked(batches([64]), 1)[0]))
     counts[devices, depth] = aot.count_collectives(program.compile().as_text())["all-reduce"]
   assert counts[0, 3] >= counts[0, 1] + 4, counts  # 2 more layers: 2 all-reduces each at least
@@ -557,9 +558,9 @@ def test_rolled_loop_equals_single_calls(tiny_config, parallelism):
   graphdef, state = initial_state(tiny_config, MLP(32, 2, nnx.Rngs(0)))
   tiny_config.parallelism, tiny_config.steps_per_dispatch = parallelism, 3
   mesh = sharding.make_mesh(tiny_config)
-  compiled = steps.make(graphdef, tiny_config, mesh, unroll=False)
+  compiled = dispatch.make(graphdef, plan.make(tiny_config), mesh, unroll=False)
   placed = compiled.put_state(sharding.place_state(state, mesh))
-  lowered = compiled.train.lower(placed, compiled.empty(metrics.of(tiny_config).train),
+  lowered = compiled.train.lower(placed, compiled.empty(recipe_metrics(tiny_config).train),
                                  compiled.put_batch(stacked(data, 3)[0]))
   assert "stablehlo.while" in lowered.as_text()  # a loop, not k copies of the step
   got, got_metrics = run(tiny_config, parallelism, data, graphdef, state, k=3, unroll=False)

@@ -23,13 +23,13 @@ from conftest import OWN, two_epochs
 import train
 from write_arrayrecord import write_dataset
 
-from {{cookiecutter.project_slug}} import plan
+from {{cookiecutter.project_slug}} import plan, rules
 from {{cookiecutter.project_slug}}.data import batches, sources
 from {{cookiecutter.project_slug}}.training import (
   damaged,
+  dispatch,
   metrics,
   report,
-  steps,
   stopping,
 )
 
@@ -220,7 +220,7 @@ def test_a_stop_signal_on_an_eval_step_saves_first_and_leaves_the_evaluation(
   """SIGTERM during step 10 of 23, an eval step (and no regular checkpoint step): the run saves
   step 10, evaluates nothing (the grace period is for saving) and stops; resumed, it ends."""
   tiny_config.checkpoint_every_steps = 1000
-  evaluated, evaluate, update = [], steps.evaluate, report.Progress.update
+  evaluated, evaluate, update = [], dispatch.evaluate, report.Progress.update
 
   def recording_evaluate(*args, **kwargs):
     evaluated.append(True)
@@ -231,7 +231,7 @@ def test_a_stop_signal_on_an_eval_step_saves_first_and_leaves_the_evaluation(
     if step == 10:
       os.kill(os.getpid(), signal.SIGTERM)
 
-  monkeypatch.setattr(steps, "evaluate", recording_evaluate)
+  monkeypatch.setattr(dispatch, "evaluate", recording_evaluate)
   monkeypatch.setattr(report.Progress, "update", update_then_signal)
   with pytest.raises(stopping.Stopped, match="Stopped by SIGTERM after step 10 of 23"):
     train.train_and_evaluate(tiny_config, str(tmp_path / "run"))
@@ -434,9 +434,9 @@ def test_a_step_damaged_twice_is_kept_twice_and_all_damaged_is_refused_again(str
   for checkpoint in (workdir / "checkpoints").iterdir():
     if checkpoint.name.isdigit():
       damage_checkpoint(checkpoint, "no_metadata")
-  with pytest.raises(plan.ConfigError, match=r"^no checkpoint in .* can be restored"):
+  with pytest.raises(rules.ConfigError, match=r"^no checkpoint in .* can be restored"):
     train.train_and_evaluate(two_epochs("spmd"), str(workdir))
-  with pytest.raises(plan.ConfigError) as refused:
+  with pytest.raises(rules.ConfigError) as refused:
     train.train_and_evaluate(two_epochs("spmd"), str(workdir))
   assert str(refused.value) == (
       f"workdir {str(workdir)!r} holds no checkpoint but those put aside as damaged in {damaged} "

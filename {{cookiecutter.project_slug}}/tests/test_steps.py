@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import owned, plain, plain_options
+from conftest import owned, plain, plain_options, recipe_metrics
 from flax import nnx
 from shipped_model import create_model
 
@@ -18,7 +18,7 @@ from configs import default
 from {{cookiecutter.project_slug}} import plan
 from {{cookiecutter.project_slug}}.data import batches, sources
 from {{cookiecutter.project_slug}}.parallel import sharding
-from {{cookiecutter.project_slug}}.training import flops, metrics, optim, steps
+from {{cookiecutter.project_slug}}.training import dispatch, flops, optim, steps
 
 
 class Pixels:
@@ -38,9 +38,14 @@ def prepared(batch, max_shift: int = 0, seed: int = 0, flip: bool = False, crop=
   return steps.forward(Pixels(), batch, config, augment)
 
 
+def tiny_plan(config) -> plan.Plan:
+  """The plan (`plan.make`) of `config` resolved for this host's devices."""
+  return plan.make(plan.resolved(config))
+
+
 def eval_options(config) -> dict:
-  """The eval step's options, as `steps.make` gives them: the train step's but its collection."""
-  options = steps.step_options(config)
+  """The eval step's options, as `dispatch.make` gives them: the train step's but its collection."""
+  options = dispatch.step_options(plan.make(config))
   return dict(config=options["config"], recipe=options["recipe"])
 
 
@@ -88,15 +93,16 @@ def test_flops_of_the_default_cnn_step_equal_the_analytic_count():
   # too, except the first layer's (the images need no gradient).
   expected = 2 * conv1 + 3 * conv2 + 3 * dense
   assert expected == 237_895_680
-  assert flops.model_flops(step, state, metrics.of(config).train.empty(), batch) == expected
+  assert flops.model_flops(step, state, recipe_metrics(config).train.empty(), batch) == expected
 
   # Gradient accumulation splits the batch, not the work; k steps cost k times one.
   accumulated = functools.partial(steps.train_step, graphdef, **plain_options(
       config, augment_max_shift=1, grad_accum_steps=4))
-  assert flops.model_flops(accumulated, state, metrics.of(config).train.empty(), batch) == expected
-  k_steps = functools.partial(steps.k_steps, step)
+  running = recipe_metrics(config).train.empty()
+  assert flops.model_flops(accumulated, state, running, batch) == expected
+  k_steps = functools.partial(dispatch.k_steps, step)
   stacked = jax.tree.map(lambda x: jnp.stack([x] * 3), batch)
-  running = metrics.of(config).train.empty()
+  running = recipe_metrics(config).train.empty()
   assert flops.model_flops(k_steps, state, running, stacked) == 3 * expected
 
 
@@ -109,7 +115,7 @@ def test_flops_counted_under_pmap_for_a_model_that_reduces_over_its_axis(tiny_co
   for parallelism in ("spmd", "pmap"):
     tiny_config.parallelism = parallelism
     graphdef, state = batchnorm_state()
-    speed = flops.Speed(graphdef, state, (8, 8, 1), plan.resolved(tiny_config))
+    speed = flops.Speed(graphdef, state, (8, 8, 1), plan.make(plan.resolved(tiny_config)))
     counts[parallelism] = speed.flops_per_step
   assert counts["pmap"] == counts["spmd"] > 0
 
@@ -127,8 +133,8 @@ def test_the_train_step_shifts_each_example_as_its_stream_position_says(tiny_con
 
   def step(batch, max_shift):
     return jax.jit(functools.partial(steps.train_step, graphdef, **plain_options(
-        tiny_config, augment_max_shift=max_shift)))(state, metrics.of(tiny_config).train.empty(),
-                                                    batch)[0]
+        tiny_config, augment_max_shift=max_shift)))(
+            state, recipe_metrics(tiny_config).train.empty(), batch)[0]
 
   assert_trees_close(step(batch, 1), step(dict(batch, image=shifted), 0), atol=1e-6)
   assert not np.array_equal(np.asarray(shifted), batch["image"] / 255)  # the shifts moved pixels
@@ -144,7 +150,7 @@ def test_a_skipped_step_leaves_the_whole_state_bitwise_unchanged(tiny_config):
   good, padding = batches([64, 0])
   nan = dict(good, image=good["image"].astype(np.float32))
   nan["image"][5, 2, 2] = np.nan
-  running = metrics.of(tiny_config).train.empty()
+  running = recipe_metrics(tiny_config).train.empty()
   for batch in (nan, padding):
     after, running = step(state, running, batch)
     for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(after), strict=True):
@@ -172,12 +178,12 @@ def test_skipping_by_selection_equals_skipping_under_cond(tiny_config):
                ("select", "updated", True)):
     graphdef, state = initial_state(tiny_config, DropoutCNN(nnx.Rngs(0)))
     options = dict(zip(("skip_by", "norms_of", "flat_norms"), form, strict=True))
-    step = jax.jit(functools.partial(steps.train_step, graphdef, **steps.step_options(tiny_config),
-                                     **options))
-    running = metrics.of(tiny_config).train.empty()
+    step = jax.jit(functools.partial(steps.train_step, graphdef,
+                                     **dispatch.step_options(plan.make(tiny_config)), **options))
+    running = recipe_metrics(tiny_config).train.empty()
     for batch in data:
       state, running = step(state, running, batch)
-    results[form] = ([as_numpy(x) for x in jax.tree.leaves(state)], steps.summarize(running))
+    results[form] = ([as_numpy(x) for x in jax.tree.leaves(state)], dispatch.summarize(running))
     assert int(nnx.merge(graphdef, state)[1].step[...]) == 2  # steps 1 and 4 were applied
   cond, cond_metrics = results.pop(("cond", "kept", False))
   for (*_, flat), (select, select_metrics) in results.items():
@@ -202,9 +208,9 @@ def test_skipping_a_step_keeps_no_second_copy_of_the_state(tiny_config, parallel
   assert sum(x.nbytes for x in jax.tree.leaves(state)) > 6e6
   mesh = sharding.make_mesh(tiny_config)
   placed = sharding.place_state(state, mesh, tiny_config.fsdp_min_size)
-  compiled = steps.make(graphdef, tiny_config, mesh)
+  compiled = dispatch.make(graphdef, plan.make(tiny_config), mesh)
   batch = compiled.put_batch(stacked(batches([64]), 1)[0])
-  running = compiled.empty(metrics.of(tiny_config).train)
+  running = compiled.empty(recipe_metrics(tiny_config).train)
   step = compiled.train.lower(placed, running, batch).compile()
 
   def bare_update(state, batch):  # the gradient, the update and their norms, nothing else
@@ -295,24 +301,24 @@ def test_evaluation_uses_the_moving_average(tiny_config):
   from test_parallel import batches
 
   tiny_config.ema_decay = 0.5
-  graphdef, state = nnx.split(optim.build_state(plan.resolved(tiny_config), (8, 8, 1), 10, 10))
+  graphdef, state = nnx.split(optim.build_state(tiny_plan(tiny_config), (8, 8, 1), 10, 10))
   batch = batches([64])[0]
   state, _ = jax.jit(functools.partial(steps.train_step, graphdef,
                                        **plain_options(tiny_config, ema_decay=0.5)))(
-      state, metrics.of(tiny_config).train.empty(), batch)
+      state, recipe_metrics(tiny_config).train.empty(), batch)
   model, average = state[0], state[2]
   # One step from equal values: the average moved halfway to the parameters.
-  start = nnx.split(optim.build_state(plan.resolved(tiny_config), (8, 8, 1), 10, 10))[1][0]
+  start = nnx.split(optim.build_state(tiny_plan(tiny_config), (8, 8, 1), 10, 10))[1][0]
   for p, a, s in zip(jax.tree.leaves(model), jax.tree.leaves(average), jax.tree.leaves(start),
                      strict=True):
     np.testing.assert_allclose(a, 0.5 * s + 0.5 * p, rtol=1e-6, atol=1e-7)
   evaluate = jax.jit(functools.partial(steps.eval_step, graphdef, **eval_options(tiny_config)))
-  got = evaluate(state, metrics.of(tiny_config).eval.empty(), batch).compute()
+  got = evaluate(state, recipe_metrics(tiny_config).eval.empty(), batch).compute()
   as_average = nnx.State(dict(state))
   as_average[0] = average
-  expected = evaluate(as_average, metrics.of(tiny_config).eval.empty(), batch).compute()
+  expected = evaluate(as_average, recipe_metrics(tiny_config).eval.empty(), batch).compute()
   plain = dict(state)
-  no_average = evaluate(nnx.State({**plain, 2: model}), metrics.of(tiny_config).eval.empty(),
+  no_average = evaluate(nnx.State({**plain, 2: model}), recipe_metrics(tiny_config).eval.empty(),
                         batch).compute()
   assert float(got["loss"]) == float(expected["loss"])
   assert float(got["loss"]) != float(no_average["loss"])
@@ -330,7 +336,7 @@ def test_the_moving_average_warms_up_and_is_kept_in_float32(tiny_config):
   def check_steps(decays):
     nonlocal state, running
     step = jax.jit(functools.partial(steps.train_step, graphdef,
-                                     **steps.step_options(tiny_config)))
+                                     **dispatch.step_options(plan.make(tiny_config))))
     for decay, batch in zip(decays, batches([64] * len(decays)), strict=True):
       before = [np.asarray(x) for x in floats(state[2])]
       state, running = step(state, running, batch)
@@ -340,11 +346,11 @@ def test_the_moving_average_warms_up_and_is_kept_in_float32(tiny_config):
                                    rtol=1e-6, atol=1e-7)
 
   tiny_config.ema_decay = 0.9999
-  graphdef, state = nnx.split(optim.build_state(plan.resolved(tiny_config), (8, 8, 1), 10, 10))
-  running = metrics.of(tiny_config).train.empty()
+  graphdef, state = nnx.split(optim.build_state(tiny_plan(tiny_config), (8, 8, 1), 10, 10))
+  running = recipe_metrics(tiny_config).train.empty()
   check_steps([0.1, 2 / 11, 3 / 12])
   tiny_config.ema_warmup, tiny_config.model.param_dtype = False, "bfloat16"
-  graphdef, state = nnx.split(optim.build_state(plan.resolved(tiny_config), (8, 8, 1), 10, 10))
+  graphdef, state = nnx.split(optim.build_state(tiny_plan(tiny_config), (8, 8, 1), 10, 10))
   assert {x.dtype for x in floats(state[0]["dense"])} == {jnp.dtype(jnp.bfloat16)}
   assert {x.dtype for x in floats(state[2])} == {jnp.dtype(jnp.float32)}
   check_steps([0.9999])
@@ -359,13 +365,13 @@ def test_training_logs_the_plain_cross_entropy_beside_the_smoothed_loss(tiny_con
   results, tiny_config.augment_max_shift = {}, 0  # (eval's images: no shift)
   for smoothing in (0.0, 0.2):
     tiny_config.label_smoothing = smoothing
-    graphdef, state = nnx.split(optim.build_state(plan.resolved(tiny_config), (8, 8, 1), 10, 10))
+    graphdef, state = nnx.split(optim.build_state(tiny_plan(tiny_config), (8, 8, 1), 10, 10))
     step = jax.jit(functools.partial(steps.train_step, graphdef,
-                                     **steps.step_options(tiny_config)))
-    _, running = step(state, metrics.of(tiny_config).train.empty(), batch)
-    results[smoothing] = steps.summarize(running)
+                                     **dispatch.step_options(plan.make(tiny_config))))
+    _, running = step(state, recipe_metrics(tiny_config).train.empty(), batch)
+    results[smoothing] = dispatch.summarize(running)
   evaluated = jax.jit(functools.partial(steps.eval_step, graphdef, **eval_options(tiny_config)))(
-      state, metrics.of(tiny_config).eval.empty(), batch).compute()  # the same start: logits
+      state, recipe_metrics(tiny_config).eval.empty(), batch).compute()  # the same start: logits
   for summary in results.values():
     assert summary["cross_entropy"] == pytest.approx(float(evaluated["loss"]), rel=1e-6)
   assert results[0.0]["loss"] == results[0.0]["cross_entropy"]

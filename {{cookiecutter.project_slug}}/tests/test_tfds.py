@@ -13,7 +13,7 @@ from PIL import Image
 
 from configs import default, tiny
 
-from {{cookiecutter.project_slug}} import plan
+from {{cookiecutter.project_slug}} import rules
 from {{cookiecutter.project_slug}}.data import sources
 
 
@@ -112,8 +112,8 @@ def test_what_cannot_be_read_is_one_line(data_dir, tmp_path):
        "--file_format=array_record --data_dir=DIR."),
       (config_for(str(tmp_path)), f"digits_for_test is not prepared in {tmp_path}; prepare "
        "it: tfds build digits_for_test --file_format=array_record --data_dir=DIR.")]:
-    with pytest.raises(plan.ConfigError) as e:
-      plan.validate_config(config)
+    with pytest.raises(rules.ConfigError) as e:
+      rules.validate_config(config)
     assert str(e.value) == message
 
 

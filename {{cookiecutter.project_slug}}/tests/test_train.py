@@ -26,13 +26,13 @@ from test_preemption import final_state
 
 import train
 
-from {{cookiecutter.project_slug}} import errors, plan
+from {{cookiecutter.project_slug}} import errors, plan, rules
 from {{cookiecutter.project_slug}}.training import (
   checkpoints,
+  dispatch,
   optim,
   report,
   runs,
-  steps,
   stopping,
 )
 
@@ -419,7 +419,7 @@ def test_a_resume_keeps_the_runs_config(tiny_config, tmp_path, caplog):
   before = {p: os.path.getmtime(p) for p in glob.glob(f"{workdir}/**", recursive=True)}
   changed = tiny_config.copy_and_resolve_references()
   changed.learning_rate = 0.5
-  with pytest.raises(plan.ConfigError, match=(
+  with pytest.raises(rules.ConfigError, match=(
       r"^config.learning_rate=0.5 differs from the 0.01 of the run in '.*' that this resumes "
       r"\(config.json\); a resumed run keeps its config: use a new --workdir, or "
       r"--config.resume_may_change=learning_rate to change it \(logged\).$")):
@@ -876,7 +876,7 @@ def test_the_state_is_built_in_shards_with_the_values_of_an_eager_build(tiny_con
 
   tiny_config.parallelism, tiny_config.fsdp_min_size = "fsdp", 0
   _, info = sources.get_datasets(tiny_config)
-  graphdef, abstract, init = optim.initial_state(plan.resolved(tiny_config), info,
+  graphdef, abstract, init = optim.initial_state(plan.make(plan.resolved(tiny_config)), info,
                                                  sharding.make_mesh(tiny_config), 100)
   state = init()
   model = create_model(tiny_config, info.image_shape, info.num_classes, nnx.Rngs(tiny_config.seed))
@@ -892,7 +892,7 @@ def test_the_state_is_built_in_shards_with_the_values_of_an_eager_build(tiny_con
 def test_rates_leave_out_evaluation_and_checkpoints(tiny_config, tmp_path, monkeypatch):
   """An evaluation that takes 2 s (at steps 10 and 20) does not lower the training rates of the
   log intervals that follow it (steps 11-15 and 21-23). (The final one, at step 23, is quick.)"""
-  evaluate, calls = steps.evaluate, []
+  evaluate, calls = dispatch.evaluate, []
 
   def slow_evaluate(*args, **kwargs):
     calls.append(None)
@@ -900,7 +900,7 @@ def test_rates_leave_out_evaluation_and_checkpoints(tiny_config, tmp_path, monke
       time.sleep(2.0)
     return evaluate(*args, **kwargs)
 
-  monkeypatch.setattr(steps, "evaluate", slow_evaluate)
+  monkeypatch.setattr(dispatch, "evaluate", slow_evaluate)
   train.train_and_evaluate(tiny_config, str(tmp_path))
   scalars = read_scalars(str(tmp_path))
   for name in ("train_examples_per_sec", "steps_per_sec"):
@@ -915,9 +915,9 @@ def test_rates_leave_out_evaluation_and_checkpoints(tiny_config, tmp_path, monke
 
 def test_a_float16_model_is_refused(tiny_config):
   tiny_config.model.dtype = "float16"
-  with pytest.raises(plan.ConfigError, match=r"^config.model.dtype='float16' needs loss "
+  with pytest.raises(rules.ConfigError, match=r"^config.model.dtype='float16' needs loss "
                      r"scaling, .*; use bfloat16"):
-    plan.validate_config(tiny_config)
+    rules.validate_config(tiny_config)
 
 
 @pytest.mark.parametrize("missing", [["gcsfs"], ["gcsfs", "google.cloud.storage"]])
@@ -925,15 +925,15 @@ def test_a_bucket_workdir_without_its_packages_is_refused(tiny_config, monkeypat
   """Without the `gcs` extra (and without TensorFlow), a gs:// workdir stops before anything is
   read, written or compiled, instead of deep inside Orbax or the TensorBoard writer."""
   monkeypatch.setattr(plan, "_installed", lambda module: module not in [*missing, "tensorflow"])
-  with pytest.raises(plan.ConfigError) as refused:
-    plan.validate_config(tiny_config, "gs://bucket/run")
+  with pytest.raises(rules.ConfigError) as refused:
+    rules.validate_config(tiny_config, "gs://bucket/run")
   assert str(refused.value) == (
       f"--workdir='gs://bucket/run' needs {' and '.join(missing)}, which are not installed; "
       'install them: pip install -e ".[gcs]"')
   monkeypatch.setattr(plan, "_installed", lambda module: module != "tensorflow")
-  plan.validate_config(tiny_config, "gs://bucket/run")  # with the packages: accepted
-  with pytest.raises(plan.ConfigError, match="ftp:// is not supported"):
-    plan.validate_config(tiny_config, "ftp://host/run")
+  rules.validate_config(tiny_config, "gs://bucket/run")  # with the packages: accepted
+  with pytest.raises(rules.ConfigError, match="ftp:// is not supported"):
+    rules.validate_config(tiny_config, "ftp://host/run")
 
 
 def test_checkpoints_are_written_by_one_replica_on_cpu_and_by_all_on_tpu(monkeypatch):
@@ -1056,7 +1056,7 @@ def test_the_recipe_changes_each_touch_recipe_py_alone(tiny_config, tmp_path, mo
   tiny_config.recipe, tiny_config.optimizer, tiny_config.learning_rate = (
       "changed_recipe", "lion", 1e-3)
   tiny_config.focal_gamma, tiny_config.brightness = 2.0, 0.2  # (keys added to default.py)
-  plan.validate_config(tiny_config)
+  rules.validate_config(tiny_config)
   caplog.set_level("INFO")
   final = train.train_and_evaluate(tiny_config, str(tmp_path / "run"))
   assert 0 <= final["accuracy"] <= final["top5_accuracy"] <= 1 and final["examples"] == 360
@@ -1069,7 +1069,7 @@ def test_the_recipe_changes_each_touch_recipe_py_alone(tiny_config, tmp_path, mo
   tiny_config.optimizer = "lamb"
   with pytest.raises(errors.ConfigError, match=r"config.optimizer='lamb' is unknown; use one "
                      r"of \('adam', 'adamw', 'sgd', 'lion'\)"):
-    plan.validate_config(tiny_config)
+    rules.validate_config(tiny_config)
 
 
 # A workdir whose checkpoints cannot be written, made in a mount namespace of the test's own
@@ -1131,6 +1131,6 @@ def test_every_nth_checkpoint_is_kept_across_a_resume(tiny_config, tmp_path, cap
   train.train_and_evaluate(tiny_config, str(tmp_path))
   assert saved() == [20, 40, 45]
   tiny_config.keep_checkpoint_every_steps = 15
-  with pytest.raises(plan.ConfigError, match=r"keep_checkpoint_every_steps=15 is not a multiple "
+  with pytest.raises(rules.ConfigError, match=r"keep_checkpoint_every_steps=15 is not a multiple "
                      r"of config.checkpoint_every_steps=10"):
-    plan.validate_config(tiny_config)
+    rules.validate_config(tiny_config)

@@ -29,7 +29,7 @@ import train
 import write_arrayrecord
 from configs import default
 
-from {{cookiecutter.project_slug}} import plan
+from {{cookiecutter.project_slug}} import plan, rules
 from {{cookiecutter.project_slug}}.data import image_files, sources
 from {{cookiecutter.project_slug}}.parallel import sharding
 from {{cookiecutter.project_slug}}.training import optim, runs, steps, trained
@@ -87,7 +87,7 @@ def test_fine_tuning_copies_the_convolutions_and_starts_a_new_classifier(folder_
 
   config, info = trained.read_description(workdir)  # the state it started from, built again
   mesh = sharding.make_mesh(config)
-  _, abstract, init = optim.initial_state(plan.resolved(config), info, mesh, 10)
+  _, abstract, init = optim.initial_state(plan.make(plan.resolved(config)), info, mesh, 10)
   start = jax.device_get(trained.init_from(source, abstract, init)())
   fresh = jax.device_get(init())
   with ocp.CheckpointManager(os.path.join(source, "checkpoints")) as checkpoints:
@@ -107,7 +107,7 @@ def test_fine_tuning_copies_the_convolutions_and_starts_a_new_classifier(folder_
   sharded = config.copy_and_resolve_references()
   sharded.parallelism, sharded.fsdp_min_size = "fsdp", 0
   sharded = plan.resolved(sharded)
-  _, abstract, init = optim.initial_state(sharded, info, sharding.make_mesh(sharded), 10)
+  _, abstract, init = optim.initial_state(plan.make(sharded), info, sharding.make_mesh(sharded), 10)
   kernel = trained.init_from(source, abstract, init)()[0]["convs"][1]["kernel"][...]
   wanted = jax.tree.leaves(abstract[0]["convs"][1]["kernel"])[0].sharding
   assert kernel.sharding.is_equivalent_to(wanted, kernel.ndim)
@@ -123,7 +123,7 @@ def test_another_model_is_not_fine_tuned_and_the_workdir_is_kept(straight_runs, 
                                                                   tmp_path):
   tiny_config.model.features = (8, 16, 32)  # an extra convolution
   tiny_config.init_from = str(straight_runs["spmd"][0])
-  with pytest.raises(plan.ConfigError) as error:
+  with pytest.raises(rules.ConfigError) as error:
     train.train_and_evaluate(tiny_config, str(tmp_path / "workdir"))
   assert str(error.value) == (
       f"config.init_from={tiny_config.init_from!r}: convs/2/bias is in this model but not in "
@@ -183,7 +183,7 @@ def test_a_model_larger_than_the_devices_is_refused_saying_what_it_needs(straigh
   whole, need = sum(x.nbytes for x in jax.tree.leaves(state)), sharding.bytes_per_device(state)
   assert need == whole if parallelism == "spmd" else need < whole / 4
   monkeypatch.setattr(trained, "device_memory_bytes", lambda device: 256)
-  with pytest.raises(plan.ConfigError) as e:
+  with pytest.raises(rules.ConfigError) as e:
     trained.Restored(str(workdir))
   fix = (f"devices of {need / 2**30:.3g} GiB or more." if parallelism == "spmd" else
          f"{-(-need * 8 // 256)} or more of them.")
@@ -194,14 +194,14 @@ def test_a_model_larger_than_the_devices_is_refused_saying_what_it_needs(straigh
 
 def test_a_workdir_without_a_checkpoint_or_that_step_is_one_line(folder_run, tmp_path):
   _, workdir, _, _ = folder_run
-  with pytest.raises(plan.ConfigError, match=r"holds no config.json: give the --workdir of a "):
+  with pytest.raises(rules.ConfigError, match=r"holds no config.json: give the --workdir of a "):
     trained.Restored(str(tmp_path))
   for name in (runs.CONFIG_FILE, runs.DATA_FILE):
     shutil.copy(os.path.join(workdir, name), tmp_path)
-  with pytest.raises(plan.ConfigError, match="holds no checkpoint yet; train first"):
+  with pytest.raises(rules.ConfigError, match="holds no checkpoint yet; train first"):
     trained.Restored(str(tmp_path))
   assert sorted(os.listdir(tmp_path)) == sorted([runs.CONFIG_FILE, runs.DATA_FILE])
-  with pytest.raises(plan.ConfigError, match=r"^--step=7: workdir .* holds the checkpoints of "
+  with pytest.raises(rules.ConfigError, match=r"^--step=7: workdir .* holds the checkpoints of "
                                              r"steps 10, 20, 30, 40, 50, 54\.$"):
     trained.Restored(workdir, step=7)
 
@@ -449,7 +449,7 @@ def test_a_run_whose_model_py_changed_is_built_with_its_copy_only_when_asked(str
   changed.write_text(CHANGED_MODEL)
   try:
     assert "as the run trained it" in trained.Restored(str(original)).summary
-    with pytest.raises(plan.ConfigError) as refused:
+    with pytest.raises(rules.ConfigError) as refused:
       trained.Restored(str(workdir))
     assert str(refused.value).startswith(
         f"workdir {str(workdir)!r} holds a checkpoint (step 45) of a different model: "
@@ -472,7 +472,7 @@ def test_a_run_whose_model_py_changed_is_built_with_its_copy_only_when_asked(str
     else:
       config["model"]["module"] = module
     (workdir / runs.CONFIG_FILE).write_text(json.dumps(config))
-    with pytest.raises(plan.ConfigError, match=rf"names config.{key}='{module}', which is not a "
+    with pytest.raises(rules.ConfigError, match=rf"names config.{key}='{module}', which is not a "
                        "module of this project"):
       trained.Restored(str(workdir))
   assert "antigravity" not in sys.modules  # (importing it opens a web browser)

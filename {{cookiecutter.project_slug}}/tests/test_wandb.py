@@ -15,7 +15,7 @@ from wandb.proto import wandb_internal_pb2
 import train
 from configs import tiny
 
-from {{cookiecutter.project_slug}} import plan
+from {{cookiecutter.project_slug}} import plan, rules
 
 BLOCK, HEADER = 32768, 7  # W&B's .wandb log: LevelDB's record format after a 7-byte file header
 
@@ -98,8 +98,8 @@ def test_wandb_project_without_wandb_installed_is_one_line(monkeypatch):
   monkeypatch.setattr(plan, "_installed", lambda module: module != "wandb" and installed(module))
   config = owned(tiny.get_config())
   config.wandb_project = "mine"
-  with pytest.raises(plan.ConfigError) as e:
-    plan.validate_config(config)
+  with pytest.raises(rules.ConfigError) as e:
+    rules.validate_config(config)
   assert str(e.value) == ("config.wandb_project='mine' needs the `wandb` package: pip install -e "
                           "'.[wandb]'.")
 

@@ -106,7 +106,7 @@ def fold_in_device_index(model, axis_name):
 
 
 def compiled(train, evaluate, mesh: Mesh, devices=None) -> dict:
-  """`steps.Steps`' fields under pmap, for the steps over stacked batches that `train` and
+  """`dispatch.Steps`' fields under pmap, for the steps over stacked batches that `train` and
   `evaluate` take (with `PMAP_AXIS` as their axis name): each compiled for `devices` (default:
   the local ones). State and batch: one slice a device (axis 0); metrics: one value, the same
   everywhere. The state is placed as `replicate` places it, and given back as `mesh`'s."""

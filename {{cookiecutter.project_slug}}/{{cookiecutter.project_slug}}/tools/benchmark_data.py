@@ -25,7 +25,7 @@ from PIL import Image
 
 import write_arrayrecord
 
-from .. import plan
+from .. import plan, rules
 from ..data import arrayrecord, batches, image_files, input_pipeline, sources
 from ..parallel import sharding
 
@@ -309,8 +309,8 @@ def main(config, data_dir: str, seconds: float, rate: float, image_folder: str |
   if sources.SOURCES[config.dataset].in_memory:
     config.dataset = "arrayrecord"
   try:
-    plan.validate_config(config)
-  except plan.ConfigError as e:
+    rules.validate_config(config)
+  except rules.ConfigError as e:
     raise SystemExit(f"error: {e}") from None
   result = measure_data(config, seconds, rate, image_folder)
   print("\n".join(f"{key}: {value:,.4g}" if isinstance(value, float) else f"{key}: {value}"

@@ -12,7 +12,7 @@ import jax
 from flax import nnx
 
 from .. import plan
-from ..training import optim, steps
+from ..training import dispatch, optim
 
 
 def measure_default_run(is_tiny: bool, project: str, env: dict[str, str]) -> dict:
@@ -49,7 +49,7 @@ def measure_dispatch(config, is_tiny: bool, ema_decay: float, calls: int = 200) 
   """The host time of a call that hands the ResNet-50 training state (`config`:
   configs/imagenet.py's; with --tiny the ResNet-18) to a compiled function and gets it back (as a
   step does; the function does nothing): as an nnx.State, and as the flat list of arrays that the
-  loop holds (`steps.make`'s put_state); without and with the moving average (`ema_decay`). The
+  loop holds (`dispatch.make`'s put_state); without and with the moving average (`ema_decay`). The
   median of `calls` calls; {} when model.py (yours) has no such ResNet."""
   config = config.copy_and_resolve_references()
   config.model.name = "resnet18" if is_tiny else "resnet50"
@@ -59,11 +59,12 @@ def measure_dispatch(config, is_tiny: bool, ema_decay: float, calls: int = 200) 
   result = dict(model=config.model.name)
   for ema, suffix in ((0.0, ""), (ema_decay, "_ema")):
     config.ema_decay = ema
-    tree = nnx.split(optim.build_state(plan.resolved(config), (224, 224, 3), 1000, 1000))[1]
+    run_plan = plan.make(plan.resolved(config))
+    tree = nnx.split(optim.build_state(run_plan, (224, 224, 3), 1000, 1000))[1]
     result[f"arrays{suffix}"] = len(jax.tree.leaves(tree))
     for name in ("state", "flat"):
       if name == "flat":
-        tree = steps.Flat(jax.tree.leaves(tree))
+        tree = dispatch.Flat(jax.tree.leaves(tree))
       tree = jax.block_until_ready(fn(tree))  # compiled (the arrays donated: use what comes back)
       times = []
       for _ in range(calls // 10 if is_tiny else calls):

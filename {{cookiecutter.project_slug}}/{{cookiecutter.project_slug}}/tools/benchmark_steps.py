@@ -13,7 +13,7 @@ from flax import nnx
 from .. import plan
 from ..data import batches, sources
 from ..parallel import sharding
-from ..training import metrics, optim, steps
+from ..training import dispatch, optim, steps
 
 WARMUP_STEPS = 2  # untimed calls of each compiled step before the timed ones
 
@@ -27,18 +27,21 @@ def step_state_batch(config, path: str):
   config = plan.resolved(config)
   splits, info = sources.get_datasets(config)
   batch = batches.train_batches(splits["train"], config)[0]  # [1, batch, ...]
-  graphdef, state = nnx.split(optim.build_state(config, info.image_shape, info.num_classes, 1000))
+  run_plan = plan.make(config)
+  graphdef, state = nnx.split(optim.build_state(run_plan, info.image_shape, info.num_classes,
+                                                1000))
+  running = run_plan.metrics.train.empty()
   if path == "single":
     device = jax.devices()[0]
-    step = jax.jit(functools.partial(steps.train_step, graphdef, **steps.step_options(config)),
-                   donate_argnums=(0, 1))
+    step = jax.jit(functools.partial(steps.train_step, graphdef,
+                                     **dispatch.step_options(run_plan)), donate_argnums=(0, 1))
     one_batch = jax.tree.map(lambda x: x[0], batch)
-    return step, *jax.device_put((state, metrics.of(config).train.empty(), one_batch), device)
+    return step, *jax.device_put((state, running, one_batch), device)
   config.parallelism = path
   mesh = sharding.make_mesh(config)
-  compiled = steps.make(graphdef, config, mesh)
+  compiled = dispatch.make(graphdef, run_plan, mesh)
   state = compiled.put_state(sharding.place_state(state, mesh, config.fsdp_min_size))
-  return compiled.train, state, compiled.empty(metrics.of(config).train), compiled.put_batch(batch)
+  return compiled.train, state, compiled.empty(type(running)), compiled.put_batch(batch)
 
 
 def peak_host_mb() -> float:

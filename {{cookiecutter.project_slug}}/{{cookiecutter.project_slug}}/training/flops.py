@@ -11,7 +11,7 @@ from jax.extend import core as jex
 
 from .. import layers
 from ..parallel import chips
-from . import metrics, steps
+from . import dispatch, steps
 
 
 def _inner_jaxprs(params):
@@ -57,19 +57,20 @@ class Speed:
   """FLOP/s and model FLOP utilisation (MFU) from the FLOPs of the step's matrix products and
   convolutions, counted in its jaxpr (the same on every backend)."""
 
-  def __init__(self, graphdef, state, image_shape, config, devices=None):
+  def __init__(self, graphdef, state, image_shape, run_plan, devices=None):
     # Under pmap, traced with its axis (of size 1: the global batch on one device), for models
     # whose layers reduce over it (BatchNorm).
+    config = run_plan.config
     axis = layers.PMAP_AXIS if config.parallelism == "pmap" else None
     # (The crop's resampling is left out: it is a matrix product, but not the model's.)
-    step = functools.partial(steps.train_step, graphdef, **steps.step_options(
-        config, crop_on_device=False), axis_name=axis)
+    step = functools.partial(steps.train_step, graphdef, **dispatch.step_options(
+        run_plan, crop_on_device=False), axis_name=axis)
     spec = lambda shape, dtype: jax.ShapeDtypeStruct((config.run.global_batch_size, *shape), dtype)  # noqa: E731
     batch = {"image": spec(image_shape, jnp.uint8), "label": spec((), jnp.int32),
              "mask": spec((), jnp.bool_), "position": spec((), jnp.uint32)}  # one global batch
     self.flops_per_step = model_flops(
         step, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state),
-        metrics.of(config).train.empty(), batch, axis_env=[(axis, 1)] if axis else None)
+        run_plan.metrics.train.empty(), batch, axis_env=[(axis, 1)] if axis else None)
     devices = devices or jax.devices()
     peak = config.peak_flops_per_device or chips.peak_flops(devices[0].device_kind)
     self.peak = peak * len(devices)

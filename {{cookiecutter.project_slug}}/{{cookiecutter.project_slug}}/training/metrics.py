@@ -2,7 +2,6 @@
 masked out), merged across steps, devices and processes, and computed on the host."""
 
 import functools
-import importlib
 from typing import NamedTuple
 
 import flax
@@ -44,18 +43,14 @@ class Collections(NamedTuple):
   train: type[metrics.Collection]  # and the skipped steps and the global norms (below)
 
 
-def of(config) -> Collections:
-  """The collections of the recipe that `config.recipe` names (one set per recipe, made once).
+@functools.cache
+def of(recipe) -> Collections:
+  """The collections of `recipe` (the run's recipe module: one set per recipe, made once).
   Training's adds to its METRICS the plain cross-entropy (when a smoothed loss is optimised, the
   loss of evaluation to compare with), the steps skipped, and the global norms (big_vision's) of
   the gradient (before any clipping), of the parameters and of the update as applied, averaged
   over the steps that applied theirs (`steps.train_step`)."""
-  return _collections(config.get("recipe", "recipe"))
-
-
-@functools.cache
-def _collections(recipe: str) -> Collections:
-  fields = importlib.import_module(recipe).METRICS
+  fields = recipe.METRICS
   train_loss = dict(fields, cross_entropy=metrics.Average.from_output("cross_entropy"))
   return Collections(
       eval=metrics.Collection.create(**fields),
@@ -65,7 +60,7 @@ def _collections(recipe: str) -> Collections:
                                       l2_updates=metrics.Average))
 
 
-def with_confusion(config, num_classes: int) -> type[metrics.Collection]:
+def with_confusion(recipe, num_classes: int) -> type[metrics.Collection]:
   """Evaluation's metrics and the confusion matrix: counts of real examples `[true class,
   predicted class]`."""
 
@@ -88,4 +83,4 @@ def with_confusion(config, num_classes: int) -> type[metrics.Collection]:
     def compute(self):
       return self.counts
 
-  return metrics.Collection.create(**of(config).eval.__annotations__, confusion=Confusion)
+  return metrics.Collection.create(**of(recipe).eval.__annotations__, confusion=Confusion)

@@ -7,23 +7,24 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .. import errors, plan
+from .. import errors
 from ..errors import ConfigError
 from ..layers import BatchNorm
 from ..parallel import sharding
 from .steps import takes_mask
 
 
-def create_model(config, image_shape, num_classes, rngs: nnx.Rngs) -> nnx.Module:
-  return plan.model_module(config).create_model(config, image_shape, num_classes, rngs)
+def create_model(run_plan, image_shape, num_classes, rngs: nnx.Rngs) -> nnx.Module:
+  """The model that the plan's model module (model.py) builds for this data."""
+  return run_plan.model.create_model(run_plan.config, image_shape, num_classes, rngs)
 
 
-def check_model(config, info) -> None:
+def check_model(run_plan, info) -> None:
   """model.py checked before anything compiles, abstractly (`jax.eval_shape`: no array made):
   `create_model(config, image_shape, num_classes, rngs)` builds the model, which in train mode
   maps float32 images `[B, H, W, C]` to floating logits `[B, K]`, K the data's classes. Raises
   ConfigError, one line naming model.py's line (or the shape returned and the one wanted)."""
-  module = plan.model_module(config)
+  config, module = run_plan.config, run_plan.model
   shown, signature = errors.shown(module.__file__), inspect.signature(module.create_model)
   try:
     signature.bind(config, info.image_shape, info.num_classes, None)
@@ -38,7 +39,7 @@ def check_model(config, info) -> None:
             "rngs) failed"]
 
   def build_and_call(images_BHWC):
-    model = create_model(config, info.image_shape, classes, nnx.Rngs(config.seed))
+    model = create_model(run_plan, info.image_shape, classes, nnx.Rngs(config.seed))
     failed[0] = f"the model failed on a batch of images {list(images_BHWC.shape)} float32"
     model.train()
     masked = {"example_mask": jnp.ones(batch, bool)} if takes_mask(type(model)) else {}
@@ -66,10 +67,11 @@ def check_model(config, info) -> None:
                     f"logits [{batch}, {classes}] of a floating dtype{hint}.")
 
 
-def build_state(config, image_shape, num_classes, num_train_steps: int) -> tuple:
+def build_state(run_plan, image_shape, num_classes, num_train_steps: int) -> tuple:
   """The training state's objects: (model, optimizer), and with `config.ema_decay` a third, the
   moving average of the model (a copy of it, which the train step moves and evaluation uses)."""
-  model = create_model(config, image_shape, num_classes, nnx.Rngs(config.seed))
+  config = run_plan.config
+  model = create_model(run_plan, image_shape, num_classes, nnx.Rngs(config.seed))
   if config.get("batch_norm_devices") and (plain := [
       "/".join(map(str, path)) for path, node in nnx.iter_graph(model)
       if isinstance(node, nnx.BatchNorm) and not isinstance(node, BatchNorm)]):
@@ -77,7 +79,7 @@ def build_state(config, image_shape, num_classes, num_train_steps: int) -> tuple
                       f"layers.BatchNorm; {type(model).__name__} holds nnx.BatchNorm at "
                       f"{', '.join(plain)}, which takes the global batch's statistics: use "
                       "layers.BatchNorm in model.py (or batch_norm_devices=0).")
-  optimizer = nnx.Optimizer(model, plan.recipe_module(config).optimizer(config, num_train_steps),
+  optimizer = nnx.Optimizer(model, run_plan.recipe.optimizer(config, num_train_steps),
                             wrt=nnx.Param)
   if not config.ema_decay:
     return model, optimizer
@@ -88,17 +90,17 @@ def build_state(config, image_shape, num_classes, num_train_steps: int) -> tuple
   return model, optimizer, average
 
 
-def initial_state(config, info, mesh, num_train_steps: int):
+def initial_state(run_plan, info, mesh, num_train_steps: int):
   """The model and optimizer's graph (`build_state`), their state's abstract value (shapes,
   dtypes, shardings; fsdp splits the average like the parameters) and a function that builds
   the state: under jit, each shard where it lives, so that no host and no device ever holds more
   of it than its share (the same values as built eagerly)."""
 
   def build():
-    return build_state(config, info.image_shape, info.num_classes, num_train_steps)
+    return build_state(run_plan, info.image_shape, info.num_classes, num_train_steps)
 
   graphdef, abstract = nnx.split(nnx.eval_shape(build))
-  shardings = sharding.state_shardings(abstract, mesh, config.fsdp_min_size)
+  shardings = sharding.state_shardings(abstract, mesh, run_plan.config.fsdp_min_size)
   abstract = jax.tree.map(lambda x, where: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where),
                           abstract, shardings)
   return graphdef, abstract, jax.jit(lambda: nnx.split(build())[1], out_shardings=shardings)

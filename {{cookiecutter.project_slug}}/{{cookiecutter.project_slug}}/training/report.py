@@ -33,7 +33,7 @@ class Report:
     self.speed, self.schedule = speed, schedule
 
   def train(self, step: int, since: int, summary: dict[str, float]) -> None:
-    """Writes and logs the metrics of training steps `since`..`step` (`steps.summarize`'s), with
+    """Writes and logs the metrics of training steps `since`..`step` (`dispatch.summarize`'s), with
     the rates of the lap that ends now."""
     lap = self.clock.lap(step, since)
     summary = train_summary(summary, step, since, lap, self.speed, self.schedule)
@@ -68,12 +68,12 @@ class Clock:
 
   def __init__(self):
     self.created = self.lap_start = self.first_time = self.call_start = time.perf_counter()
-    self.running, self.first_step, self.waited = False, 0, 0.0
+    self.started, self.first_step, self.waited = False, 0, 0.0
 
   def start(self, step: int) -> float:
     """Starts the clock after `step`; returns the seconds of the call that ended there."""
     now = time.perf_counter()
-    self.running, self.first_step, self.first_time, self.cpu = True, step, now, time.thread_time()
+    self.started, self.first_step, self.first_time, self.cpu = True, step, now, time.thread_time()
     self.lap_start, self.waited = now, 0.0
     return now - self.call_start
 
@@ -105,7 +105,7 @@ class Clock:
     """Training throughput of the whole loop (input pipeline, logging, evaluation, checkpoints),
     and the main thread's CPU time per step (the host work that a step must hide); {} when the
     clock never ran a step."""
-    num_steps = last_step - self.first_step if self.running else 0
+    num_steps = last_step - self.first_step if self.started else 0
     if not num_steps:
       return {}
     return {"loop_examples_per_sec": num_steps * batch_size / (
@@ -245,7 +245,7 @@ def log_state(config, graphdef, state, speed, num_train_steps: int) -> None:
 
 
 def train_summary(summary: dict, step: int, since: int, lap: "Lap", speed, schedule) -> dict:
-  """The metrics of steps `since`..`step` (`summary`, `steps.summarize`'s), with their rates
+  """The metrics of steps `since`..`step` (`summary`, `dispatch.summarize`'s), with their rates
   over `lap` (`speed`: `flops.Speed`) and the learning rate of the last update (`schedule`)."""
   summary = dict(summary)
   if lap.steps:  # no rate for an interval that holds only the compiling call

@@ -1,0 +1,176 @@
+"""How the steps (steps.py) are compiled and dispatched for each parallelism, and the loops' use of
+them (`evaluate`, `summarize`).
+
+A compiled call runs k = `config.run.steps_per_dispatch` steps (`lax.scan`) over k batches
+stacked on a leading axis ([k, B, ...]): k steps in one call equal k single calls."""
+
+import functools
+import time
+from typing import NamedTuple
+
+import jax
+import ml_collections
+
+from .. import layers
+from ..parallel import sharding
+from .steps import eval_step, train_step
+
+
+def step_options(run_plan, crop_on_device: bool = True, resize_to=None) -> dict:
+  """The train step's keyword arguments, resolved once from the run's plan (`plan.make`): its
+  config, frozen (hashable, read-only),
+  with the recipe's crop off where the input pipeline crops (photos stored whole:
+  `crop_on_device` False) and `run.image_shape` = `resize_to`, the shape that crops coming with
+  their boxes are resized to (`forward`); `recipe`, the plan's recipe module; `collection`, the
+  class of the forward pass's metrics (the plan's `metrics.train_loss`). The eval step takes the
+  first two."""
+  config = ml_collections.ConfigDict(run_plan.config)
+  if not crop_on_device:
+    config.augment_crop = False
+  if resize_to is not None:
+    with config.unlocked():
+      config.run.image_shape = tuple(resize_to)
+  return dict(config=ml_collections.FrozenConfigDict(config), recipe=run_plan.recipe,
+              collection=run_plan.metrics.train_loss)
+
+
+# The one per-backend choice of how the train step is written (`train_step`'s `skip_by`,
+# `norms_of` and `flat_norms`); no form is within 5% of the best peak memory on every chip
+# (aot.py: the 1.16 GB MLP of tests/test_aot.py under fsdp, 'kept' +19% on h100:8 with the
+# low-memory options, 'updated' +7% on v5e:2x4). The CPU skips under lax.cond: selecting keeps a
+# second state. The norms over the leaves laid end to end: one reduction where a GPU fuses the
+# concatenation into it (ResNet-50 on h100:8: 2,068 -> 1,612 kernels a step, aot.py); the CPU
+# writes the concatenation out (a second state), the TPU too (v5e:2x4: its memory-bound step
+# bound 62 -> 66 ms). Other platforms take the TPU's.
+STEP_FORMS = {
+    "cpu": dict(skip_by="cond", norms_of="kept", flat_norms=False),
+    "gpu": dict(skip_by="select", norms_of="updated", flat_norms=True),
+    "tpu": dict(skip_by="select", norms_of="kept", flat_norms=False),
+}
+
+
+def k_steps(step, state, running, batches, unroll: bool = False):
+  """`step(state, running, batch)` -> `(state, running)`, run once per batch of the batches
+  stacked on a leading axis (`lax.scan`; `unroll`: as straight-line code)."""
+  if jax.tree.leaves(batches)[0].shape[0] == 1:
+    return step(state, running, jax.tree.map(lambda x: x[0], batches))
+  body = lambda carry, batch: (step(*carry, batch), None)  # noqa: E731
+  return jax.lax.scan(body, (state, running), batches, unroll=unroll)[0]
+
+
+class Flat(NamedTuple):
+  """The training state as the loop holds it between calls: its arrays, in one flat list."""
+
+  arrays: list
+
+
+class Steps(NamedTuple):
+  """The compiled steps of one parallelism, and how to move state and batches to them."""
+
+  train: callable  # (state, running TrainMetrics, k batches) -> the two updated; donates both
+  eval: callable  # (state, running Metrics, k batches) -> the metrics updated; donates them
+  put_state: callable  # checkpoint layout (`sharding.place_state`'s global arrays) -> the steps'
+  get_state: callable  # the steps' layout (jit: a flat list; pmap: replicated) -> checkpoint's
+  put_batch: callable  # this process's stacked NumPy batches -> the steps' layout
+  empty: callable  # a metrics class -> its empty value, placed for the steps
+
+
+def make(graphdef, run_plan, mesh, unroll: bool | None = None, pmap_devices=None,
+         info=None) -> Steps:
+  """The train and eval steps of the plan's (`plan.make`) `config.parallelism`, each over stacked
+  batches. `unroll` (None:
+  on the CPU alone, whose convolution gradients run far slower inside a loop) writes the k steps
+  out; `pmap_devices`: pmap's (aot.py: a topology's); `info`: the data's DatasetInfo (photos
+  cropped on the host: the recipe's crop off; crops in a canvas resized to its image_shape)."""
+  config, platform = run_plan.config, (pmap_devices or mesh.devices.flat)[0].platform
+  options = dict(step_options(run_plan, not (info and info.crops_on_host),
+                              info.image_shape if info else None),
+                 **STEP_FORMS.get(platform, STEP_FORMS["tpu"]))
+  compiler_options = run_plan.xla_options or None  # (jit's; pmap takes none)
+  devices = (len(pmap_devices or jax.devices()) if config.parallelism == "pmap"
+             else mesh.devices.size)
+  options["batch_norm_groups"] = devices // (config.batch_norm_devices or devices)
+  unroll = platform == "cpu" if unroll is None else unroll
+  pmap_axis = dict(axis_name=layers.PMAP_AXIS) if config.parallelism == "pmap" else {}
+  one_step = functools.partial(train_step, graphdef, **options, **pmap_axis)
+  one_eval = functools.partial(eval_step, graphdef, config=options["config"],
+                               recipe=options["recipe"], **pmap_axis)
+  train = functools.partial(k_steps, one_step, unroll=unroll)
+
+  def evaluate(state, running, batches):  # (the state is read only)
+    step = lambda state, running, batch: (state, one_eval(state, running, batch))  # noqa: E731
+    return k_steps(step, state, running, batches, unroll)[1]
+
+  if config.parallelism == "pmap":
+    from ..parallel import pmap  # (the legacy path's pieces)
+
+    return Steps(**pmap.compiled(train, evaluate, mesh, pmap_devices))
+  jit = functools.partial(jax.jit, compiler_options=compiler_options)
+  # The loop holds the state as a flat list of arrays (`Flat`), merged into modules only inside
+  # the steps: a dispatch flattens a list in microseconds, an nnx.State's nodes in milliseconds.
+  # The steps take the state itself too (evaluate.py, aot.py), and give back what they got.
+  # The new state is laid out where the old one was (fsdp: each device's share, updated in place).
+  structure = {}
+  where = lambda state: sharding.state_shardings(state, mesh, config.fsdp_min_size)  # noqa: E731
+
+  def put_state(state) -> Flat:
+    arrays, structure["tree"] = jax.tree.flatten(state)
+    structure["where"] = jax.tree.leaves(where(state))
+    return Flat(arrays)
+
+  def get_state(state):
+    return jax.tree.unflatten(structure["tree"], state.arrays) if isinstance(state, Flat) else state
+
+  def train_in_place(given, running, batches):
+    if not isinstance(given, Flat):  # a state as it is (evaluate.py, aot.py)
+      state, running = train(given, running, batches)
+      return jax.lax.with_sharding_constraint(state, where(state)), running
+    state, running = train(jax.tree.unflatten(structure["tree"], given.arrays), running, batches)
+    arrays = jax.lax.with_sharding_constraint(jax.tree.leaves(state), structure["where"])
+    return Flat(arrays), running
+
+  return Steps(
+      train=jit(train_in_place, donate_argnums=(0, 1)),
+      eval=jit(lambda given, running, batches: evaluate(get_state(given), running, batches),
+               donate_argnums=1),
+      put_state=put_state,
+      get_state=get_state,
+      put_batch=lambda batch: sharding.global_batch(batch, mesh),
+      empty=lambda cls: sharding.to_global(cls.empty(), mesh),
+  )
+
+
+def compile_eval(compiled: Steps, state, eval_batches, collection) -> float:
+  """Compiles the eval step (its metrics: `collection`) now, not mid-training, for the first and
+  the last (shorter) element; returns the seconds it took (a call returns once compiled and
+  dispatched)."""
+  start = time.perf_counter()
+  for element in {len(e["mask"]): e for e in (eval_batches[0], eval_batches[-1])}.values():
+    compiled.eval(state, compiled.empty(collection), compiled.put_batch(element))
+  return time.perf_counter() - start
+
+
+def sync_every(config) -> int:
+  """How often, in steps, the loops wait for a result: XLA:CPU's collectives abort with hundreds
+  of calls queued; elsewhere never (0)."""
+  return config.cpu_sync_every_steps if jax.default_backend() == "cpu" else 0
+
+
+def summarize(running) -> dict[str, float]:
+  """The running metrics, fetched in one transfer and computed on the host."""
+  running = jax.device_get(running)
+  return {**{name: float(value) for name, value in running.compute().items()},
+          "examples": int(running.loss.count)}
+
+
+def evaluate(compiled: Steps, state, iterator, num_batches: int, config, collection):
+  """The metrics (`collection`: the plan's `metrics.eval`, or more) over the next
+  `num_batches` elements of `iterator` (`input_pipeline.as_iterator`: the eval split once),
+  merged on the devices."""
+  running = compiled.empty(collection)
+  every = sync_every(config)
+  for i in range(1, num_batches + 1):
+    running = compiled.eval(state, running, compiled.put_batch(next(iterator)))
+    if every and i % max(every // config.run.steps_per_dispatch, 1) == 0:
+      jax.block_until_ready(running)
+  return running
