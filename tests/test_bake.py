@@ -271,7 +271,7 @@ def test_bake_layout_commands_at_the_top_machinery_in_one_package_no_import_cycl
                  "launch.py", "model.py", "predict.py", "recipe.py", "train.py",
                  "write_arrayrecord.py"], top
   graph = project_imports(project)
-  assert {"nnx_data_parallel.training.steps", "nnx_data_parallel.plan"} <= graph["train"]
+  assert {"nnx_data_parallel.training.dispatch", "nnx_data_parallel.plan"} <= graph["train"]
 
   def cycle_from(module, path):
     for imported in sorted(graph[module]):
@@ -350,7 +350,6 @@ STEP_PATH = """
 import collections, json, os, sys, tempfile
 from configs import default
 import train
-from {slug}.training import metrics
 
 config = default.get_config()
 config.update(dataset="synthetic", batch_size=16, num_epochs=1)
@@ -364,7 +363,7 @@ def record(frame, event, arg):
     seen.setdefault(os.path.relpath(code.co_filename, here), set()).add(code.co_qualname)
 
 run = train.set_up(config, tempfile.mkdtemp())
-batches, running = next(run.train_iter), run.compiled.empty(metrics.of(run.config).train)
+batches, running = next(run.train_iter), run.compiled.empty(run.plan.metrics.train)
 sys.setprofile(record)
 run.compiled.train(run.state, running, batches)
 sys.setprofile(None)
@@ -374,11 +373,11 @@ print(json.dumps({{file: sorted(names) for file, names in seen.items()}}))
 
 
 def test_bake_one_training_call_reads_in_the_steps_the_recipe_and_the_metrics(cookies):
-  """A training call runs the step (training/steps.py), the recipe's loss and augmentation
-  (recipe.py, resolved once when the steps are made) and the metrics it merges
-  (training/metrics.py), and nothing of plan.py, layers.py (a BatchNorm's own), data/ or
-  parallel/: the recipe, the input and the layouts are done before the call. Prints how many
-  functions it runs (the issue's figure; no bound)."""
+  """A training call runs the step (training/steps.py) as compiled, k a call
+  (training/dispatch.py), the recipe's loss and augmentation (recipe.py, resolved once when the
+  steps are made) and the metrics it merges (training/metrics.py), and nothing of plan.py,
+  layers.py (a BatchNorm's own), data/ or parallel/: the recipe, the input and the layouts are
+  done before the call. Prints how many functions it runs (the issue's figure; no bound)."""
   project = bake_ok(cookies)
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS="--xla_force_host_platform_device_count=8")
@@ -386,7 +385,8 @@ def test_bake_one_training_call_reads_in_the_steps_the_recipe_and_the_metrics(co
   assert result.returncode == 0, result.stderr[-3000:]
   seen = json.loads(result.stdout.strip().splitlines()[-1])
   package = project.name
-  assert sorted(seen) == sorted(["recipe.py", f"{package}/training/metrics.py",
+  assert sorted(seen) == sorted(["recipe.py", f"{package}/training/dispatch.py",
+                                 f"{package}/training/metrics.py",
                                  f"{package}/training/steps.py"]), seen
   print(f"one training call runs {sum(map(len, seen.values()))} of the project's functions in "
         f"{len(seen)} files (train.py's loop besides): {seen}")

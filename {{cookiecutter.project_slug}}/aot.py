@@ -239,7 +239,7 @@ def _analyze(config, devices, hlo: str | None) -> dict:
   num_train_steps = batches.num_batches(
       config.num_epochs * info.num_examples["train"], config.run.global_batch_size)
   mesh = sharding.make_mesh(config, devices)
-  run_plan = plan.make(config)
+  run_plan = plan.make_plan(config)
   graphdef, state, init = optim.initial_state(run_plan, info, mesh, num_train_steps)
   pmap = config.parallelism == "pmap"
   compiled_steps = dispatch.make(graphdef, run_plan, mesh, unroll=False, info=info,

@@ -92,7 +92,7 @@ def evaluate(run: trained.Restored, source) -> dict:
   config.run.steps_per_dispatch = 1  # (and the run's batch, rounded up to the devices here)
   config.run.global_batch_size = -(-config.run.global_batch_size // run.mesh.size) * run.mesh.size
   graphdef, state = nnx.split((nnx.merge(run.graphdef, run.state),))  # eval_step's (model,)
-  run_plan = plan.make(config)
+  run_plan = plan.make_plan(config)
   compiled = dispatch.make(graphdef, run_plan, run.mesh, info=run.info)
   collection = metrics.with_confusion(run_plan.recipe, run.info.num_classes)
   rows = sharding.process_rows(run.mesh, config.run.global_batch_size)

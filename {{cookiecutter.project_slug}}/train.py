@@ -17,15 +17,14 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from {{cookiecutter.project_slug}} import errors, plan, rules
-from {{cookiecutter.project_slug}}.data import batches, input_pipeline, sources
+from {{cookiecutter.project_slug}} import errors, plan
+from {{cookiecutter.project_slug}}.data import input_pipeline
 from {{cookiecutter.project_slug}}.errors import BadData, ConfigError
 from {{cookiecutter.project_slug}}.parallel import distributed, sharding
 from {{cookiecutter.project_slug}}.training import (
   checkpoints,
   dispatch,
   flops,
-  metrics,
   optim,
   report,
   runs,
@@ -33,55 +32,37 @@ from {{cookiecutter.project_slug}}.training import (
 )
 
 
-def prepare(config: ml_collections.ConfigDict, workdir: str):
-  """The run's config, frozen: `config` checked, with what it comes to on these devices under
-  `config.run` (`plan.resolved`: k, the global batch and a device's share) and, when `workdir`
-  holds a run, that run's own config (`runs.resumed`; changes logged); the workdir an absolute
-  path (a bucket's as it is)."""
-  rules.validate_config(config, workdir)
-  config, workdir = plan.resolved(config), runs.absolute(workdir)
-  if (saved := runs.saved_config(workdir)) is not None:  # a resume
-    config, changes = runs.resumed(config, saved, workdir)
-    for line in changes:
-      logging.warning("%s", line)
-  return ml_collections.FrozenConfigDict(config), workdir
-
-
 class Run(NamedTuple):
   """A run, set up (`set_up`): what the loop reads."""
 
-  config: ml_collections.FrozenConfigDict  # the run's (`prepare`)
+  config: ml_collections.FrozenConfigDict  # the run's (`runs.prepare`)
   workdir: str
   num_train_steps: int
   first_step: int  # the checkpoint's (0: a new run)
   compiled: dispatch.Steps
   state: object  # the first step's, placed for `compiled` (`put_state`)
-  metrics: metrics.Collections  # the recipe's (the plan's): training's and evaluation's
+  plan: plan.Plan  # what the config names: the model's and recipe's modules, the metrics
   checkpoints: checkpoints.Checkpoints
+  data: input_pipeline.Input  # the splits, described; evaluation's elements
   train_iter: input_pipeline.Iterator  # k batches an element, from the step after `first_step`
-  eval_batches: batches.Elements
   eval_iter: input_pipeline.Iterator  # the eval split, repeated: its workers start once
   report: report.Report  # the writers, the log, the clock, the profile
   eval_compile_s: float
 
 
 def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
-  """Everything before the first step: the run's config (`prepare`), the data read and described,
-  the model and optimizer built (or restored from the workdir's latest checkpoint, or
-  `config.init_from`'s) and placed, the steps compiled, the writers opened, the input started;
+  """Everything before the first step: the run's config (`runs.prepare`) and plan, the data read
+  and described, the model and optimizer built (or restored from the workdir's latest checkpoint,
+  or `config.init_from`'s) and placed, the steps compiled, the writers opened, the input started;
   what the run is, logged."""
-  config, workdir = prepare(config, workdir)
-  run_plan = plan.make(config)  # the modules it names (model.py, recipe.py), made once
+  config, workdir = runs.prepare(config, workdir)
+  run_plan = plan.make_plan(config)  # the modules it names (model.py, recipe.py), made once
   recipe = run_plan.recipe  # the schedule, the metrics
-  # The devices' layout; the data, and what the run will do with it.
+  # The devices' layout; the data (this process's rows of each batch), and what the run will do.
   mesh = sharding.make_mesh(config)
-  rows = sharding.process_rows(mesh, config.run.global_batch_size)  # this process's rows
-  splits, info = sources.get_datasets(config)
-  num_train_steps = batches.num_batches(
-      config.num_epochs * info.num_examples["train"], config.run.global_batch_size)
-  memory = input_pipeline.host_memory(config, info, jax.process_count())
-  eval_batches = batches.eval_batches(splits["eval"], config, rows)
-  report.log_run(config, info, recipe, memory, num_train_steps, workdir)
+  data = input_pipeline.Input(config, sharding.process_rows(mesh, config.run.global_batch_size))
+  info, num_train_steps = data.info, data.num_train_steps
+  report.log_run(config, info, recipe, data.memory, num_train_steps, workdir)
   optim.check_model(run_plan, info)  # model.py on this data, abstractly: before any compile
   # Compiled now, as one program: op by op, it would compile at the first log, inside the first
   # timed interval (a GPU: ~1 s of a ResNet-50 run's second interval).
@@ -105,16 +86,13 @@ def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   compiled = dispatch.make(graphdef, run_plan, mesh, info=info)
   state = compiled.put_state(state)
   # The input: its workers start here; the eval step compiled on its first and last batches.
-  train_iter = input_pipeline.as_iterator(
-      batches.train_batches(splits["train"], config, first_step, rows), config,
-      put=compiled.put_batch)
-  eval_iter = input_pipeline.as_iterator(eval_batches.repeat(), config)  # endless: workers once
+  train_iter, eval_iter = data.train_iterator(first_step, compiled.put_batch), data.eval_iterator()
   if config.print_shardings:
     logging.info("%s", sharding.describe_run(compiled.get_state(state),
-                                             compiled.put_batch(eval_batches[0])))
-  return Run(config, workdir, num_train_steps, first_step, compiled, state, run_plan.metrics,
-             saved, train_iter, eval_batches, eval_iter, reporting,
-             dispatch.compile_eval(compiled, state, eval_batches, run_plan.metrics.eval))
+                                             compiled.put_batch(data.eval_batches[0])))
+  return Run(config, workdir, num_train_steps, first_step, compiled, state, run_plan,
+             saved, data, train_iter, eval_iter, reporting,
+             dispatch.compile_eval(compiled, state, data.eval_batches, run_plan.metrics.eval))
 
 
 def train_loop(run: Run, received: list):
@@ -127,8 +105,9 @@ def train_loop(run: Run, received: list):
   k, num_train_steps, state = config.run.steps_per_dispatch, run.num_train_steps, run.state
   # `running` merges the metrics of the training steps from `since` on, on the devices. Each
   # dispatch runs the steps of one element: up to the next multiple of k (or the end).
-  running, since = compiled.empty(run.metrics.train), run.first_step + 1
+  running, since = compiled.empty(run.plan.metrics.train), run.first_step + 1
   step, eval_metrics, stopped_by, every = run.first_step, None, None, dispatch.sync_every(config)
+  eval_split = (run.eval_iter, len(run.data.eval_batches), config, run.plan.metrics.eval)
   while step < num_train_steps:
     done = min((step // k + 1) * k, num_train_steps)  # `done` counts finished updates
     profiler.before(step, done)
@@ -155,7 +134,7 @@ def train_loop(run: Run, received: list):
       stopping.check_finite(fetched.nonfinite_steps, since, config, saved.manager)
       if log_now:
         reporting.train(step, since, dispatch.summarize(fetched))
-        running, since = compiled.empty(run.metrics.train), step + 1
+        running, since = compiled.empty(run.plan.metrics.train), step + 1
     # On a stop signal: save, and leave the evaluation (the grace period is for saving).
     evaluate_now = (step % config.eval_every_steps == 0 or is_last) and not stopped_by
     save_now = step % config.checkpoint_every_steps == 0 or is_last or stopped_by
@@ -165,14 +144,12 @@ def train_loop(run: Run, received: list):
         if save_now:  # first: asynchronous, it writes while the evaluation runs
           saved.save(step, compiled.get_state(state))
         if evaluate_now:
-          eval_metrics = dispatch.summarize(dispatch.evaluate(
-              compiled, state, run.eval_iter, len(run.eval_batches), config, run.metrics.eval))
+          eval_metrics = dispatch.summarize(dispatch.evaluate(compiled, state, *eval_split))
           reporting.eval(step, eval_metrics)
     if stopped_by:
       break
   if eval_metrics is None and not stopped_by:  # nothing left to train: the restored state's
-    eval_metrics = dispatch.summarize(dispatch.evaluate(
-        compiled, state, run.eval_iter, len(run.eval_batches), config, run.metrics.eval))
+    eval_metrics = dispatch.summarize(dispatch.evaluate(compiled, state, *eval_split))
   return step, state, eval_metrics, stopped_by
 
 

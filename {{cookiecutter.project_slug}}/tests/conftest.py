@@ -76,7 +76,7 @@ def plain_options(config=None, **changes):
   from {{cookiecutter.project_slug}} import plan
   from {{cookiecutter.project_slug}}.training import dispatch
 
-  return dispatch.step_options(plan.make(plain(config, **changes)))
+  return dispatch.step_options(plan.make_plan(plain(config, **changes)))
 
 
 def recipe_metrics(config):

@@ -110,14 +110,15 @@ def test_xla_options_reach_the_compiler(tiny_config):
   config = plan.resolved(tiny_config)
   info = sources.describe(config)
   mesh = sharding.make_mesh(config)
-  graphdef, state, _ = optim.initial_state(plan.make(config), info, mesh, 10)
+  graphdef, state, _ = optim.initial_state(plan.make_plan(config), info, mesh, 10)
   batches = aot.abstract_batches(config, info, 8, mesh, pmap=False)
-  compiled = dispatch.make(graphdef, plan.make(config), mesh)
+  compiled = dispatch.make(graphdef, plan.make_plan(config), mesh)
   running = aot.abstract(recipe_metrics(config).eval.empty(), sharding.replicated(mesh))
   with pytest.raises(Exception, match="xla_no_such_option"):
     compiled.eval.lower(state, running, batches).compile()
   config.xla_options = "xla_cpu_enable_fast_math=false"
-  dispatch.make(graphdef, plan.make(config), mesh).eval.lower(state, running, batches).compile()
+  compiled = dispatch.make(graphdef, plan.make_plan(config), mesh)
+  compiled.eval.lower(state, running, batches).compile()
 
 
 @pytest.mark.parametrize("platform, k", [("tpu", None), ("gpu", None), ("cpu", 1)])

@@ -261,7 +261,7 @@ def test_the_stop_is_counted_over_all_workers_the_same_for_0_1_and_2(tmp_path, m
   for workers in (0, 1, 2):
     config.num_workers = workers
     elements = batches.eval_batches(splits["train"], plan.resolved(config))
-    assert batches.shares == (8 if workers else 1)
+    assert elements.shares == (8 if workers else 1)
     monkeypatch.setattr(batches, "_records", collections.Counter())
     iterator = input_pipeline.as_iterator(elements, config)
     try:

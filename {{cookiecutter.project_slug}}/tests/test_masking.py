@@ -81,7 +81,7 @@ def test_train_step_on_padded_batch_equals_step_on_real_examples(tiny_config):
   expected, expected_metrics = one_device(state, recipe_metrics(tiny_config).train.empty(), real)
 
   tiny_config.augment_max_shift, tiny_config.seed = 1, 0  # shifts keyed by position: the same
-  compiled = dispatch.make(graphdef, plan.make(tiny_config), sharding.make_mesh())
+  compiled = dispatch.make(graphdef, plan.make_plan(tiny_config), sharding.make_mesh())
   placed = compiled.put_state(state)
   new_state, running = compiled.train(placed, compiled.empty(recipe_metrics(tiny_config).train),
                                       compiled.put_batch(jax.tree.map(lambda x: x[None], padded)))
@@ -99,7 +99,7 @@ def test_eval_counts_every_example_once(tiny_config):
   splits, info = sources.get_datasets(config)
   model, optimizer = model_and_optimizer(config)
   graphdef, state = nnx.split((model, optimizer))
-  compiled = dispatch.make(graphdef, plan.make(config), sharding.make_mesh())
+  compiled = dispatch.make(graphdef, plan.make_plan(config), sharding.make_mesh())
   elements = batches.eval_batches(splits["eval"], config)
   with contextlib.closing(input_pipeline.as_iterator(elements, config)) as iterator:
     result = dispatch.summarize(dispatch.evaluate(compiled, compiled.put_state(state), iterator,

@@ -40,10 +40,11 @@ def test_resnets_have_the_papers_sizes_and_flops(tiny_config, name, num_params, 
 
   tiny_config.model.name, tiny_config.batch_size = name, 2
   config = plan.resolved(tiny_config)
-  objects = nnx.eval_shape(lambda: optim.build_state(plan.make(config), (224, 224, 3), 1000, 10))
+  run_plan = plan.make_plan(config)
+  objects = nnx.eval_shape(lambda: optim.build_state(run_plan, (224, 224, 3), 1000, 10))
   assert sum(p.size for p in jax.tree.leaves(nnx.state(objects[0], nnx.Param))) == num_params
   graphdef, state = nnx.split(objects)
-  speed = flops.Speed(graphdef, state, (224, 224, 3), plan.make(plan.resolved(tiny_config)))
+  speed = flops.Speed(graphdef, state, (224, 224, 3), plan.make_plan(plan.resolved(tiny_config)))
   assert speed.flops_per_step / 2 == pytest.approx(train_flops, rel=0.03)
 
 

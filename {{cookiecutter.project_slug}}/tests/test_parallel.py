@@ -63,7 +63,7 @@ def single_step(config, graphdef):
   """One device's train step; with `config.batch_norm_devices`, its batch split into as many
   groups for BatchNorm's statistics as 8 devices make."""
   groups = NUM_DEVICES // (config.get("batch_norm_devices") or NUM_DEVICES)
-  return jitted_single_step(graphdef, tuple(dict(dispatch.step_options(plan.make(config)),
+  return jitted_single_step(graphdef, tuple(dict(dispatch.step_options(plan.make_plan(config)),
                                                  batch_norm_groups=groups).items()))
 
 
@@ -77,7 +77,7 @@ def compiled_steps(graphdef, config: ml_collections.FrozenConfigDict,
                    unroll=None) -> tuple[dispatch.Steps, jax.sharding.Mesh]:
   """`dispatch.make` for a graphdef and a config, made once per test session."""
   mesh = sharding.make_mesh(config)
-  return dispatch.make(graphdef, plan.make(config), mesh, unroll), mesh
+  return dispatch.make(graphdef, plan.make_plan(config), mesh, unroll), mesh
 
 
 def steps_for(config, parallelism, graphdef, k=1, unroll=None):
@@ -176,7 +176,7 @@ def test_every_path_equals_one_device_with_the_recipe_on(straight_runs):
     straight_runs[parallelism]  # (made first: their programs are in the compilation cache)
   config = two_epochs("spmd")
   config.steps_per_dispatch = 1
-  run_plan = plan.make(plan.resolved(config))
+  run_plan = plan.make_plan(plan.resolved(config))
   graphdef, state = nnx.split(optim.build_state(run_plan, (8, 8, 1), 10, 45))
   assert len(state) == 3  # model, optimizer, average
   data = batches([64, 20, 64])
@@ -433,7 +433,7 @@ def test_batchnorm_over_groups_of_devices_is_the_same_on_every_path(tiny_config,
   tiny_config.fsdp_min_size, tiny_config.batch_norm_devices = 0, batch_norm_devices
   data = batches([64, 20, 64])
   graphdef, state = batchnorm_state(SGD)
-  options = dispatch.step_options(plan.make(tiny_config))
+  options = dispatch.step_options(plan.make_plan(tiny_config))
   step = jitted_single_step(graphdef, tuple(dict(
       options, batch_norm_groups=NUM_DEVICES // batch_norm_devices).items()))
   expected, running = jax.device_put((state, recipe_metrics(tiny_config).train.empty()),
@@ -558,7 +558,7 @@ def test_rolled_loop_equals_single_calls(tiny_config, parallelism):
   graphdef, state = initial_state(tiny_config, MLP(32, 2, nnx.Rngs(0)))
   tiny_config.parallelism, tiny_config.steps_per_dispatch = parallelism, 3
   mesh = sharding.make_mesh(tiny_config)
-  compiled = dispatch.make(graphdef, plan.make(tiny_config), mesh, unroll=False)
+  compiled = dispatch.make(graphdef, plan.make_plan(tiny_config), mesh, unroll=False)
   placed = compiled.put_state(sharding.place_state(state, mesh))
   lowered = compiled.train.lower(placed, compiled.empty(recipe_metrics(tiny_config).train),
                                  compiled.put_batch(stacked(data, 3)[0]))

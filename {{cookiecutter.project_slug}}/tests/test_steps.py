@@ -39,13 +39,13 @@ def prepared(batch, max_shift: int = 0, seed: int = 0, flip: bool = False, crop=
 
 
 def tiny_plan(config) -> plan.Plan:
-  """The plan (`plan.make`) of `config` resolved for this host's devices."""
-  return plan.make(plan.resolved(config))
+  """The plan (`plan.make_plan`) of `config` resolved for this host's devices."""
+  return plan.make_plan(plan.resolved(config))
 
 
 def eval_options(config) -> dict:
   """The eval step's options, as `dispatch.make` gives them: the train step's but its collection."""
-  options = dispatch.step_options(plan.make(config))
+  options = dispatch.step_options(plan.make_plan(config))
   return dict(config=options["config"], recipe=options["recipe"])
 
 
@@ -115,7 +115,7 @@ def test_flops_counted_under_pmap_for_a_model_that_reduces_over_its_axis(tiny_co
   for parallelism in ("spmd", "pmap"):
     tiny_config.parallelism = parallelism
     graphdef, state = batchnorm_state()
-    speed = flops.Speed(graphdef, state, (8, 8, 1), plan.make(plan.resolved(tiny_config)))
+    speed = flops.Speed(graphdef, state, (8, 8, 1), plan.make_plan(plan.resolved(tiny_config)))
     counts[parallelism] = speed.flops_per_step
   assert counts["pmap"] == counts["spmd"] > 0
 
@@ -179,7 +179,8 @@ def test_skipping_by_selection_equals_skipping_under_cond(tiny_config):
     graphdef, state = initial_state(tiny_config, DropoutCNN(nnx.Rngs(0)))
     options = dict(zip(("skip_by", "norms_of", "flat_norms"), form, strict=True))
     step = jax.jit(functools.partial(steps.train_step, graphdef,
-                                     **dispatch.step_options(plan.make(tiny_config)), **options))
+                                     **dispatch.step_options(plan.make_plan(tiny_config)),
+                                     **options))
     running = recipe_metrics(tiny_config).train.empty()
     for batch in data:
       state, running = step(state, running, batch)
@@ -208,7 +209,7 @@ def test_skipping_a_step_keeps_no_second_copy_of_the_state(tiny_config, parallel
   assert sum(x.nbytes for x in jax.tree.leaves(state)) > 6e6
   mesh = sharding.make_mesh(tiny_config)
   placed = sharding.place_state(state, mesh, tiny_config.fsdp_min_size)
-  compiled = dispatch.make(graphdef, plan.make(tiny_config), mesh)
+  compiled = dispatch.make(graphdef, plan.make_plan(tiny_config), mesh)
   batch = compiled.put_batch(stacked(batches([64]), 1)[0])
   running = compiled.empty(recipe_metrics(tiny_config).train)
   step = compiled.train.lower(placed, running, batch).compile()
@@ -336,7 +337,7 @@ def test_the_moving_average_warms_up_and_is_kept_in_float32(tiny_config):
   def check_steps(decays):
     nonlocal state, running
     step = jax.jit(functools.partial(steps.train_step, graphdef,
-                                     **dispatch.step_options(plan.make(tiny_config))))
+                                     **dispatch.step_options(plan.make_plan(tiny_config))))
     for decay, batch in zip(decays, batches([64] * len(decays)), strict=True):
       before = [np.asarray(x) for x in floats(state[2])]
       state, running = step(state, running, batch)
@@ -367,7 +368,7 @@ def test_training_logs_the_plain_cross_entropy_beside_the_smoothed_loss(tiny_con
     tiny_config.label_smoothing = smoothing
     graphdef, state = nnx.split(optim.build_state(tiny_plan(tiny_config), (8, 8, 1), 10, 10))
     step = jax.jit(functools.partial(steps.train_step, graphdef,
-                                     **dispatch.step_options(plan.make(tiny_config))))
+                                     **dispatch.step_options(plan.make_plan(tiny_config))))
     _, running = step(state, recipe_metrics(tiny_config).train.empty(), batch)
     results[smoothing] = dispatch.summarize(running)
   evaluated = jax.jit(functools.partial(steps.eval_step, graphdef, **eval_options(tiny_config)))(

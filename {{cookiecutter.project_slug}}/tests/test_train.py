@@ -173,13 +173,13 @@ def test_the_global_batch_of_a_per_device_batch_follows_the_device_count(tiny_co
 
 
 def test_the_runs_config_keeps_yours_and_says_what_it_comes_to(tiny_config, tmp_path):
-  """The run's config (train.prepare) keeps every key as you gave it, frozen, and holds what it
+  """The run's config (runs.prepare) keeps every key as you gave it, frozen, and holds what it
   comes to on these devices under `run`: 8 a device on 8 devices, a global batch of 64 whatever
   batch_size says; k = 0 chosen (1 on the CPU). A config.json from before `run` reads as it was
   (its batch_size was the global batch)."""
   tiny_config.per_device_batch_size, tiny_config.batch_size = 8, 100
   tiny_config.steps_per_dispatch = 0
-  config, _ = train.prepare(tiny_config, str(tmp_path / "run"))
+  config, _ = runs.prepare(tiny_config, str(tmp_path / "run"))
   assert (config.batch_size, config.per_device_batch_size, config.steps_per_dispatch) == (
       100, 8, 0)
   assert config.run.to_dict() == dict(num_devices=8, global_batch_size=64,
@@ -876,7 +876,7 @@ def test_the_state_is_built_in_shards_with_the_values_of_an_eager_build(tiny_con
 
   tiny_config.parallelism, tiny_config.fsdp_min_size = "fsdp", 0
   _, info = sources.get_datasets(tiny_config)
-  graphdef, abstract, init = optim.initial_state(plan.make(plan.resolved(tiny_config)), info,
+  graphdef, abstract, init = optim.initial_state(plan.make_plan(plan.resolved(tiny_config)), info,
                                                  sharding.make_mesh(tiny_config), 100)
   state = init()
   model = create_model(tiny_config, info.image_shape, info.num_classes, nnx.Rngs(tiny_config.seed))

@@ -87,7 +87,7 @@ def test_fine_tuning_copies_the_convolutions_and_starts_a_new_classifier(folder_
 
   config, info = trained.read_description(workdir)  # the state it started from, built again
   mesh = sharding.make_mesh(config)
-  _, abstract, init = optim.initial_state(plan.make(plan.resolved(config)), info, mesh, 10)
+  _, abstract, init = optim.initial_state(plan.make_plan(plan.resolved(config)), info, mesh, 10)
   start = jax.device_get(trained.init_from(source, abstract, init)())
   fresh = jax.device_get(init())
   with ocp.CheckpointManager(os.path.join(source, "checkpoints")) as checkpoints:
@@ -107,7 +107,8 @@ def test_fine_tuning_copies_the_convolutions_and_starts_a_new_classifier(folder_
   sharded = config.copy_and_resolve_references()
   sharded.parallelism, sharded.fsdp_min_size = "fsdp", 0
   sharded = plan.resolved(sharded)
-  _, abstract, init = optim.initial_state(plan.make(sharded), info, sharding.make_mesh(sharded), 10)
+  mesh = sharding.make_mesh(sharded)
+  _, abstract, init = optim.initial_state(plan.make_plan(sharded), info, mesh, 10)
   kernel = trained.init_from(source, abstract, init)()[0]["convs"][1]["kernel"][...]
   wanted = jax.tree.leaves(abstract[0]["convs"][1]["kernel"])[0].sharding
   assert kernel.sharding.is_equivalent_to(wanted, kernel.ndim)

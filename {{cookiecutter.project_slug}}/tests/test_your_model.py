@@ -61,8 +61,9 @@ def test_your_model_maps_images_to_logits():
   then the model run in train mode and in eval mode (as the steps set them): finite logits."""
   config = plan.resolved(config_as_shipped())
   splits, info = sources.get_datasets(config)
-  optim.check_model(plan.make(config), info)
-  model = optim.create_model(plan.make(config), info.image_shape, info.num_classes, nnx.Rngs(0))
+  run_plan = plan.make_plan(config)
+  optim.check_model(run_plan, info)
+  model = optim.create_model(run_plan, info.image_shape, info.num_classes, nnx.Rngs(0))
   images = jnp.asarray(splits["eval"].images[:5], jnp.float32) / 255
   for set_mode in (model.train, model.eval):
     set_mode()
@@ -152,7 +153,7 @@ def takes_the_same_steps_on_every_path(batch_norm_devices: int, paths=("spmd", "
   splits, info = sources.get_datasets(config)
   assert info.image_shape == (8, 8, 1)  # (test_parallel.batches: digits-shaped)
   config = plan.resolved(config)
-  run_plan = plan.make(config)
+  run_plan = plan.make_plan(config)
   graphdef, state = nnx.split(optim.build_state(run_plan, info.image_shape, info.num_classes, 3))
   images = jnp.asarray(splits["eval"].images[:16], jnp.float32) / 255
   quiet = with_randomness_off(graphdef, state)

@@ -81,7 +81,7 @@ def recipe_module(config):
 
 
 class Plan(NamedTuple):
-  """A run's config and what it names, made once (`make`) and handed down to what builds the
+  """A run's config and what it names, made once (`make_plan`) and handed down to what builds the
   state (optim.py), the steps (dispatch.py) and the metrics (metrics.py)."""
 
   config: ml_collections.ConfigDict  # the run's (`resolved`, where a run made it)
@@ -91,7 +91,7 @@ class Plan(NamedTuple):
   xla_options: dict  # config.xla_options, parsed: jit's compiler options
 
 
-def make(config) -> Plan:
+def make_plan(config) -> Plan:
   """`config`'s plan: the modules it names imported, its compiler options parsed."""
   recipe = recipe_module(config)
   return Plan(config, model_module(config), recipe, metrics.of(recipe), xla_options(config))

@@ -1,8 +1,9 @@
-"""The loader: Grain worker processes read a split's elements (batches.py) and hand them over in
-shared memory (shm.py, where workers run); the main process places each device's share on its
-device as it is (`sharding.global_batch`), touching no pixel. A worker gathers a device's share of
-an element at a time with NumPy (Grain's per-example path costs more than a small step).
-`host_memory` says what all this holds."""
+"""A run's input (`Input`): its data read (sources.py) and cut into batches (batches.py), and the
+loader: Grain worker processes read a split's elements and hand them over in shared memory
+(shm.py, where workers run); the main process places each device's share on its device as it is
+(`sharding.global_batch`), touching no pixel. A worker gathers a device's share of an element at
+a time with NumPy (Grain's per-example path costs more than a small step). `host_memory` says
+what all this holds."""
 
 import dataclasses
 import functools
@@ -13,10 +14,36 @@ import threading
 import time
 
 import grain
+import jax
 import numpy as np
 
+from . import batches, sources
 from .batches import Elements, count_bad_records, default_workers, shares
 from .sources import DatasetInfo
+
+
+class Input:
+  """A run's data, on this process: both splits read and described (`info`), training's
+  length in steps, evaluation's elements (`eval_batches`), the host memory the loader will hold
+  (`memory`), and the iterators that read them. `rows`: this process's rows of each global batch
+  (`sharding.process_rows`; None: one process)."""
+
+  def __init__(self, config, rows=None):
+    self.config, self.rows = config, rows
+    self.splits, self.info = sources.get_datasets(config)
+    self.num_train_steps = batches.num_batches(
+        config.num_epochs * self.info.num_examples["train"], config.run.global_batch_size)
+    self.eval_batches = batches.eval_batches(self.splits["eval"], config, rows)
+    self.memory = host_memory(config, self.info, jax.process_count())
+
+  def train_iterator(self, first_step: int, put) -> "Iterator":
+    """Training's batches from the element holding step `first_step` on, placed by `put`."""
+    return as_iterator(batches.train_batches(self.splits["train"], self.config, first_step,
+                                             self.rows), self.config, put=put)
+
+  def eval_iterator(self) -> "Iterator":
+    """The eval split, repeated without end: its workers start once."""
+    return as_iterator(self.eval_batches.repeat(), self.config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,16 +127,16 @@ class Iterator:
       shm.remove_unreceived(self.prefix)
 
 
-def as_iterator(batches: Elements, config, put=None, num_workers: int | None = None,
+def as_iterator(elements: Elements, config, put=None, num_workers: int | None = None,
                 shared_memory: bool = True) -> Iterator:
-  """An iterator over `batches`' elements, read by `num_workers` worker processes (default:
+  """An iterator over `elements`, read by `num_workers` worker processes (default:
   `default_workers`), which hand their images over in shared memory (`shm`; pickled where there
   is none, or without `shared_memory`). With `put`, which takes an element's shares (a list), a
   background thread places them on the devices, `config.prefetch_to_device` ahead; without,
   elements are stacked on the host. Close it to stop the workers."""
   read_options = grain.ReadOptions(num_threads=config.read_threads,
                                    prefetch_buffer_size=config.prefetch_batches)
-  dataset = batches.units.to_iter_dataset(read_options)
+  dataset = elements.units.to_iter_dataset(read_options)
   workers = default_workers(config) if num_workers is None else num_workers
   prefix = receive = None
   if workers:
@@ -119,7 +146,7 @@ def as_iterator(batches: Elements, config, put=None, num_workers: int | None = N
       shm.remove_leftovers()
       # Each worker keeps mapped as many of its units as the main process holds (the elements
       # placed ahead, the one in use, the one being received), so that it frees them.
-      keep = (config.prefetch_to_device + 2) * -(-batches.shares // workers) + 1
+      keep = (config.prefetch_to_device + 2) * -(-elements.shares // workers) + 1
       dataset = dataset.map(shm.Outbox(prefix := shm.iterator_prefix(), keep,
                                        reserve=shm.fallback_bytes(workers)))
       receive = shm.receive
@@ -128,9 +155,9 @@ def as_iterator(batches: Elements, config, put=None, num_workers: int | None = N
     dataset = grain.experimental.WithOptionsIterDataset(dataset, pickled)
     dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers),
                                   worker_init_fn=functools.partial(start_worker, main=os.getpid()))
-  place = batches.stack if put is None else put
+  place = elements.stack if put is None else put
   receive = receive or (lambda unit: unit)
-  dataset = dataset.batch(batches.shares, batch_fn=lambda units: place(
+  dataset = dataset.batch(elements.shares, batch_fn=lambda units: place(
       count_bad_records([receive(unit) for unit in units])))
   if put is not None and config.prefetch_to_device:
     dataset = grain.experimental.ThreadPrefetchIterDataset(

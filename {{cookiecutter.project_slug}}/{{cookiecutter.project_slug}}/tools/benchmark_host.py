@@ -59,7 +59,7 @@ def measure_dispatch(config, is_tiny: bool, ema_decay: float, calls: int = 200) 
   result = dict(model=config.model.name)
   for ema, suffix in ((0.0, ""), (ema_decay, "_ema")):
     config.ema_decay = ema
-    run_plan = plan.make(plan.resolved(config))
+    run_plan = plan.make_plan(plan.resolved(config))
     tree = nnx.split(optim.build_state(run_plan, (224, 224, 3), 1000, 1000))[1]
     result[f"arrays{suffix}"] = len(jax.tree.leaves(tree))
     for name in ("state", "flat"):

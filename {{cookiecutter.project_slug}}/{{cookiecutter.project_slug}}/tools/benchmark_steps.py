@@ -27,7 +27,7 @@ def step_state_batch(config, path: str):
   config = plan.resolved(config)
   splits, info = sources.get_datasets(config)
   batch = batches.train_batches(splits["train"], config)[0]  # [1, batch, ...]
-  run_plan = plan.make(config)
+  run_plan = plan.make_plan(config)
   graphdef, state = nnx.split(optim.build_state(run_plan, info.image_shape, info.num_classes,
                                                 1000))
   running = run_plan.metrics.train.empty()

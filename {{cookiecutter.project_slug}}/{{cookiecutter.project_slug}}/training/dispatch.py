@@ -17,7 +17,7 @@ from .steps import eval_step, train_step
 
 
 def step_options(run_plan, crop_on_device: bool = True, resize_to=None) -> dict:
-  """The train step's keyword arguments, resolved once from the run's plan (`plan.make`): its
+  """The train step's keyword arguments, resolved once from the run's plan (`plan.make_plan`): its
   config, frozen (hashable, read-only),
   with the recipe's crop off where the input pipeline crops (photos stored whole:
   `crop_on_device` False) and `run.image_shape` = `resize_to`, the shape that crops coming with
@@ -77,8 +77,8 @@ class Steps(NamedTuple):
 
 def make(graphdef, run_plan, mesh, unroll: bool | None = None, pmap_devices=None,
          info=None) -> Steps:
-  """The train and eval steps of the plan's (`plan.make`) `config.parallelism`, each over stacked
-  batches. `unroll` (None:
+  """The train and eval steps of the plan's (`plan.make_plan`) `config.parallelism`, each over
+  stacked batches. `unroll` (None:
   on the CPU alone, whose convolution gradients run far slower inside a loop) writes the k steps
   out; `pmap_devices`: pmap's (aot.py: a topology's); `info`: the data's DatasetInfo (photos
   cropped on the host: the recipe's crop off; crops in a canvas resized to its image_shape)."""

@@ -1,4 +1,4 @@
-"""A run's workdir: config.json (the run's config, `plan.resolved`), data.json (the data's
+"""A run's config (`prepare`) and its workdir: config.json (the run's config), data.json (the data's
 description), a copy of its model.py, its checkpoints (checkpoints.py), and resuming: a run
 started again in its workdir resumes it and keeps its config but for what `FREE_ON_RESUME` names.
 (Reading a trained run back: trained.py.)"""
@@ -13,12 +13,27 @@ import ml_collections
 from absl import logging
 from etils import epath
 
+from .. import plan, rules
 from ..data import sources
 from ..errors import ConfigError
 from .checkpoints import checkpoint_manager
 
 CONFIG_FILE, DATA_FILE = "config.json", "data.json"
 MODEL_FILE = "model.py"  # the source of the run's model module (config.model.module), as trained
+
+
+def prepare(config: ml_collections.ConfigDict, workdir: str):
+  """The run's config, frozen: `config` checked, with what it comes to on these devices under
+  `config.run` (`plan.resolved`: k, the global batch and a device's share) and, when `workdir`
+  holds a run, that run's own config (`resumed`; changes logged); the workdir an absolute
+  path (a bucket's as it is)."""
+  rules.validate_config(config, workdir)
+  config, workdir = plan.resolved(config), absolute(workdir)
+  if (saved := saved_config(workdir)) is not None:  # a resume
+    config, changes = resumed(config, saved, workdir)
+    for line in changes:
+      logging.warning("%s", line)
+  return ml_collections.FrozenConfigDict(config), workdir
 
 
 def write_description(workdir: str, config, info: sources.DatasetInfo) -> None:

@@ -149,7 +149,8 @@ class Restored:
     if self.config.parallelism == "pmap":  # the same parameters: placed as spmd places them
       self.config.parallelism = "spmd"
     self.mesh = mesh or sharding.make_mesh(self.config)
-    graphdef, abstract, _ = optim.initial_state(plan.make(self.config), self.info, self.mesh, 1)
+    run_plan = plan.make_plan(self.config)
+    graphdef, abstract, _ = optim.initial_state(run_plan, self.info, self.mesh, 1)
     model = abstract[2 if len(abstract) > 2 else 0]
     self.bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model))
     check_fits_devices(model, self.mesh, self.config, workdir)
