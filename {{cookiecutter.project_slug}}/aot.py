@@ -8,7 +8,7 @@ what a device holds, what the step moves and how fast it can be at best.
 TPUs need the `tpu` extra (libtpu), NVIDIA GPUs the `cuda12` extra; neither needs the device.
 Nothing is read or built: the state and the batches are abstract (shapes, dtypes, shardings),
 from the data's description (`sources.describe`). The mesh, shardings, k (rolled, as on
-an accelerator) and steps are train.py's own (plan.py, sharding.py, steps.py, runs.py). The
+an accelerator) and steps are train.py's own (plan.py, sharding.py, dispatch.py, runs.py). The
 figures are the compiler's; they leave out the input pipeline and the host's memory.
 """
 

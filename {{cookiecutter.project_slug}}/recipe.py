@@ -112,7 +112,7 @@ def warmup_steps(config, num_train_steps: int) -> int:
 
 
 def choose(choices: dict, key: str, config):
-  """`choices[config.key]`; a name not among them is refused (before anything runs: plan.py)."""
+  """`choices[config.key]`; a name not among them is refused (before anything runs: rules.py)."""
   if config[key] not in choices:
     raise ConfigError(f"config.{key}={config[key]!r} is unknown; use one of {tuple(choices)}.")
   return choices[config[key]]

@@ -1,5 +1,5 @@
 """The errors of a run that cannot work, at the bottom of the imports: the config checker
-(plan.py), the data sources and the workdir's reader (runs.py) raise them; and the command
+(rules.py), the data sources and the workdir's reader (runs.py) raise them; and the command
 line's: a config file or a --config.KEY that is not there, in one line (`parse_flags`)."""
 
 import difflib

@@ -34,5 +34,5 @@ def describe(config) -> DatasetInfo:
 
 
 def check(config) -> str | None:
-  """What is wrong with the config for this data, before anything is read (plan.py), or None."""
-  return None  # (config.eval_fraction has its value rule in plan.py)
+  """What is wrong with the config for this data, before anything is read (rules.py), or None."""
+  return None  # (config.eval_fraction has its value rule in rules.py)

@@ -2,7 +2,7 @@
 (`Loaded`) and what the model is told of them (`DatasetInfo`).
 
 A source is a module with `load(config)`, `describe(config)` and `check(config)` (digits.py is the
-simplest: copy it) and one line in `SOURCES`, which says what the source reads: plan.py checks a
+simplest: copy it) and one line in `SOURCES`, which says what the source reads: rules.py checks a
 config against it without importing any source, and a run imports only its own."""
 
 import dataclasses

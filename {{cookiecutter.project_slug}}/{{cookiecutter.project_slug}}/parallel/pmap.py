@@ -1,7 +1,7 @@
 """pmap's pieces, the legacy path (`config.parallelism='pmap'`): every leaf has a leading axis of
 one entry per local device. `replicate` makes it, `unreplicate` takes it away, `shard_batch`
 splits a batch into per-device pieces; `fold_in_device_index` gives each device its own dropout;
-`compiled` makes steps.py's steps pmap's. A reader of the spmd and fsdp paths (jit,
+`compiled` makes dispatch.py's steps pmap's. A reader of the spmd and fsdp paths (jit,
 sharding.py) needs nothing from this module.
 """
 
