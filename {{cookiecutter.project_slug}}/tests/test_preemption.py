@@ -439,9 +439,9 @@ def test_a_step_damaged_twice_is_kept_twice_and_all_damaged_is_refused_again(str
   with pytest.raises(rules.ConfigError) as refused:
     train.train_and_evaluate(two_epochs("spmd"), str(workdir))
   assert str(refused.value) == (
-      f"workdir {str(workdir)!r} holds no checkpoint but those put aside as damaged in {damaged} "
+      f"workdir {str(workdir)!r} holds no checkpoint but those put aside as damaged in {aside} "
       "(the log of the run that put them aside said why): this run would start over from step "
-      f"0. To start over here, remove or rename {damaged}; or use a new --workdir.")
+      f"0. To start over here, remove or rename {aside}; or use a new --workdir.")
 
 
 @pytest.mark.slow
