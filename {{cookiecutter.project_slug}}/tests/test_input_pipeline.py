@@ -197,22 +197,45 @@ def test_an_elements_shares_are_placed_as_the_element_itself(tiny_config, parall
         np.testing.assert_array_equal(np.asarray(got_shard.data), np.asarray(want_shard.data))
 
 
-def test_a_unit_goes_through_shared_memory_and_a_full_one_sends_it_pickled(monkeypatch, caplog):
-  """A worker's unit: its large arrays in /dev/shm, read back equal by the main process, whose
-  receipt unlinks each name; with /dev/shm full, the arrays travel as they are, said once."""
-  outbox = shm.Outbox(prefix := shm.iterator_prefix(), keep=2)
+def test_a_unit_goes_through_shared_memory_into_a_file_given_back_and_a_full_one_pickled(
+    monkeypatch, caplog):
+  """A worker's unit: its large arrays in /dev/shm, read back equal by the main process, which
+  gives the file back once nothing maps it; the worker writes its next units into that file (a
+  smaller one, then one of the same size through its mapping), read back equal; with /dev/shm
+  full, the arrays travel as they are, said once, and no file is left."""
+  outbox = shm.Outbox(prefix := shm.iterator_prefix())
   unit = {"image": np.arange(4 * 64 * 64 * 3, dtype=np.uint32).reshape(4, 64, 64, 3),
           "mask": np.ones(4, bool)}
   sent = outbox(unit)
   assert isinstance(sent["image"], shm.Shared) and sent["mask"] is unit["mask"]  # (small)
   received = shm.receive(sent)
   np.testing.assert_array_equal(received["image"], unit["image"])
-  assert not glob.glob(f"{shm.DIRECTORY}/{prefix}-*")  # unlinked once mapped
-  caplog.set_level(logging.WARNING)
+  (path,) = glob.glob(f"{shm.DIRECTORY}/{prefix}-*")
+  assert os.path.basename(path) == sent["image"].name  # in use: as sent
+  inode, image = os.stat(path).st_ino, received["image"]
+  del received
+  assert os.path.basename(path) == sent["image"].name  # a view of it still held
+  del image
+  (path,) = glob.glob(f"{shm.DIRECTORY}/{prefix}-*")
+  assert f"-{shm.GIVEN_BACK}" in os.path.basename(path)
+  smaller = {"image": unit["image"][:2][::-1].copy(), "mask": np.ones(2, bool)}
+  sent = outbox(smaller)
+  (path,) = glob.glob(f"{shm.DIRECTORY}/{prefix}-*")
+  assert os.path.basename(path) == sent["image"].name and os.stat(path).st_ino == inode
+  assert os.path.getsize(path) == smaller["image"].nbytes
+  np.testing.assert_array_equal(shm.receive(sent)["image"], smaller["image"])
 
   def full(fd, data):
     raise OSError(errno.ENOSPC, "No space left on device")
 
+  again = {"image": smaller["image"][::-1] + 1, "mask": np.ones(2, bool)}  # the same size:
+  with monkeypatch.context() as patch:  # copied through the worker's mapping, not written
+    patch.setattr(os, "write", full)
+    sent = outbox(again)
+  (path,) = glob.glob(f"{shm.DIRECTORY}/{prefix}-*")
+  assert os.path.basename(path) == sent["image"].name and os.stat(path).st_ino == inode
+  np.testing.assert_array_equal(shm.receive(sent)["image"], again["image"])
+  caplog.set_level(logging.WARNING)
   monkeypatch.setattr(os, "write", full)
   for _ in range(2):
     assert outbox(unit)["image"] is unit["image"]
@@ -220,6 +243,46 @@ def test_a_unit_goes_through_shared_memory_and_a_full_one_sends_it_pickled(monke
       f"{shm.DIRECTORY} is full ([Errno 28] No space left on device): units travel pickled, "
       "slower; give it more room (Docker: --shm-size=16g or --ipc=host)"]
   assert not glob.glob(f"{shm.DIRECTORY}/{prefix}-*")
+
+
+@pytest.mark.slow  # (a worker process: the unit's own test above is the fast tier's)
+def test_what_the_devices_hold_keeps_its_file_and_what_they_let_go_is_written_again(
+    tiny_config, monkeypatch):
+  """With a worker, the devices' arrays made from a unit's shared memory (the CPU's without a
+  copy) keep its file from the worker's next units: 3 elements placed and held while 9 more go
+  through are still what they were; the files the devices let go are written again (fewer files
+  than units)."""
+  tiny_config.num_workers, tiny_config.batch_size, tiny_config.steps_per_dispatch = 1, 64, 1
+  tiny_config.num_epochs = 4
+  images = np.random.default_rng(0).integers(0, 255, (192, 16, 16, 3), dtype=np.uint8)
+  elements = batches.train_batches(sources.ArraySource(images, np.arange(192) % 10),
+                                   plan.resolved(tiny_config))
+  assert len(elements) == 12 and elements.shares == 8  # a unit: 8 x 16 x 16 x 3, in /dev/shm
+  expected = [elements[e] for e in range(len(elements))]
+  files, receive = set(), shm.receive
+
+  def counted(unit):
+    files.update(os.stat(os.path.join(shm.DIRECTORY, value.name)).st_ino
+                 for value in unit.values() if isinstance(value, shm.Shared))
+    return receive(unit)
+
+  monkeypatch.setattr(shm, "receive", counted)
+  put = functools.partial(sharding.global_batch, mesh=sharding.make_mesh(tiny_config))
+  iterator, held = input_pipeline.as_iterator(elements, tiny_config, put=put), []
+  try:
+    for e, element in enumerate(iterator):
+      if e < 3:
+        held.append(element)
+      else:
+        np.testing.assert_array_equal(np.asarray(element["image"]), expected[e]["image"])
+      del element
+    for e, element in enumerate(held):
+      for key in ("image", "label", "mask"):
+        np.testing.assert_array_equal(np.asarray(element[key]), expected[e][key])
+  finally:
+    iterator.close()
+  print(f"{len(files)} files for {12 * 8} units")
+  assert 24 <= len(files) < 12 * 8, len(files)  # the held 3 elements' 24 at least; reused
 
 
 # A run that holds its lock (shm.hold_run_lock) and makes one unit, then waits to be killed.

@@ -144,10 +144,7 @@ def as_iterator(elements: Elements, config, put=None, num_workers: int | None = 
 
     if shared_memory and shm.available():
       shm.remove_leftovers()
-      # Each worker keeps mapped as many of its units as the main process holds (the elements
-      # placed ahead, the one in use, the one being received), so that it frees them.
-      keep = (config.prefetch_to_device + 2) * -(-elements.shares // workers) + 1
-      dataset = dataset.map(shm.Outbox(prefix := shm.iterator_prefix(), keep,
+      dataset = dataset.map(shm.Outbox(prefix := shm.iterator_prefix(),
                                        reserve=shm.fallback_bytes(workers)))
       receive = shm.receive
     # What is left (labels, masks, small images) travels pickled, not in Grain's shared memory.
