@@ -19,6 +19,7 @@ import glob
 import itertools
 import mmap
 import os
+import threading
 import weakref
 
 import numpy as np
@@ -178,24 +179,32 @@ def _open(shared: Shared) -> np.ndarray:
   return array.reshape(shared.shape)
 
 
+# The iterators whose units were removed (`remove_unreceived`): nothing of theirs is given back
+# after, not even by an array let go while they were being removed.
+_removed, _removing = set(), threading.Lock()
+
+
 def give_back(path: str) -> None:
-  """Renames a received unit's file `...-free<n>`, for its worker to write its next unit in; gone
-  already when its iterator was closed (`remove_unreceived`)."""
+  """Renames a received unit's file `...-free<n>`, for its worker to write its next unit in,
+  unless its iterator was closed (its units removed)."""
   head, n = path.rsplit("-", 1)
-  with contextlib.suppress(OSError):
-    os.rename(path, f"{head}-{GIVEN_BACK}{n}")
+  with _removing, contextlib.suppress(OSError):
+    if not any(os.path.basename(path).startswith(f"{prefix}-") for prefix in _removed):
+      os.rename(path, f"{head}-{GIVEN_BACK}{n}")
 
 
 def remove_unreceived(prefix: str) -> int:
   """Unlinks what is left of an iterator's units (`prefix`): those its workers made that were
   never received, those in use (their mappings stay) and those given back. Returns how many."""
   removed = 0
-  for path in glob.glob(os.path.join(DIRECTORY, f"{prefix}-*")):
-    try:
-      os.unlink(path)
-      removed += 1
-    except FileNotFoundError:  # renamed meanwhile (received, or given back)
-      pass
+  with _removing:
+    _removed.add(os.path.basename(prefix))
+    for path in glob.glob(os.path.join(DIRECTORY, f"{prefix}-*")):
+      try:
+        os.unlink(path)
+        removed += 1
+      except FileNotFoundError:  # renamed meanwhile (by its worker)
+        pass
   return removed
 
 
