@@ -41,8 +41,7 @@ class RecordSource:
 
     # One at a time: ArrayRecord's batched read starts a thread a shard on every call (0.067 ms a
     # record here, against 0.017); the workers and Grain's threads already read in parallel.
-    read_one = self.records.__getitem__
-    records = read_rows(lambda rows: [read_one(i) for i in rows], read_one, indices)
+    records = read_rows(None, self.records.__getitem__, indices)
     examples = []
     for record in records:
       try:

@@ -87,18 +87,20 @@ def decode_batch(encoded: list, image_shape, crops=None, positions=None
 
 
 def read_rows(read_many, read_one, indices: list[int]) -> list:
-  """`read_many(indices)`; where that fails, each row by `read_one(i)`, or why it could not be
-  read (a str), so that one bad row names itself and spoils no other."""
-  try:
-    return read_many(indices)
-  except Exception:  # noqa: BLE001
-    rows = []
-    for i in indices:
-      try:
-        rows.append(read_one(i))
-      except Exception as e:  # noqa: BLE001
-        rows.append(why(e))
-    return rows
+  """`read_many(indices)`; where that fails (or without one: None), each row by `read_one(i)`, or
+  why it could not be read (a str), so that one bad row names itself and spoils no other."""
+  if read_many is not None:
+    try:
+      return read_many(indices)
+    except Exception:  # noqa: BLE001
+      pass
+  rows = []
+  for i in indices:
+    try:
+      rows.append(read_one(i))
+    except Exception as e:  # noqa: BLE001
+      rows.append(why(e))
+  return rows
 
 
 def why(error: Exception) -> str:

@@ -180,8 +180,9 @@ def _open(shared: Shared) -> np.ndarray:
 
 
 # The iterators whose units were removed (`remove_unreceived`): nothing of theirs is given back
-# after, not even by an array let go while they were being removed.
-_removed, _removing = set(), threading.Lock()
+# after, not even by an array let go while they were being removed (reentrant: the garbage
+# collector may let one go in the thread that removes them).
+_removed, _removing = set(), threading.RLock()
 
 
 def give_back(path: str) -> None:
