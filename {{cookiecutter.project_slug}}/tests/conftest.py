@@ -20,6 +20,7 @@ import io
 import json
 import os
 import subprocess
+import sys
 
 ACCELERATOR_ENV = dict(os.environ)
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -240,3 +241,11 @@ def tiny_config():
   config = owned(tiny.get_config())
   config.steps_per_dispatch = plan.steps_per_dispatch(config)
   return config
+
+
+@pytest.fixture(autouse=True)
+def records_counted_afresh():
+  """Each test counts the bad records it reads from zero (the count is a process's, and a test
+  process runs many tests: batches.count_bad_records)."""
+  if batches := sys.modules.get("{{cookiecutter.project_slug}}.data.batches"):  # (once read)
+    batches._records.clear()

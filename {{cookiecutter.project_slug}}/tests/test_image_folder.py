@@ -3,6 +3,7 @@ encoded and decoded by the Grain workers while training; unreadable files skippe
 
 import contextlib
 import dataclasses
+import functools
 import glob
 import io
 import json
@@ -317,6 +318,89 @@ def test_the_devices_resize_the_crops_as_the_host_does(shape):
       assert on_host.any() == small
   padding = resize(np.zeros((1, 8, 8, 1), np.uint8), np.zeros((1, 6), np.float32), (4, 4))
   np.testing.assert_array_equal(padding, 0)
+
+
+def test_a_worker_decodes_into_the_file_given_back_and_sends_it_as_it_is():
+  """Photos' crops decoded into a file that the main process gave back (`shm.Outbox.empty`),
+  which holds the last unit's pixels: the batch is the one decoded into zeros, bit for bit (the
+  canvas around each crop, where the last crops were, and an unreadable image zeroed), sent in
+  that file as it is, no other made; with no file given back, `empty` gives zeros, sent as any
+  array. The last unit: all 255s (its boxes unknown), then the crops of other positions."""
+  from {{cookiecutter.project_slug}}.data import shm
+
+  shape, config = (224, 224, 3), default.get_config()
+  config.update(augment_crop=True, resize_on_device=True)
+  crops = image_files.Crops(seed=1, scale=(0.08, 1.0), canvas=sources.canvas(config, 384, shape))
+  photos = smooth_photos()
+  encoded = [*photos[:2], "unreadable", *photos[2:]]
+  outbox = shm.Outbox(prefix := shm.iterator_prefix())
+  try:
+    last, held = outbox.empty((5, *crops.canvas, 3), np.uint8)
+    assert not last.any() and held is None and not outbox.lent  # none given back: new zeros
+    last[:] = 255
+    received = shm.receive(outbox({"image": last}))["image"]
+    (path,) = glob.glob(f"{shm.DIRECTORY}/{prefix}-*")
+    inode = os.stat(path).st_ino
+    for positions in (np.arange(5), np.arange(5, 10), np.arange(3, 8)):
+      want, failed = image_files.decode_batch(encoded, shape, crops, positions)
+      assert list(failed) == [2] and (want["box"][:, 4:] < crops.canvas).any()  # (room around)
+      del received  # given back
+      got, failed = image_files.decode_batch(encoded, shape, crops, positions, outbox.empty)
+      assert list(failed) == [2] and len(outbox.lent) == 1
+      sent = outbox(got, held=got["box"])
+      assert not outbox.lent
+      (path,) = glob.glob(f"{shm.DIRECTORY}/{prefix}-*")
+      assert os.path.basename(path) == sent["image"].name and os.stat(path).st_ino == inode
+      received = shm.receive(sent)
+      for key in ("image", "box"):
+        np.testing.assert_array_equal(received[key], want[key])
+  finally:
+    shm.remove_unreceived(prefix)
+
+
+@pytest.mark.slow  # (a worker process: the unit's own test above is the fast tier's)
+def test_photos_decoded_by_a_worker_into_files_given_back_are_those_read_here(tmp_path,
+                                                                             monkeypatch):
+  """Photos stored whole, their crops sent in a canvas by a worker: 3 elements placed on the
+  devices and held while 9 more go through, each equal to the same element read in this
+  process, bit for bit (images, boxes, labels, masks), its images decoded into the files the
+  devices let go (fewer files than units)."""
+  from {{cookiecutter.project_slug}}.data import shm
+  from {{cookiecutter.project_slug}}.parallel import sharding
+
+  write_wide_photos(tmp_path / "photos", per_class=8)
+  done = convert(f"--out_dir={tmp_path / 'data'}", f"--image_folder={tmp_path / 'photos'}",
+                 "--image_size=32", "--resize_shorter=60", "--eval_fraction=0.25")
+  assert done.returncode == 0, done.stderr
+  config = owned(default.get_config())
+  config.update(dataset="arrayrecord", data_dir=str(tmp_path / "data"), augment_crop=True,
+                resize_on_device=True, num_workers=1, batch_size=16, steps_per_dispatch=1,
+                num_epochs=16)
+  splits, info = sources.get_datasets(config)
+  elements = batches.train_batches(splits["train"], resolved := plan.resolved(config))
+  assert info.canvas and len(elements) == 12 and elements.shares == 8  # 2 crops a unit
+  expected = [elements[e] for e in range(len(elements))]
+  files, receive = set(), shm.receive
+
+  def counted(unit):
+    files.update(os.stat(os.path.join(shm.DIRECTORY, value.name)).st_ino
+                 for value in unit.values() if isinstance(value, shm.Shared))
+    return receive(unit)
+
+  monkeypatch.setattr(shm, "receive", counted)
+  put = functools.partial(sharding.global_batch, mesh=sharding.make_mesh(resolved))
+  iterator, held = input_pipeline.as_iterator(elements, resolved, put=put), []
+  try:
+    for e, element in enumerate(iterator):
+      held.append(element) if e < 3 else [np.testing.assert_array_equal(
+          np.asarray(element[key]), expected[e][key]) for key in ("image", "box", "label", "mask")]
+      del element
+    for e, element in enumerate(held):
+      for key in ("image", "box", "label", "mask"):
+        np.testing.assert_array_equal(np.asarray(element[key]), expected[e][key])
+  finally:
+    iterator.close()
+  assert 24 <= len(files) < 12 * 8, len(files)  # the held 3 elements' 24 at least; reused
 
 
 def test_decode_image_scales_to_cover_and_crops_the_center():

@@ -166,7 +166,7 @@ def test_a_worker_reads_one_devices_share_of_an_element(tiny_config, processes):
       whole = batches.LoadUnit(  # an element a unit
           source, 64, 1 if trim else 2, None if trim else tiny_config.seed, k, trim=trim,
           rows=rows)
-      expected = batches.elements(whole)
+      expected = batches.Elements(whole)
       assert len(elements) == len(expected) == -(-(150 if trim else 300) // 64 // k)
       for got, want in zip(elements, expected, strict=True):
         for key in want:

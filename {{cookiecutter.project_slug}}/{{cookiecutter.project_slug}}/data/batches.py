@@ -17,6 +17,7 @@ import functools
 import math
 import os
 import threading
+from collections.abc import Callable
 
 import grain
 import jax
@@ -49,6 +50,9 @@ class LoadUnit:
   rows: tuple[int, ...] | None = None  # the global batch's rows this process reads; None: all
   trim: bool = False
   shares: int = 1  # units an element
+  # With workers, what sends each unit (`shm.Outbox`), told where its crops are (`held`: its
+  # boxes): a whole unit's images are decoded into the shared memory it lends (`empty`).
+  out: Callable[..., dict] | None = None
 
   @property
   def local_batch_size(self) -> int:
@@ -78,8 +82,11 @@ class LoadUnit:
     if self.shuffle_seed is not None:
       for e in np.unique(epoch):  # a unit may straddle epochs
         indices[epoch == e] = self.permutation(e)[indices[epoch == e]]
+    # The batches that fill the last element (`trim`): left out (all but the first at least).
+    kept = min(k, self.num_batches - element * k) if self.trim else k
+    lend = self.out is not None and read_S.all() and kept == k  # (the image sent as decoded)
     if getattr(self.source, "crops", None) is not None:
-      taken = self.source.take(indices, positions_S[read_S])
+      taken = self.source.take(indices, positions_S[read_S], self.out.empty if lend else None)
     else:
       taken = self.source.take(indices)
     failed = taken.pop("failed", None)  # records read from files: which could not be used
@@ -89,14 +96,15 @@ class LoadUnit:
     taken["label"] = taken["label"].astype(np.int32)
     if not mask_S.all():  # padding: zeros
       for key, value in taken.items():
+        if key == "image" and lend:  # (every row read: those that failed are zeros)
+          continue
         taken[key] = np.zeros((len(mask_S), *value.shape[1:]), value.dtype)
         taken[key][mask_S] = value[mask_S[read_S]]
     unit = {**taken, "mask": mask_S, "position": positions_S.astype(np.uint32)}
-    # The batches that fill the last element (`trim`): left out (all but the first at least).
-    kept = min(k, self.num_batches - element * k) if self.trim else k
     unit = {key: value.reshape(k, per_share, *value.shape[1:])[:kept]
             for key, value in unit.items()}
-    return unit if failed is None else unit | bad_records
+    unit = unit if failed is None else unit | bad_records
+    return unit if self.out is None else self.out(unit, held=unit.get("box"))
 
 
 # A record that cannot be used (unreadable, or not an example of the data) is masked, and named
@@ -151,12 +159,24 @@ def count_bad_records(units: list[dict], count: bool = True) -> list[dict]:
 @dataclasses.dataclass(frozen=True)
 class Elements:
   """A stream's elements, k batches stacked each (`train_batches`, `eval_batches`), made of
-  `units` (a Grain MapDataset of `LoadUnit`s, `shares` an element): `as_iterator` reads them;
-  `len`, indexing and iteration read them here, in this process, stacked: iteration as the input
-  reads them (bad records named and counted), indexing for a look (their shapes: not counted)."""
+  `units` (a Grain MapDataset of `load`'s units, `load.shares` an element, from `first_element`
+  on, without end where it `repeats`): `as_iterator` reads them; `len`, indexing and iteration
+  read them here, in this process, stacked: iteration as the input reads them (bad records named
+  and counted), indexing for a look (their shapes: not counted)."""
 
-  units: grain.MapDataset
-  shares: int  # units an element
+  load: LoadUnit
+  first_element: int = 0
+  repeats: bool = False
+
+  @property
+  def shares(self) -> int:  # units an element
+    return self.load.shares
+
+  @functools.cached_property
+  def units(self) -> grain.MapDataset:
+    units = grain.MapDataset.range(len(self.load)).map(self.load)[
+        self.first_element * self.shares:]
+    return units.repeat() if self.repeats else units
 
   def __len__(self) -> int:
     return len(self.units) // self.shares
@@ -173,7 +193,11 @@ class Elements:
                                         count))
 
   def repeat(self) -> "Elements":
-    return dataclasses.replace(self, units=self.units.repeat())
+    return dataclasses.replace(self, repeats=True)
+
+  def sent_by(self, out: Callable[..., dict]) -> "Elements":
+    """These elements, each unit sent by `out` as it is made (`LoadUnit.out`)."""
+    return dataclasses.replace(self, load=dataclasses.replace(self.load, out=out))
 
   @staticmethod
   def stack(shares: list[dict]) -> dict[str, np.ndarray]:
@@ -192,11 +216,6 @@ def shares(config, local_batch_size: int) -> int:
   return devices if default_workers(config) and local_batch_size % devices == 0 else 1
 
 
-def elements(load: LoadUnit, first_element: int = 0) -> Elements:
-  units = grain.MapDataset.range(len(load)).map(load)[first_element * load.shares:]
-  return Elements(units, load.shares)
-
-
 def train_batches(source, config, first_step: int = 0, rows=None) -> Elements:
   """`num_epochs` passes over `source`, reshuffled each epoch, as one stream of batches, from the
   element holding batch `first_step` on; only the very last batch can be partial. `rows`: this
@@ -204,13 +223,13 @@ def train_batches(source, config, first_step: int = 0, rows=None) -> Elements:
   k, batch = config.run.steps_per_dispatch, config.run.global_batch_size
   load = LoadUnit(source, batch, config.num_epochs, config.seed, k, first_step, rows=rows,
                   shares=shares(config, len(rows) if rows else batch))
-  return elements(load, first_step // k)
+  return Elements(load, first_step // k)
 
 
 def eval_batches(source, config, rows=None) -> Elements:
   """The split once, in its order, k batches an element, the last one only those left."""
   k, batch = config.run.steps_per_dispatch, config.run.global_batch_size
-  return elements(LoadUnit(source, batch, steps_per_element=k, trim=True, rows=rows,
+  return Elements(LoadUnit(source, batch, steps_per_element=k, trim=True, rows=rows,
                            shares=shares(config, len(rows) if rows else batch)))
 
 

@@ -57,18 +57,24 @@ def decode_image(data: bytes, image_shape: tuple[int, int, int]) -> np.ndarray:
     return np.asarray(image).reshape(height, width, channels)
 
 
-def decode_batch(encoded: list, image_shape, crops=None, positions=None
+def decode_batch(encoded: list, image_shape, crops=None, positions=None, empty=None
                  ) -> tuple[dict[str, np.ndarray], dict[int, str]]:
   """Encoded images (bytes; arrays pass as they are) as a batch of `image_shape`: each cut by
   `crops` (a `Crops`, by the example's stream position in `positions`) when given, else scaled
-  to cover and center-cropped (`decode_image`). Returns {"image": the batch} (with a `Crops`
-  of a canvas: the crops in it, and "box", where: `Crops.cut`), and {i: why} for those that
-  failed (zeros)."""
+  to cover and center-cropped (`decode_image`). Written into zeros, or where `empty` is given,
+  into `empty(shape, dtype)`: an array holding what it held (shared memory a worker lent:
+  `shm.Outbox.empty`), and the boxes of the batch it held (None: unknown), for the canvas
+  around each crop to be zeroed where the last one was. Returns {"image": the batch} (with a
+  `Crops` of a canvas: the crops in it, and "box", where: `Crops.cut`), and {i: why} for those
+  that failed (zeros)."""
   if all(isinstance(data, np.ndarray) for data in encoded):  # arrays, as stored
     return {"image": np.stack(encoded)}, {}
   positions = np.zeros(len(encoded), np.int64) if positions is None else positions
   canvas = crops.canvas if crops is not None else None
-  images = np.zeros((len(encoded), *(canvas or image_shape[:2]), image_shape[2]), np.uint8)
+  shape_BHWC = (len(encoded), *(canvas or image_shape[:2]), image_shape[2])
+  images, held = (np.zeros(shape_BHWC, np.uint8), None) if empty is None else empty(
+      shape_BHWC, np.uint8)
+  held_B6 = None if held is None or held.size != len(encoded) * 6 else held.reshape(-1, 6)
   boxes, failed = np.zeros((len(encoded), 6), np.float32), {}
   for i, (data, position) in enumerate(zip(encoded, positions, strict=True)):
     try:
@@ -76,13 +82,19 @@ def decode_batch(encoded: list, image_shape, crops=None, positions=None
         failed[i] = data
       elif canvas:
         crop, boxes[i] = crops.cut(data, image_shape, int(position))
-        images[i, :crop.shape[0], :crop.shape[1]] = crop
+        height, width = crop.shape[:2]
+        images[i, :height, :width] = crop
+        if empty is not None:  # the rest of the canvas: zeros (where the last crop was)
+          last_h, last_w = canvas if held_B6 is None else held_B6[i, 4:].astype(int)
+          images[i, height:last_h, :last_w], images[i, :min(height, last_h), width:last_w] = 0, 0
       elif crops is not None:
         images[i] = crops(data, image_shape, int(position))
       else:
         images[i] = decode_image(data, image_shape) if isinstance(data, bytes) else data
     except Exception as e:  # noqa: BLE001  (any unreadable image is named and skipped)
       failed[i] = why(e)
+    if i in failed and empty is not None:
+      images[i] = 0
   return {"image": images, **({"box": boxes} if canvas else {})}, failed
 
 

@@ -136,17 +136,18 @@ def as_iterator(elements: Elements, config, put=None, num_workers: int | None = 
   elements are stacked on the host. Close it to stop the workers."""
   read_options = grain.ReadOptions(num_threads=config.read_threads,
                                    prefetch_buffer_size=config.prefetch_batches)
-  dataset = elements.units.to_iter_dataset(read_options)
   workers = default_workers(config) if num_workers is None else num_workers
   prefix = receive = None
-  if workers:
+  if workers and shared_memory:
     from . import shm  # (only where workers run)
 
-    if shared_memory and shm.available():
+    if shm.available():
       shm.remove_leftovers()
-      dataset = dataset.map(shm.Outbox(prefix := shm.iterator_prefix(),
-                                       reserve=shm.fallback_bytes(workers)))
+      elements = elements.sent_by(shm.Outbox(prefix := shm.iterator_prefix(),
+                                             reserve=shm.fallback_bytes(workers)))
       receive = shm.receive
+  dataset = elements.units.to_iter_dataset(read_options)
+  if workers:
     # What is left (labels, masks, small images) travels pickled, not in Grain's shared memory.
     pickled = grain.experimental.DatasetOptions(min_shm_size=2**62)
     dataset = grain.experimental.WithOptionsIterDataset(dataset, pickled)
