@@ -247,5 +247,6 @@ def tiny_config():
 def records_counted_afresh():
   """Each test counts the bad records it reads from zero (the count is a process's, and a test
   process runs many tests: batches.count_bad_records)."""
-  if batches := sys.modules.get("{{cookiecutter.project_slug}}.data.batches"):  # (once read)
+  name = "{{cookiecutter.project_slug}}.data.batches"
+  if batches := sys.modules.get(name):  # (once read)
     batches._records.clear()
