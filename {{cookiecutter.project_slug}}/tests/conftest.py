@@ -250,3 +250,42 @@ def records_counted_afresh():
   name = "{{cookiecutter.project_slug}}.data.batches"
   if batches := sys.modules.get(name):  # (once read)
     batches._records.clear()
+
+
+def held_while_more_go_through(elements, config, monkeypatch, keys: tuple[str, ...],
+                               held: int = 3) -> int:
+  """Reads `elements` through `config`'s worker processes onto the devices, the first `held`
+  kept placed while the rest go through, each equal (`keys`) to the same element read in this
+  process, the kept ones checked last. Returns how many /dev/shm files the units came in."""
+  import functools
+
+  import numpy as np
+
+  from {{cookiecutter.project_slug}}.data import input_pipeline, shm
+  from {{cookiecutter.project_slug}}.parallel import sharding
+
+  expected = [elements[e] for e in range(len(elements))]
+  files, receive = set(), shm.receive
+
+  def counted(unit):
+    files.update(os.stat(os.path.join(shm.DIRECTORY, value.name)).st_ino
+                 for value in unit.values() if isinstance(value, shm.Shared))
+    return receive(unit)
+
+  monkeypatch.setattr(shm, "receive", counted)
+  put = functools.partial(sharding.global_batch, mesh=sharding.make_mesh(config))
+  iterator, kept = input_pipeline.as_iterator(elements, config, put=put), []
+  try:
+    for e, element in enumerate(iterator):
+      if e < held:
+        kept.append(element)
+      else:
+        for key in keys:
+          np.testing.assert_array_equal(np.asarray(element[key]), expected[e][key])
+      del element
+    for e, element in enumerate(kept):
+      for key in keys:
+        np.testing.assert_array_equal(np.asarray(element[key]), expected[e][key])
+  finally:
+    iterator.close()
+  return len(files)

@@ -3,7 +3,6 @@ encoded and decoded by the Grain workers while training; unreadable files skippe
 
 import contextlib
 import dataclasses
-import functools
 import glob
 import io
 import json
@@ -19,7 +18,7 @@ import grain
 import jax
 import numpy as np
 import pytest
-from conftest import alive, own_mount_namespace, owned, run_main
+from conftest import alive, held_while_more_go_through, own_mount_namespace, owned, run_main
 from flax import serialization
 from PIL import Image
 
@@ -365,9 +364,6 @@ def test_photos_decoded_by_a_worker_into_files_given_back_are_those_read_here(tm
   devices and held while 9 more go through, each equal to the same element read in this
   process, bit for bit (images, boxes, labels, masks), its images decoded into the files the
   devices let go (fewer files than units)."""
-  from {{cookiecutter.project_slug}}.data import shm
-  from {{cookiecutter.project_slug}}.parallel import sharding
-
   write_wide_photos(tmp_path / "photos", per_class=8)
   done = convert(f"--out_dir={tmp_path / 'data'}", f"--image_folder={tmp_path / 'photos'}",
                  "--image_size=32", "--resize_shorter=60", "--eval_fraction=0.25")
@@ -379,28 +375,9 @@ def test_photos_decoded_by_a_worker_into_files_given_back_are_those_read_here(tm
   splits, info = sources.get_datasets(config)
   elements = batches.train_batches(splits["train"], resolved := plan.resolved(config))
   assert info.canvas and len(elements) == 12 and elements.shares == 8  # 2 crops a unit
-  expected = [elements[e] for e in range(len(elements))]
-  files, receive = set(), shm.receive
-
-  def counted(unit):
-    files.update(os.stat(os.path.join(shm.DIRECTORY, value.name)).st_ino
-                 for value in unit.values() if isinstance(value, shm.Shared))
-    return receive(unit)
-
-  monkeypatch.setattr(shm, "receive", counted)
-  put = functools.partial(sharding.global_batch, mesh=sharding.make_mesh(resolved))
-  iterator, held = input_pipeline.as_iterator(elements, resolved, put=put), []
-  try:
-    for e, element in enumerate(iterator):
-      held.append(element) if e < 3 else [np.testing.assert_array_equal(
-          np.asarray(element[key]), expected[e][key]) for key in ("image", "box", "label", "mask")]
-      del element
-    for e, element in enumerate(held):
-      for key in ("image", "box", "label", "mask"):
-        np.testing.assert_array_equal(np.asarray(element[key]), expected[e][key])
-  finally:
-    iterator.close()
-  assert 24 <= len(files) < 12 * 8, len(files)  # the held 3 elements' 24 at least; reused
+  files = held_while_more_go_through(elements, resolved, monkeypatch,
+                                     ("image", "box", "label", "mask"))
+  assert 24 <= files < 12 * 8, files  # the held 3 elements' 24 at least; reused
 
 
 def test_decode_image_scales_to_cover_and_crops_the_center():

@@ -9,7 +9,7 @@ import sys
 import ml_collections
 import numpy as np
 import pytest
-from conftest import run_main
+from conftest import held_while_more_go_through, run_main
 
 import train
 import write_arrayrecord
@@ -258,31 +258,9 @@ def test_what_the_devices_hold_keeps_its_file_and_what_they_let_go_is_written_ag
   elements = batches.train_batches(sources.ArraySource(images, np.arange(192) % 10),
                                    plan.resolved(tiny_config))
   assert len(elements) == 12 and elements.shares == 8  # a unit: 8 x 16 x 16 x 3, in /dev/shm
-  expected = [elements[e] for e in range(len(elements))]
-  files, receive = set(), shm.receive
-
-  def counted(unit):
-    files.update(os.stat(os.path.join(shm.DIRECTORY, value.name)).st_ino
-                 for value in unit.values() if isinstance(value, shm.Shared))
-    return receive(unit)
-
-  monkeypatch.setattr(shm, "receive", counted)
-  put = functools.partial(sharding.global_batch, mesh=sharding.make_mesh(tiny_config))
-  iterator, held = input_pipeline.as_iterator(elements, tiny_config, put=put), []
-  try:
-    for e, element in enumerate(iterator):
-      if e < 3:
-        held.append(element)
-      else:
-        np.testing.assert_array_equal(np.asarray(element["image"]), expected[e]["image"])
-      del element
-    for e, element in enumerate(held):
-      for key in ("image", "label", "mask"):
-        np.testing.assert_array_equal(np.asarray(element[key]), expected[e][key])
-  finally:
-    iterator.close()
-  print(f"{len(files)} files for {12 * 8} units")
-  assert 24 <= len(files) < 12 * 8, len(files)  # the held 3 elements' 24 at least; reused
+  files = held_while_more_go_through(elements, tiny_config, monkeypatch, ("image", "label", "mask"))
+  print(f"{files} files for {12 * 8} units")
+  assert 24 <= files < 12 * 8, files  # the held 3 elements' 24 at least; reused
 
 
 # A run that holds its lock (shm.hold_run_lock) and makes one unit, then waits to be killed.
