@@ -46,7 +46,6 @@ EXPECTED_FILES = [
     "nnx_data_parallel/data/augment.py",
     "nnx_data_parallel/data/batches.py",
     "nnx_data_parallel/data/digits.py",
-    "nnx_data_parallel/data/hub.py",
     "nnx_data_parallel/data/huggingface.py",
     "nnx_data_parallel/data/image_files.py",
     "nnx_data_parallel/data/input_pipeline.py",
@@ -291,8 +290,8 @@ DATA_SOURCES = ("nnx_data_parallel.data.digits", "nnx_data_parallel.data.synthet
                 "nnx_data_parallel.data.arrayrecord", "nnx_data_parallel.data.huggingface",
                 "nnx_data_parallel.data.tfds_data")
 OPTIONAL_MODULES = (*DATA_SOURCES, "nnx_data_parallel.data.image_files",
-                    "nnx_data_parallel.data.hub", "nnx_data_parallel.data.shm",
-                    "nnx_data_parallel.parallel.joined", "nnx_data_parallel.training.trained",
+                    "nnx_data_parallel.data.shm", "nnx_data_parallel.parallel.joined",
+                    "nnx_data_parallel.training.trained",
                     "nnx_data_parallel.training.wandb_writer", "nnx_data_parallel.parallel.pmap",
                     "nnx_data_parallel.tools", "datasets", "tensorflow_datasets", "tensorflow",
                     "wandb", "PIL")

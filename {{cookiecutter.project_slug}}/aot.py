@@ -58,7 +58,7 @@ def abstract_batches(config, info, num_devices: int, mesh, pmap: bool):
   height_width = info.canvas or info.image_shape[:2]  # (photos' crops resized on the devices)
   shapes = {"image": ((*height_width, info.image_shape[2]), info.pixel_dtype),
             "label": ((), jnp.int32), "mask": ((), jnp.bool_), "position": ((), jnp.uint32),
-            **({"box": ((7,), jnp.float32)} if info.canvas else {})}
+            **({"box": ((6,), jnp.float32)} if info.canvas else {})}
   if pmap:
     return {name: jax.ShapeDtypeStruct((num_devices, k, batch // num_devices, *shape), dtype)
             for name, (shape, dtype) in shapes.items()}

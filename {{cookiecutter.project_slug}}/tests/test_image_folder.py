@@ -313,9 +313,9 @@ def test_the_devices_resize_the_crops_as_the_host_does(shape):
       assert not failed and not failed_cut and cut["image"].shape[1:3] == canvas
       resized = np.asarray(resize(cut["image"], cut["box"], shape[:2]))
       assert np.abs(resized - host["image"]).max() <= 1 + 1e-4, (canvas, crops)
-      on_host = (cut["box"][:, 4:6] == shape[:2]).all(1) & (cut["box"][:, :2] == 0).all(1)
+      on_host = (cut["box"][:, 4:] == shape[:2]).all(1) & (cut["box"][:, :2] == 0).all(1)
       assert on_host.any() == small
-  padding = resize(np.zeros((1, 8, 8, 1), np.uint8), np.zeros((1, 7), np.float32), (4, 4))
+  padding = resize(np.zeros((1, 8, 8, 1), np.uint8), np.zeros((1, 6), np.float32), (4, 4))
   np.testing.assert_array_equal(padding, 0)
 
 
@@ -342,7 +342,7 @@ def test_a_worker_decodes_into_the_file_given_back_and_sends_it_as_it_is():
     inode = os.stat(path).st_ino
     for positions in (np.arange(5), np.arange(5, 10), np.arange(3, 8)):
       want, failed = image_files.decode_batch(encoded, shape, crops, positions)
-      assert list(failed) == [2] and (want["box"][:, 4:6] < crops.canvas).any()  # (room around)
+      assert list(failed) == [2] and (want["box"][:, 4:] < crops.canvas).any()  # (room around)
       del received  # given back
       got, failed = image_files.decode_batch(encoded, shape, crops, positions, outbox.empty)
       assert list(failed) == [2] and len(outbox.lent) == 1

@@ -29,14 +29,13 @@ def random_resized_crop(key, image_HWC, scale, ratio) -> jax.Array:
                                        -corner_2 * zoom_2, method="linear")
 
 
-def resize_crops(crops_BHWC, boxes_B7, out_hw) -> jax.Array:
-  """Photos (or their crops) sent on the host in a canvas (`image_files.Crops`), each box resized
-  on the device to `out_hw` as PIL's bilinear resize would (a triangle filter, widened by the
-  zoom where it shrinks, over the photo's own pixels alone). `boxes_B7`: each box (top, left,
-  bottom, right, in the photo's pixels), the height and width of those pixels, and their row
-  stride in the canvas (its width for a crop cut there, the photo's for a photo decoded whole;
-  the rest is padding; a padding example's zeros give zeros). Float32, of the photos' scale: a
-  gather, then a matrix product each way."""
+def resize_crops(crops_BHWC, boxes_B6, out_hw) -> jax.Array:
+  """Photos' crops cut on the host (`image_files.Crops` with a canvas), each resized on the device
+  to `out_hw` as PIL's bilinear resize of its box would be (a triangle filter, widened by the
+  zoom where it shrinks, over the crop's own pixels alone). `boxes_B6`: each crop's box (top,
+  left, bottom, right, in its canvas's pixels) and the height and width its pixels fill (the
+  rest of the canvas is padding; a padding example's zeros give zeros). Float32, of the crops'
+  scale: a matrix product each way."""
   _, height, width, _ = crops_BHWC.shape
 
   def weights(start, end, filled, size, out):  # [out, size]: output pixel <- canvas pixel
@@ -47,15 +46,10 @@ def resize_crops(crops_BHWC, boxes_B7, out_hw) -> jax.Array:
     weight_OS = jnp.where(jnp.arange(size) < filled, weight_OS, 0.0)
     return weight_OS / jnp.maximum(weight_OS.sum(1, keepdims=True), 1e-30)
 
-  def resize(crop_HWC, box_7):
-    top, left, bottom, right, filled_h, filled_w, stride = box_7
-    # Pixel (y, x) at y * stride + x of the canvas's pixels: a whole photo is laid out at its own
-    # width, a cut crop at the canvas's (`Crops.cut`).
-    flat_NC = crop_HWC.reshape(height * width, -1)
-    index_HW = jnp.arange(height)[:, None] * stride.astype(jnp.int32) + jnp.arange(width)
-    crop_HWC = flat_NC[jnp.minimum(index_HW, height * width - 1)]
+  def resize(crop_HWC, box_6):
+    top, left, bottom, right, filled_h, filled_w = box_6
     rows_OH = weights(top, bottom, filled_h, height, out_hw[0])
     columns_PW = weights(left, right, filled_w, width, out_hw[1])
     return jnp.einsum("oh,hwc,pw->opc", rows_OH, crop_HWC, columns_PW)
 
-  return jax.vmap(resize)(crops_BHWC, boxes_B7.astype(jnp.float32))
+  return jax.vmap(resize)(crops_BHWC, boxes_B6.astype(jnp.float32))

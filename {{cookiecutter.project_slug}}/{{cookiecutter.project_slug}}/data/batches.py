@@ -2,7 +2,7 @@
 
 Each element is k = `config.run.steps_per_dispatch` batches stacked, each this process's share of a
 global batch (NumPy): image [k, B, H, W, C] as stored, label, mask (False on padding), position
-(the example's place in the stream), and box [k, B, 7] where the image is a photo's crop in a
+(the example's place in the stream), and box [k, B, 6] where the image is a photo's crop in a
 canvas, for the devices to resize (`DatasetInfo.canvas`). Every process cuts a split into
 ceil(examples / global_batch) batches, so no example is dropped or counted twice. Batch b holds
 stream positions [b * global_batch, (b + 1) * global_batch) (`num_epochs` seeded permutations),

@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from . import hub, image_files
+from . import image_files
 from .sources import Loaded, host_crops
 
 EVAL_SPLITS = ("validation", "test")
@@ -123,7 +123,7 @@ def sources(config, crops: dict) -> tuple[dict[str, Source], tuple[int, int, int
   class names."""
   loaded, image, label = splits(config)
   first = Source(loaded["train"], image, label, (1, 1, 1))
-  shape = tuple(config.image_size) or hub.first_shape(
+  shape = tuple(config.image_size) or image_files.first_shape(
       lambda i: first.encoded(first.dataset[i][image]), len(first), "huggingface")
   feature = loaded["train"].features[label]
   names = tuple(getattr(feature, "names", None) or ())
@@ -151,4 +151,4 @@ def describe(config) -> None:  # the shape and classes are known once the data i
 
 
 def check(config) -> str | None:
-  return hub.check_hub(config, "datasets", "huggingface", splits)
+  return image_files.check_hub(config, "datasets", "huggingface", splits)

@@ -9,6 +9,7 @@ import math
 import os
 
 import numpy as np
+from absl import logging
 from PIL import Image, ImageOps
 
 from ..errors import ConfigError
@@ -17,6 +18,32 @@ try:  # libjpeg-turbo without PIL's overhead: the same library, so PIL's pixels
   import simplejpeg
 except ImportError:  # PIL decodes alone
   simplejpeg = None
+
+
+def check_hub(config, package: str, extra: str, probe, more=lambda config: None) -> str | None:
+  """A Hugging Face or TFDS source's check (their `check`): its package installed, image_size a
+  shape, `more(config)`, then the data opened by `probe(config)` (its ValueError said)."""
+  import importlib.util
+
+  try:
+    installed = importlib.util.find_spec(package) is not None
+  except ModuleNotFoundError:  # its parent package is missing
+    installed = False
+  if not installed:
+    return (f"config.dataset={config.dataset!r} needs the `{package}` package: pip install -e "
+            f"'.[{extra}]'.")
+  size = config.image_size
+  if size and not (isinstance(size, (tuple, list)) and len(size) == 3 and all(
+      isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in size)):
+    return (f"config.image_size={size!r} must be (height, width, channels), e.g. "
+            "--config.image_size='(224,224,3)'.")
+  if wrong := more(config):
+    return wrong
+  try:  # the data's folder, splits, image and label
+    probe(config)
+  except ValueError as e:
+    return str(e)
+  return None
 
 
 def decode_image(data: bytes, image_shape: tuple[int, int, int]) -> np.ndarray:
@@ -38,8 +65,8 @@ def decode_batch(encoded: list, image_shape, crops=None, positions=None, empty=N
   into `empty(shape, dtype)`: an array holding what it held (shared memory a worker lent:
   `shm.Outbox.empty`), and the boxes of the batch it held (None: unknown), for the canvas
   around each crop to be zeroed where the last one was. Returns {"image": the batch} (with a
-  `Crops` of a canvas: each photo decoded whole in it where it fits unscaled, else its crop, and
-  "box", where: `Crops.whole`, `Crops.cut`), and {i: why} for those that failed (zeros)."""
+  `Crops` of a canvas: the crops in it, and "box", where: `Crops.cut`), and {i: why} for those
+  that failed (zeros)."""
   if all(isinstance(data, np.ndarray) for data in encoded):  # arrays, as stored
     return {"image": np.stack(encoded)}, {}
   positions = np.zeros(len(encoded), np.int64) if positions is None else positions
@@ -47,27 +74,18 @@ def decode_batch(encoded: list, image_shape, crops=None, positions=None, empty=N
   shape_BHWC = (len(encoded), *(canvas or image_shape[:2]), image_shape[2])
   images, held = (np.zeros(shape_BHWC, np.uint8), None) if empty is None else empty(
       shape_BHWC, np.uint8)
-  held_B7 = None if held is None or held.size != len(encoded) * 7 else held.reshape(-1, 7)
-  boxes, failed = np.zeros((len(encoded), 7), np.float32), {}
-  flat_BN = images.reshape(len(encoded), -1)
+  held_B6 = None if held is None or held.size != len(encoded) * 6 else held.reshape(-1, 6)
+  boxes, failed = np.zeros((len(encoded), 6), np.float32), {}
   for i, (data, position) in enumerate(zip(encoded, positions, strict=True)):
     try:
       if isinstance(data, str):  # why it could not be read
         failed[i] = data
       elif canvas:
-        last_h, last_w, last_stride = ((*canvas, canvas[1]) if held_B7 is None else
-                                       held_B7[i, 4:].astype(int))
-        crop, boxes[i] = crops.cut(data, image_shape, int(position), flat_BN[i])
-        if crop is None:  # the photo decoded whole in the canvas, at its own width
-          if empty is not None:  # the rest of the canvas: zeros (where the last one was)
-            end = int(boxes[i, 4] * boxes[i, 5]) * image_shape[2]
-            flat_BN[i, end:last_h * last_stride * image_shape[2]] = 0
-          continue
+        crop, boxes[i] = crops.cut(data, image_shape, int(position))
         height, width = crop.shape[:2]
         images[i, :height, :width] = crop
         if empty is not None:  # the rest of the canvas: zeros (where the last crop was)
-          if last_stride != canvas[1]:  # (a whole photo: its rows)
-            last_h, last_w = min(-(-last_h * last_stride // canvas[1]), canvas[0]), canvas[1]
+          last_h, last_w = canvas if held_B6 is None else held_B6[i, 4:].astype(int)
           images[i, height:last_h, :last_w], images[i, :min(height, last_h), width:last_w] = 0, 0
       elif crops is not None:
         images[i] = crops(data, image_shape, int(position))
@@ -101,6 +119,26 @@ def why(error: Exception) -> str:
   """An error in a few words: its type and message (without PIL's `<_io.BytesIO object ...>`)."""
   message = str(error).split(" <_io.")[0]
   return f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
+def encoded_shape(data: bytes) -> tuple[int, int, int]:
+  """(height, width, channels) that an encoded image decodes to here: 1 channel if gray, else 3."""
+  with Image.open(io.BytesIO(data)) as image:
+    return image.size[1], image.size[0], 1 if image.mode in GRAY_MODES else 3
+
+
+def first_shape(encoded, num_images: int, name: str, look: int = 64) -> tuple[int, int, int]:
+  """The shape a run takes without `config.image_size`: the first image's (`encoded(i)`: image
+  i's bytes). Where the first `look` differ in height or width, says so, naming what it takes."""
+  shapes = [encoded_shape(encoded(i)) for i in range(min(look, num_images))]
+  sizes = sorted({shape[:2] for shape in shapes})
+  if len(sizes) > 1:
+    logging.warning(
+        "%s: the first %d training images have %d sizes (height x width %s); each is scaled to "
+        "cover and centre-cropped to the first's, %dx%d: give --config.image_size=H,W to choose",
+        name, len(shapes), len(sizes), ", ".join(f"{h}x{w}" for h, w in sizes[:4])
+        + (", ..." if len(sizes) > 4 else ""), *shapes[0][:2])
+  return shapes[0]
 
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")  # the image files that folders are read for
@@ -172,35 +210,28 @@ class Crops:
     image, box = self.decoded(data, image_shape, position)
     return resized(image, box, image_shape)
 
-  def cut(self, data: bytes, image_shape, position: int, into: np.ndarray | None = None
-          ) -> tuple[np.ndarray | None, np.ndarray]:
+  def cut(self, data: bytes, image_shape, position: int) -> tuple[np.ndarray, np.ndarray]:
     """The photo's box with the pixels its resize reads around it (a few more each way), for
     the devices to resize (`augment.resize_crops`), and its box there: (top, left, bottom,
-    right, height, width, the canvas's width), those of the box and of the pixels cut. Where
-    they would not fit in `canvas`, the box resized here instead (box: the whole of it). A JPEG
-    that decodes unscaled into `into` (a canvas's pixels, flat) is decoded there whole, at its
-    own width: None, and its box (the photo's height and width, its width again)."""
+    right, height, width), those of the box and of the pixels cut. Where they would not fit in
+    `canvas`, the box resized here instead (box: the whole of it)."""
     height, width, channels = image_shape
-    image, (left, top, right, bottom) = self.decoded(data, image_shape, position, into)
+    image, (left, top, right, bottom) = self.decoded(data, image_shape, position)
     pixels = np.asarray(image)  # (a PIL image's: copied)
     full_h, full_w = pixels.shape[:2]
-    if into is not None and np.shares_memory(pixels, into):
-      return None, np.array([top, left, bottom, right, full_h, full_w, full_w], np.float32)
     reach_h, reach_w = max((bottom - top) / height, 1), max((right - left) / width, 1)
     y0, x0 = max(math.floor(top - reach_h) - 1, 0), max(math.floor(left - reach_w) - 1, 0)
     y1 = min(math.ceil(bottom + reach_h) + 1, full_h)
     x1 = min(math.ceil(right + reach_w) + 1, full_w)
     if y1 - y0 > self.canvas[0] or x1 - x0 > self.canvas[1]:
       whole = resized(image, (left, top, right, bottom), image_shape)
-      return whole, np.array([0, 0, height, width, height, width, self.canvas[1]], np.float32)
+      return whole, np.array([0, 0, height, width, height, width], np.float32)
     return (pixels[y0:y1, x0:x1].reshape(y1 - y0, x1 - x0, channels),
-            np.array([top - y0, left - x0, bottom - y0, right - x0, y1 - y0, x1 - x0,
-                      self.canvas[1]], np.float32))
+            np.array([top - y0, left - x0, bottom - y0, right - x0, y1 - y0, x1 - x0], np.float32))
 
-  def decoded(self, data: bytes, image_shape, position: int, into: np.ndarray | None = None):
+  def decoded(self, data: bytes, image_shape, position: int):
     """The photo decoded (a JPEG at the smallest DCT scale that keeps the box's pixels: an array
-    by simplejpeg, in `into` where it fits unscaled, else PIL's image) and its box (left, top,
-    right, bottom) in those pixels."""
+    by simplejpeg, else PIL's image) and its box (left, top, right, bottom) in those pixels."""
     height, width, channels = image_shape
     mode = "L" if channels == 1 else "RGB"
     full = jpeg_size(data)
@@ -210,12 +241,10 @@ class Crops:
     wanted = (math.ceil(full[0] * width / (right - left)),
               math.ceil(full[1] * height / (bottom - top)))
     if opened is None:  # simplejpeg, at the scale Image.draft would take
-      scale, pixels = draft_scale(full, wanted), full[0] * full[1] * channels
-      fits = into is not None and scale == 1 and pixels <= into.size
+      scale = draft_scale(full, wanted)
       image = simplejpeg.decode_jpeg(data, "GRAY" if channels == 1 else "RGB",
                                      min_width=-(-full[0] // scale),
-                                     min_height=-(-full[1] // scale),
-                                     buffer=into[:pixels] if fits else None)
+                                     min_height=-(-full[1] // scale))
       size = image.shape[1], image.shape[0]
     else:
       with opened:

@@ -68,7 +68,7 @@ def host_memory(config, info: DatasetInfo, num_processes: int = 1,
   """The input's expected host memory on each process, for a resolved `config` (k, batch)."""
   height_width = info.canvas or info.image_shape[:2]
   image = math.prod(height_width) * info.image_shape[2] * np.dtype(info.pixel_dtype).itemsize
-  box = 7 * 4 if info.canvas else 0
+  box = 6 * 4 if info.canvas else 0
   local_batch_size = config.run.global_batch_size // num_processes
   element = config.run.steps_per_dispatch * local_batch_size * (image + box + 4 + 1 + 4)
   unit = element // shares(config, local_batch_size)

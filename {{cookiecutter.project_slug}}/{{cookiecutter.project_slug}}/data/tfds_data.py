@@ -14,7 +14,7 @@ files (`image_files.decode_image`).
 
 import numpy as np
 
-from . import hub, image_files
+from . import image_files
 from .huggingface import read_in_place
 from .sources import Loaded
 
@@ -88,7 +88,7 @@ def sources(config, crops: dict) -> tuple[dict[str, Source], tuple[int, int, int
   found, image, label, eval_split = builder(config)
   data = {split: found.as_data_source(split=name, decoders={image: tfds.decode.SkipDecoding()})
           for split, name in (("train", "train"), ("eval", eval_split))}
-  shape = tuple(config.image_size) or hub.first_shape(
+  shape = tuple(config.image_size) or image_files.first_shape(
       lambda i: data["train"][i][image], len(data["train"]), "tfds")
   return ({split: Source(d, image, label, shape, crops.get(split),
                          f"tfds {config.tfds_name} {split}") for split, d in data.items()},
@@ -110,4 +110,4 @@ def check(config) -> str | None:
               "--config.tfds_name=imagenet2012.")
     return None
 
-  return hub.check_hub(config, "tensorflow_datasets", "tfds", builder, named)
+  return image_files.check_hub(config, "tensorflow_datasets", "tfds", builder, named)

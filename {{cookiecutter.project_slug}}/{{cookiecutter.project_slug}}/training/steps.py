@@ -5,7 +5,7 @@ gradient, the update. dispatch.py compiles them for each parallelism, k a call, 
 evaluation loop.
 
 A batch: image [B, H, W, C] (the stored dtype), label [B], mask [B] (False on padding), position
-[B] (each example's place in the stream: it keys the augmentation), and box [B, 7] where the
+[B] (each example's place in the stream: it keys the augmentation), and box [B, 6] where the
 images are photos' crops that the devices resize (`forward`). Suffixes name axes: B the batch,
 H, W, C an image's, K the classes. A batch of padding alone changes nothing."""
 
