@@ -369,6 +369,34 @@ def test_batchnorm_leaves_the_padding_out(tiny_config, parallelism):
   assert float(jnp.abs(got[0]["norm"]["mean"][...]).max()) > 0
 
 
+class PlainBatchNormMLP(nnx.Module):
+  """A model.py of stock layers: nnx.BatchNorm called without the mask, with no axis of its own."""
+
+  def __init__(self, rngs):
+    self.hidden = nnx.Linear(8 * 8, 16, rngs=rngs)
+    self.norm = nnx.BatchNorm(16, momentum=0.5, rngs=rngs)
+    self.out = nnx.Linear(16, 10, rngs=rngs)
+
+  def __call__(self, images):
+    return self.out(nnx.relu(self.norm(self.hidden(images.reshape(images.shape[0], -1)))))
+
+
+def test_a_plain_nnx_batchnorm_takes_the_global_batchs_statistics_on_pmap_too(tiny_config):
+  """Under pmap a stock nnx.BatchNorm is given the devices' axis (`pmap.batch_norm_over_devices`):
+  3 SGD steps (a padded batch among them, its padding in the statistics alike everywhere) take
+  the same parameters and running statistics on pmap as on spmd and one device."""
+  data = batches([64, 20, 64])
+  model = PlainBatchNormMLP(nnx.Rngs(0))
+  state = nnx.split((model, nnx.Optimizer(model, SGD, wrt=nnx.Param)))
+  copy = lambda: jax.tree.map(jnp.copy, state[1])  # (the steps donate it)  # noqa: E731
+  single, single_metrics = run(tiny_config, "single", data, state[0], copy())
+  for parallelism in ("spmd", "pmap"):
+    got, metrics = run(tiny_config, parallelism, data, state[0], copy())
+    assert_trees_close(got, single, atol=1e-6)
+    assert metrics["loss"] == pytest.approx(single_metrics["loss"], abs=1e-6)
+  assert float(jnp.abs(single[0]["norm"]["mean"][...]).max()) > 0
+
+
 def grouped_batch_norm(x, mask, weights, groups, parallelism):
   """A layers.BatchNorm of `groups` with `weights` (scale, bias) on `x`: one array (jit), or
   pmap's 8 devices a share each. Its output and running statistics."""

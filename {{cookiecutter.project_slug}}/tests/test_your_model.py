@@ -184,10 +184,10 @@ def takes_the_same_steps_on_every_path(batch_norm_devices: int, paths=("spmd", "
 
 # What makes a path take another step than one device, said once under the summary.
 LIKELY_CAUSES = (
-    "Likely causes: a statistic over the batch a device sees (a plain nnx.BatchNorm: use "
-    "layers.BatchNorm with example_mask), code that reads x.shape[0] (a device's batch under "
-    "pmap, the global one elsewhere), random keys drawn from the data, or a random layer that "
-    "ignores `deterministic`.")
+    "Likely causes: a statistic over the batch a device sees (a layer of yours that reduces "
+    "over the batch: under pmap it sees a device's; nnx.BatchNorm is given the devices' axis), "
+    "code that reads x.shape[0] (a device's batch under pmap, the global one elsewhere), random "
+    "keys drawn from the data, or a random layer that ignores `deterministic`.")
 
 
 def path_report(wrong: dict, paths, shown: int = 5) -> str:

@@ -105,6 +105,16 @@ def fold_in_device_index(model, axis_name):
   return restore
 
 
+def batch_norm_over_devices(model, axis_name) -> None:
+  """A plain nnx.BatchNorm takes the statistics of the batch it sees, under pmap one device's:
+  give each one without an axis of its own `axis_name`, so that they are the global batch's (and
+  its running statistics one value on every device), as on spmd and fsdp. layers.BatchNorm finds
+  the axis itself. `model` is the step's own (merged in it): nothing outlives the step."""
+  for _, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.BatchNorm) and node.axis_name is None:
+      node.axis_name = axis_name
+
+
 def compiled(train, evaluate, mesh: Mesh, devices=None) -> dict:
   """`dispatch.Steps`' fields under pmap, for the steps over stacked batches that `train` and
   `evaluate` take (with `PMAP_AXIS` as their axis name): each compiled for `devices` (default:

@@ -179,13 +179,15 @@ def gradients(model, batch, config, recipe, collection, axis_name=None):
   summed over every device (pmap: `axis_name`; spmd sums them itself); with
   `config.grad_accum_steps` > 1 accumulated over that many pieces of the batch. Random layers
   draw one mask over the global batch, by row, on spmd and fsdp; on pmap each device its own
-  (`pmap.fold_in_device_index`)."""
+  (`pmap.fold_in_device_index`). BatchNorm takes the global batch's statistics on every path
+  (pmap: `pmap.batch_norm_over_devices`)."""
   grad_fn = nnx.grad(functools.partial(loss_and_metrics, config=config, recipe=recipe,
                                        collection=collection), has_aux=True)
   if axis_name is not None:
     from ..parallel import pmap  # (the pmap path alone)
 
     restore_keys = pmap.fold_in_device_index(model, axis_name)
+    pmap.batch_norm_over_devices(model, axis_name)
   if config.grad_accum_steps > 1:
     grads, step_metrics = accumulated_gradients(grad_fn, model, batch, config.grad_accum_steps,
                                                 axis_name)
