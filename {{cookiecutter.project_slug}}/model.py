@@ -5,10 +5,11 @@ Contract with train.py: `create_model(config, image_shape, num_classes, rngs)` r
 `nnx.Module` mapping images `[batch, height, width, channels]` to logits `[batch, num_classes]`
 (train.py checks both, abstractly, before it compiles anything). Training calls `model.train()`
 and evaluation `model.eval()`, as Flax's examples do: stock layers need no `deterministic=`.
-A model whose `__call__` has an `example_mask` parameter (or `**kwargs`) also gets the mask
-`[batch]` (False on padding), for layers that pool over the batch
-(`layers.BatchNorm(...)(x, mask=example_mask)`). The loss is computed in float32 whatever
-the logits' dtype.
+BatchNorm leaves the padding of partial batches out (nnx.BatchNorm is built as
+layers.BatchNorm, which the steps give the batch's mask); a model whose `__call__` has an
+`example_mask` parameter (or `**kwargs`) also gets the mask `[batch]` (False on padding), for
+layers of its own that pool over the batch. The loss is computed in float32 whatever the
+logits' dtype.
 """
 
 import functools

@@ -137,6 +137,26 @@ class NormNoMask(nnx.Module):
     return self.dense(self.norm(images).reshape(images.shape[0], -1))
 
 
+class StockNorm(NormNoMask):
+  """nnx.BatchNorm, called without the mask."""
+
+  def __init__(self, image_shape, num_classes, rngs):
+    super().__init__(image_shape, num_classes, rngs)
+    self.norm = nnx.BatchNorm(image_shape[-1], rngs=rngs)
+
+
+class MyBatchNorm(nnx.BatchNorm):
+  """A BatchNorm of a model.py's own."""
+
+
+class OwnNorm(NormNoMask):
+  """A BatchNorm of its own class, called without the mask."""
+
+  def __init__(self, image_shape, num_classes, rngs):
+    super().__init__(image_shape, num_classes, rngs)
+    self.norm = MyBatchNorm(image_shape[-1], rngs=rngs)
+
+
 class DecoratedNorm(NormNoMask):
   @with_wrapper
   def __call__(self, images, example_mask=None):
@@ -149,61 +169,65 @@ class KeywordsNorm(NormNoMask):
         images.shape[0], -1))
 
 
-def test_the_mask_reaches_decorated_and_keyword_calls_and_a_batchnorm_without_it_is_named(
-    tiny_config):
+def test_the_mask_reaches_every_batchnorm_and_one_it_cannot_reach_is_named(tiny_config):
   """The mask goes to a __call__ with an example_mask parameter, behind a decorator too, or
-  taking **kwargs: its BatchNorm statistics are those of the real examples; a model holding
-  BatchNorm that cannot take it gets one warning that names the fix."""
+  taking **kwargs, and to a layers.BatchNorm called without it (`layers.batch_mask`), a plain
+  nnx.BatchNorm made one by `layers.masked` too: their statistics are those of the real
+  examples. A BatchNorm of the model's own class, which it cannot reach, gets one warning that
+  names the layer and the fix."""
   batch = digits_batch(5, padded_to=8)
   batch["image"][5:] = 100.0  # padding far from the data: it would move the mean
   means = {}
-  for cls in (DecoratedNorm, KeywordsNorm, NormNoMask):
-    model = cls((8, 8, 1), 10, nnx.Rngs(0))
-    assert steps.takes_mask(cls) == (cls is not NormNoMask)
+  for cls in (DecoratedNorm, KeywordsNorm, NormNoMask, StockNorm, OwnNorm):
+    model = layers.masked(cls((8, 8, 1), 10, nnx.Rngs(0)))
+    assert steps.takes_mask(cls) == (cls in (DecoratedNorm, KeywordsNorm))
     steps.forward(model, {"image": jax.numpy.asarray(batch["image"]), "mask": batch["mask"]}, None)
     means[cls] = float(model.norm.mean[...][0])
   real_mean = 0.01 * batch["image"][:5].mean()  # momentum 0.99: one step from 0
-  np.testing.assert_allclose([means[DecoratedNorm], means[KeywordsNorm]], real_mean, rtol=1e-5)
-  np.testing.assert_allclose(means[NormNoMask], 0.01 * batch["image"].mean(), rtol=1e-5)  # 100s
-  warning = steps.mask_warning(NormNoMask((8, 8, 1), 10, nnx.Rngs(0)))
-  assert "NormNoMask holds BatchNorm" in warning and "example_mask" in warning
-  assert steps.mask_warning(DecoratedNorm((8, 8, 1), 10, nnx.Rngs(0))) is None
+  np.testing.assert_allclose([means[c] for c in (DecoratedNorm, KeywordsNorm, NormNoMask,
+                                                 StockNorm)], real_mean, rtol=1e-5)
+  np.testing.assert_allclose(means[OwnNorm], 0.01 * batch["image"].mean(), rtol=1e-5)  # 100s
+  warning = steps.mask_warning(OwnNorm((8, 8, 1), 10, nnx.Rngs(0)))
+  assert "OwnNorm holds MyBatchNorm at norm" in warning and "layers.BatchNorm" in warning
+  assert steps.mask_warning(layers.masked(StockNorm((8, 8, 1), 10, nnx.Rngs(0)))) is None
+  assert steps.mask_warning(NormNoMask((8, 8, 1), 10, nnx.Rngs(0))) is None
   assert steps.mask_warning(create_model(tiny_config, (8, 8, 1), 10, nnx.Rngs(0))) is None
 
 
-def test_a_batchnorm_model_without_the_mask_trains_with_one_warning(tiny_config, tmp_path,
-                                                                   monkeypatch, caplog):
+def test_a_batchnorm_the_mask_cannot_reach_trains_with_one_warning(tiny_config, tmp_path,
+                                                                  monkeypatch, caplog):
   monkeypatch.setattr(optim, "create_model", lambda config, image_shape, num_classes, rngs:
-                      NormNoMask(image_shape, num_classes, rngs))
+                      OwnNorm(image_shape, num_classes, rngs))
   tiny_config.eval_every_steps = tiny_config.checkpoint_every_steps = 1000
   result = train.train_and_evaluate(tiny_config, str(tmp_path))
   assert result["examples"] == 360 and np.isfinite(result["loss"])
-  warnings = [r.getMessage() for r in caplog.records if "holds BatchNorm" in r.getMessage()]
+  warnings = [r.getMessage() for r in caplog.records if "holds MyBatchNorm" in r.getMessage()]
   assert len(warnings) == 1 and "example_mask=None" in warnings[0], warnings
 
 
 class FlaxNorm(NormNoMask):
-  """nnx.BatchNorm itself, given the mask."""
+  """A BatchNorm of the model's own class, given the mask."""
 
   def __init__(self, image_shape, num_classes, rngs):
     super().__init__(image_shape, num_classes, rngs)
-    self.norm = nnx.BatchNorm(image_shape[-1], rngs=rngs)
+    self.norm = MyBatchNorm(image_shape[-1], rngs=rngs)
 
   def __call__(self, images, example_mask=None):
     mask = None if example_mask is None else example_mask[:, None, None, None]
     return self.dense(self.norm(images, mask=mask).reshape(images.shape[0], -1))
 
 
-def test_statistics_of_groups_of_devices_refuse_a_plain_nnx_batchnorm(tiny_config, tmp_path,
-                                                                      monkeypatch):
-  """config.batch_norm_devices is layers.BatchNorm's: a model holding nnx.BatchNorm, whose
-  statistics would stay the global batch's, stops as it is built, naming the layer and the fix;
-  with batch_norm_devices=0 it trains, in the same workdir."""
+def test_statistics_of_groups_of_devices_refuse_a_batchnorm_of_the_models_own_class(
+    tiny_config, tmp_path, monkeypatch):
+  """config.batch_norm_devices is layers.BatchNorm's (which a plain nnx.BatchNorm is made): a
+  model holding a subclass of nnx.BatchNorm of its own, whose statistics would stay the global
+  batch's, stops as it is built, naming the layer and the fix; with batch_norm_devices=0 it
+  trains, in the same workdir."""
   monkeypatch.setattr(optim, "create_model", lambda config, image_shape, num_classes, rngs:
                       FlaxNorm(image_shape, num_classes, rngs))
   tiny_config.eval_every_steps = tiny_config.checkpoint_every_steps = 1000
   tiny_config.batch_norm_devices = 1
-  with pytest.raises(ConfigError, match=r"FlaxNorm holds nnx.BatchNorm at norm, .*use "
+  with pytest.raises(ConfigError, match=r"FlaxNorm holds MyBatchNorm at norm, .*use "
                                         r"layers.BatchNorm"):
     train.train_and_evaluate(tiny_config, str(tmp_path))
   assert not any(tmp_path.iterdir())  # refused as the model is built, before anything is written

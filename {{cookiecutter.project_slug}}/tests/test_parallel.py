@@ -347,23 +347,38 @@ class BatchNormCNN(nnx.Module):
     return self.dense(x.reshape(x.shape[0], -1))
 
 
-def batchnorm_state(optimizer=None):
-  model = BatchNormCNN(nnx.Rngs(0))
+class StockBatchNormCNN(BatchNormCNN):
+  """A plain nnx.BatchNorm, called without the mask (`layers.masked` makes it layers.BatchNorm)."""
+
+  def __init__(self, rngs):
+    super().__init__(rngs)
+    self.norm = nnx.BatchNorm(4, momentum=0.9, rngs=rngs)
+
+  def __call__(self, images):
+    x = nnx.relu(self.norm(self.conv(images)))
+    return self.dense(x.reshape(x.shape[0], -1))
+
+
+def batchnorm_state(optimizer=None, model_class=BatchNormCNN):
+  model = layers.masked(model_class(nnx.Rngs(0)))
   return nnx.split((model, nnx.Optimizer(model, optimizer or ADAM, wrt=nnx.Param)))
 
 
+@pytest.mark.parametrize("model_class", [BatchNormCNN, StockBatchNormCNN])
 @pytest.mark.parametrize("parallelism", ["spmd", "pmap"])
-def test_batchnorm_leaves_the_padding_out(tiny_config, parallelism):
+def test_batchnorm_leaves_the_padding_out(tiny_config, parallelism, model_class):
   """Padded batches give the BatchNorm statistics and gradients of their real examples alone,
   on one device: the same running statistics and the same parameters after 3 SGD steps. (With
   20 real examples of 64 on 8 devices, pmap's devices 3-7 hold none.) pmap's statistics are
-  those of the global batch: synchronised over its axis, padding left out."""
+  those of the global batch: synchronised over its axis, padding left out. Alike for a plain
+  nnx.BatchNorm that the model does not pass the mask to, made layers.BatchNorm by
+  `layers.masked` (what train.py builds)."""
   num_real = [64, 20, 64]
   data = batches(num_real)
   real_only = [jax.tree.map(lambda x, n=n: x[:n], batch)
                for batch, n in zip(data, num_real, strict=True)]
-  expected, _ = run(tiny_config, "single", real_only, *batchnorm_state(SGD))
-  got, metrics = run(tiny_config, parallelism, data, *batchnorm_state(SGD))
+  expected, _ = run(tiny_config, "single", real_only, *batchnorm_state(SGD, model_class))
+  got, metrics = run(tiny_config, parallelism, data, *batchnorm_state(SGD, model_class))
   assert metrics["nonfinite_steps"] == 0 and metrics["examples"] == sum(num_real)
   assert_trees_close(got, expected, atol=1e-6)
   assert float(jnp.abs(got[0]["norm"]["mean"][...]).max()) > 0

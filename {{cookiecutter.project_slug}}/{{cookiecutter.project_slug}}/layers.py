@@ -1,11 +1,41 @@
 """Layers a model.py uses for the project's guarantees to hold: `BatchNorm`, whose statistics are
-those of the real examples (give it the `example_mask` the steps pass to the model)."""
+those of the real examples (the batch's mask: `batch_mask`, or the `example_mask` the steps pass
+to a model that takes it). `masked` makes a model's plain nnx.BatchNorm layers this one."""
+
+import contextlib
+import contextvars
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 PMAP_AXIS = "devices"  # pmap's axis (pmap.py maps the steps over it; BatchNorm reduces over it)
+
+
+_BATCH_MASK = contextvars.ContextVar("batch_mask", default=None)
+
+
+@contextlib.contextmanager
+def batch_mask(mask_B):
+  """Within it, `mask_B` ([batch], False on padding) is the mask of every `BatchNorm` called
+  without one on a batch of that size: the steps' forward pass sets it, so that a model need not
+  pass the mask on."""
+  token = _BATCH_MASK.set(mask_B)
+  try:
+    yield
+  finally:
+    _BATCH_MASK.reset(token)
+
+
+def masked(model):
+  """`model`, each plain nnx.BatchNorm in it made a `BatchNorm` (its subclass: the same variables,
+  the same checkpoint), whose statistics leave the padding out and follow
+  `config.batch_norm_devices` on every path, model.py unchanged (as PyTorch's
+  `SyncBatchNorm.convert_sync_batchnorm`). A subclass of your own is left as it is."""
+  for _, node in nnx.iter_graph(model):
+    if type(node) is nnx.BatchNorm:
+      node.__class__ = BatchNorm
+  return model
 
 
 def bound(axis_name: str) -> bool:
@@ -33,6 +63,9 @@ class BatchNorm(nnx.BatchNorm):
   def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
     if use_running_average is None:
       use_running_average = self.use_running_average
+    given = None if use_running_average or mask is not None else _BATCH_MASK.get()
+    if given is not None and given.shape[0] == x.shape[0]:
+      mask = given  # (`batch_mask`'s)
     if mask is not None:  # [batch] -> [batch, 1, ...]: one flag per example
       mask = mask.reshape(-1, *[1] * (x.ndim - 1))
     axis_name = self.axis_name or (PMAP_AXIS if bound(PMAP_AXIS) else None)

@@ -9,14 +9,15 @@ from flax import nnx
 
 from .. import errors
 from ..errors import ConfigError
-from ..layers import BatchNorm
+from ..layers import BatchNorm, masked
 from ..parallel import sharding
 from .steps import takes_mask
 
 
 def create_model(run_plan, image_shape, num_classes, rngs: nnx.Rngs) -> nnx.Module:
-  """The model that the plan's model module (model.py) builds for this data."""
-  return run_plan.model.create_model(run_plan.config, image_shape, num_classes, rngs)
+  """The model that the plan's model module (model.py) builds for this data, its plain
+  nnx.BatchNorm layers masked (`layers.masked`)."""
+  return masked(run_plan.model.create_model(run_plan.config, image_shape, num_classes, rngs))
 
 
 def check_model(run_plan, info) -> None:
@@ -72,13 +73,14 @@ def build_state(run_plan, image_shape, num_classes, num_train_steps: int) -> tup
   moving average of the model (a copy of it, which the train step moves and evaluation uses)."""
   config = run_plan.config
   model = create_model(run_plan, image_shape, num_classes, nnx.Rngs(config.seed))
-  if config.get("batch_norm_devices") and (plain := [
-      "/".join(map(str, path)) for path, node in nnx.iter_graph(model)
+  if config.get("batch_norm_devices") and (own := [
+      f"{type(node).__name__} at {'/'.join(map(str, path))}"
+      for path, node in nnx.iter_graph(model)
       if isinstance(node, nnx.BatchNorm) and not isinstance(node, BatchNorm)]):
     raise ConfigError(f"config.batch_norm_devices={config.batch_norm_devices} is for "
-                      f"layers.BatchNorm; {type(model).__name__} holds nnx.BatchNorm at "
-                      f"{', '.join(plain)}, which takes the global batch's statistics: use "
-                      "layers.BatchNorm in model.py (or batch_norm_devices=0).")
+                      f"layers.BatchNorm; {type(model).__name__} holds {', '.join(own)}, which "
+                      "takes the global batch's statistics: use layers.BatchNorm in model.py "
+                      "(or batch_norm_devices=0).")
   optimizer = nnx.Optimizer(model, run_plan.recipe.optimizer(config, num_train_steps),
                             wrt=nnx.Param)
   if not config.ema_decay:

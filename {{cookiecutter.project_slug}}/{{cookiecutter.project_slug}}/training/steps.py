@@ -30,14 +30,15 @@ def takes_mask(model_class) -> bool:
 
 
 def mask_warning(model) -> str | None:
-  """A warning for a model holding BatchNorm that cannot be given the mask, else None."""
-  if takes_mask(type(model)) or not any(isinstance(node, nnx.BatchNorm)
-                                        for _, node in nnx.iter_graph(model)):
+  """A warning for a model holding a BatchNorm that the mask cannot reach (not layers.BatchNorm,
+  which `layers.masked` makes of a plain nnx.BatchNorm), else None."""
+  if takes_mask(type(model)) or not (unmasked := [
+      f"{type(node).__name__} at {'/'.join(map(str, path))}" for path, node in nnx.iter_graph(model)
+      if isinstance(node, nnx.BatchNorm) and not isinstance(node, layers.BatchNorm)]):
     return None
-  return (f"warning: {type(model).__name__} holds BatchNorm but its __call__ takes no "
-          "example_mask, so its batch statistics include the padding of partial batches; give "
-          "__call__ an example_mask=None parameter and pass it on: "
-          "layers.BatchNorm(...)(x, mask=example_mask) (model.py's docstring)")
+  return (f"warning: {type(model).__name__} holds {', '.join(unmasked)}, whose batch statistics "
+          "include the padding of partial batches; make it layers.BatchNorm, or give __call__ "
+          "an example_mask=None parameter and pass it on (model.py's docstring)")
 
 
 # Folded into the seed's key before the stream positions: the augmentation keys are then none of
@@ -50,8 +51,9 @@ def forward(model, batch, config, augment=None) -> jax.Array:
   (integers divided by 255, floats as they are; photos' crops cut on the host, with a "box",
   resized first to `config.run.image_shape`), in training augmented by `augment` (the
   recipe's) with one key an example, made from the seed and its place in the data stream alone
-  (so any batching, device or process count, and any resume draw the same for it). The model is
-  given the mask (`batch["mask"]`) when it takes one (`takes_mask`)."""
+  (so any batching, device or process count, and any resume draw the same for it). The mask
+  (`batch["mask"]`) reaches every layers.BatchNorm (`layers.batch_mask`), and the model when it
+  takes one (`takes_mask`)."""
   images_BHWC = batch["image"].astype(jnp.float32)
   if "box" in batch:  # (sources.DatasetInfo.canvas)
     images_BHWC = augment_ops.resize_crops(images_BHWC, batch["box"], config.run.image_shape[:2])
@@ -62,7 +64,8 @@ def forward(model, batch, config, augment=None) -> jax.Array:
     keys_B = jax.vmap(lambda position: jax.random.fold_in(key, position))(batch["position"])
     images_BHWC = augment(images_BHWC, keys_B, config)
   masked = {"example_mask": batch["mask"]} if takes_mask(type(model)) else {}
-  return model(images_BHWC, **masked).astype(jnp.float32)
+  with layers.batch_mask(batch.get("mask")):  # (every layers.BatchNorm's, unless given its own)
+    return model(images_BHWC, **masked).astype(jnp.float32)
 
 
 def loss_and_metrics(model, batch, config, recipe, collection, train: bool = True):
