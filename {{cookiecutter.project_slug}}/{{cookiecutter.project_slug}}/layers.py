@@ -38,6 +38,14 @@ def masked(model):
   return model
 
 
+def unmasked(model) -> list[str]:
+  """Each BatchNorm of `model` that the mask cannot reach (an nnx.BatchNorm that is not a
+  `BatchNorm`: a class of your own), as "Class at a/b"."""
+  return [f"{type(node).__name__} at {'/'.join(map(str, path))}"
+          for path, node in nnx.iter_graph(model)
+          if isinstance(node, nnx.BatchNorm) and not isinstance(node, BatchNorm)]
+
+
 def bound(axis_name: str) -> bool:
   """Whether the code being traced runs under a pmap (or shard_map) axis of that name."""
   try:

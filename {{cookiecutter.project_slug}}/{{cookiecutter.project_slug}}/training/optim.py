@@ -9,7 +9,7 @@ from flax import nnx
 
 from .. import errors
 from ..errors import ConfigError
-from ..layers import BatchNorm, masked
+from ..layers import masked, unmasked
 from ..parallel import sharding
 from .steps import takes_mask
 
@@ -73,10 +73,7 @@ def build_state(run_plan, image_shape, num_classes, num_train_steps: int) -> tup
   moving average of the model (a copy of it, which the train step moves and evaluation uses)."""
   config = run_plan.config
   model = create_model(run_plan, image_shape, num_classes, nnx.Rngs(config.seed))
-  if config.get("batch_norm_devices") and (own := [
-      f"{type(node).__name__} at {'/'.join(map(str, path))}"
-      for path, node in nnx.iter_graph(model)
-      if isinstance(node, nnx.BatchNorm) and not isinstance(node, BatchNorm)]):
+  if config.get("batch_norm_devices") and (own := unmasked(model)):
     raise ConfigError(f"config.batch_norm_devices={config.batch_norm_devices} is for "
                       f"layers.BatchNorm; {type(model).__name__} holds {', '.join(own)}, which "
                       "takes the global batch's statistics: use layers.BatchNorm in model.py "

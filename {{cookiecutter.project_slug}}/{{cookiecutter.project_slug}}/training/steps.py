@@ -32,9 +32,7 @@ def takes_mask(model_class) -> bool:
 def mask_warning(model) -> str | None:
   """A warning for a model holding a BatchNorm that the mask cannot reach (not layers.BatchNorm,
   which `layers.masked` makes of a plain nnx.BatchNorm), else None."""
-  if takes_mask(type(model)) or not (unmasked := [
-      f"{type(node).__name__} at {'/'.join(map(str, path))}" for path, node in nnx.iter_graph(model)
-      if isinstance(node, nnx.BatchNorm) and not isinstance(node, layers.BatchNorm)]):
+  if takes_mask(type(model)) or not (unmasked := layers.unmasked(model)):
     return None
   return (f"warning: {type(model).__name__} holds {', '.join(unmasked)}, whose batch statistics "
           "include the padding of partial batches; make it layers.BatchNorm, or give __call__ "
