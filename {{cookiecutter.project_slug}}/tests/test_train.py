@@ -483,6 +483,27 @@ def test_a_run_stopped_on_8_devices_resumes_on_4_as_the_same_run(tiny_config, tm
   assert sum(moved["train_examples"].values()) == 3 * 1437  # none repeated, none skipped
 
 
+def test_a_save_off_the_interval_waits_for_the_one_before_without_advice(tiny_config, tmp_path,
+                                                                       monkeypatch, caplog):
+  """A save waits for the one before it; over a second, Orbax advises checkpointing less often.
+  An interval's save keeps that advice; the last step's (or a stop's) cannot follow it and drops
+  it (a loaded machine's last save of configs/tiny.py, 3 steps after the one before, met it).
+  Orbax's clock runs 2 s a reading here, so every wait takes over a second."""
+  clock = iter(range(0, 10**6, 2))
+  monkeypatch.setattr(ocp.checkpoint_manager, "time",
+                      type("Clock", (), {"time": staticmethod(lambda: next(clock))}))
+  saved = checkpoints.Checkpoints(str(tmp_path), tiny_config)
+  state = {"w": jnp.arange(8.0)}
+  advised = []
+  for step, on_interval in ((10, True), (20, True), (23, False), (30, True)):
+    caplog.clear()
+    saved.save(step, state, on_interval=on_interval)
+    advised.append(any(checkpoints.ORBAX_WAIT_ADVICE in r.getMessage() for r in caplog.records))
+  saved.close()
+  assert advised == [True, True, False, True]
+  assert saved.manager.all_steps() == [20, 23, 30]  # (the newest 3 are kept)
+
+
 def write_digits(data_dir) -> list[str]:
   """The digits as ArrayRecord files, by write_arrayrecord.py; the overrides that read them."""
   subprocess.run([sys.executable, "write_arrayrecord.py", f"--out_dir={data_dir}"], cwd=PROJECT,

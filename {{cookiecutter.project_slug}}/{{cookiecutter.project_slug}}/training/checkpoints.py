@@ -31,9 +31,13 @@ class Checkpoints:
     """The step and state to start from: `restore_or_init`'s."""
     return restore_or_init(self.manager, abstract, init, self.workdir)
 
-  def save(self, step: int, state) -> None:
-    """Starts saving `state` as checkpoint `step`, in the background."""
-    with saving(self.workdir):
+  def save(self, step: int, state, on_interval: bool = True) -> None:
+    """Starts saving `state` as checkpoint `step`, in the background. A save off the interval
+    (the last step's, a stop's) may wait for the one before it without Orbax's advice to
+    checkpoint less often: no interval would avoid that wait."""
+    with saving(self.workdir), contextlib.ExitStack() as quiet:
+      if not on_interval:
+        quiet.enter_context(_without(ORBAX_WAIT_ADVICE))
       save(self.manager, step, state)
 
   def check(self) -> None:
@@ -106,6 +110,23 @@ def save(checkpoints, step: int, state) -> None:
   """Saves `state` (in the background) with its `checksums`."""
   checkpoints.save(step, force=True, args=ocp.args.Composite(
       state=ocp.args.PyTreeSave(state), checksums=ocp.args.JsonSave(checksums(state))))
+
+
+# Orbax's warning when a save first waited over a second for the one before it.
+ORBAX_WAIT_ADVICE = "consider checkpointing less frequently"
+
+
+@contextlib.contextmanager
+def _without(message: str):
+  """absl's log records that contain `message` are dropped inside."""
+  def keep(record) -> bool:
+    return message not in record.getMessage()
+  logger = logging.get_absl_logger()
+  logger.addFilter(keep)
+  try:
+    yield
+  finally:
+    logger.removeFilter(keep)
 
 
 def changed_leaf(checkpoints, step: int, state) -> str | None:
