@@ -1,7 +1,8 @@
 """A user's model of stock NNX layers alone: a small ViT (patches, a class token, pre-norm
-blocks of nnx.MultiHeadAttention with attention dropout, nnx.LayerNorm, an MLP with nnx.Dropout).
-No convolution, no BatchNorm, no `deterministic=` passed anywhere: the train step's
-model.train() and evaluation's model.eval() set the modes."""
+blocks of nnx.MultiHeadAttention with attention dropout, nnx.LayerNorm, an MLP with nnx.BatchNorm
+and nnx.Dropout). No convolution, no layers.BatchNorm, no example_mask, no `deterministic=` or
+`use_running_average=` passed anywhere: the train step's model.train() and evaluation's
+model.eval() set the modes, and the batch's mask reaches the BatchNorm (layers.masked)."""
 import jax.numpy as jnp
 from flax import nnx
 
@@ -13,12 +14,13 @@ class Block(nnx.Module):
                                        decode=False, rngs=rngs)
     self.norm2 = nnx.LayerNorm(dim, rngs=rngs)
     self.up = nnx.Linear(dim, 2 * dim, rngs=rngs)
+    self.batch_norm = nnx.BatchNorm(2 * dim, rngs=rngs)
     self.down = nnx.Linear(2 * dim, dim, rngs=rngs)
     self.dropout = nnx.Dropout(dropout, rngs=rngs)
 
   def __call__(self, x_BTD):
     x_BTD = x_BTD + self.dropout(self.attn(self.norm1(x_BTD)))
-    return x_BTD + self.dropout(self.down(nnx.gelu(self.up(self.norm2(x_BTD)))))
+    return x_BTD + self.dropout(self.down(nnx.gelu(self.batch_norm(self.up(self.norm2(x_BTD))))))
 
 
 class ViT(nnx.Module):
