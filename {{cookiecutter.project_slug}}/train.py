@@ -142,8 +142,7 @@ def train_loop(run: Run, received: list):
       jax.block_until_ready(state)  # the steps queued so far are training time
       with clock.paused():  # left out of the training rates
         if save_now:  # first: asynchronous, it writes while the evaluation runs
-          saved.save(step, compiled.get_state(state),
-                     on_interval=step % config.checkpoint_every_steps == 0)
+          saved.save(step, compiled.get_state(state))
         if evaluate_now:
           eval_metrics = dispatch.summarize(dispatch.evaluate(compiled, state, *eval_split))
           reporting.eval(step, eval_metrics)

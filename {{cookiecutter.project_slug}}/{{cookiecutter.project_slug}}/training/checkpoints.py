@@ -26,18 +26,19 @@ class Checkpoints:
 
   def __init__(self, workdir: str, config):
     self.workdir, self.manager = workdir, checkpoint_manager(workdir, config)
+    self.every = config.checkpoint_every_steps
 
   def restore_or_init(self, abstract, init):
     """The step and state to start from: `restore_or_init`'s."""
     return restore_or_init(self.manager, abstract, init, self.workdir)
 
-  def save(self, step: int, state, on_interval: bool = True) -> None:
+  def save(self, step: int, state) -> None:
     """Starts saving `state` as checkpoint `step`, in the background. A save off the interval
     (the last step's, a stop's) may wait for the one before it without Orbax's advice to
     checkpoint less often: no interval would avoid that wait."""
-    with saving(self.workdir), contextlib.ExitStack() as quiet:
-      if not on_interval:
-        quiet.enter_context(_without(ORBAX_WAIT_ADVICE))
+    off_interval = step % self.every != 0
+    with (saving(self.workdir),
+          _without(ORBAX_WAIT_ADVICE) if off_interval else contextlib.nullcontext()):
       save(self.manager, step, state)
 
   def check(self) -> None:
