@@ -138,7 +138,9 @@ def count_kernels(hlo_text: str) -> dict[str, int]:
   conditional inside the body counts what it runs (an inner loop's body times its trip count).
   `small`: those whose operands and results together hold under 1 MiB, whose time is the
   launch's more than the work's. `bytes`: what they read and write in all (`kernel_bytes`), the
-  memory traffic of a step if nothing stays in a cache between kernels."""
+  memory traffic of a step if nothing stays in a cache between kernels. `copies`: the plain
+  copies among them (XLA's, where a buffer cannot be updated in place: a layout changed, a
+  carried value read after its update), and `copied`, the bytes those read and write."""
   bodies, name, entry = {}, None, None
   for line in hlo_text.splitlines():
     if head := re.match(r"(ENTRY )?%?([\w.-]+) .*\{\s*$", line):
@@ -182,11 +184,14 @@ def count_kernels(hlo_text: str) -> dict[str, int]:
       fused = re.search(r"calls=%?([\w.-]+)", line) if op == "fusion" else None
       found["kernels"] += times
       found["small"] += times * (sum(results) + sum(operands) < SMALL_KERNEL_BYTES)
-      found["bytes"] += times * kernel_bytes(results, operands,
-                                             bodies.get(fused[1], []) if fused else [])
+      moved = times * kernel_bytes(results, operands, bodies.get(fused[1], []) if fused else [])
+      found["bytes"] += moved
+      if op == "copy":
+        found["copies"] += times
+        found["copied"] += moved
 
   walk(loop, 1)
-  return dict(kernels=found["kernels"], small=found["small"], bytes=found["bytes"])
+  return {key: found[key] for key in ("kernels", "small", "bytes", "copies", "copied")}
 
 
 def memory(compiled) -> dict[str, int]:
@@ -329,7 +334,8 @@ def describe(r: dict) -> str:
       f"{gb(r['whole_state_bytes'])}), train step temporaries "
       f"{gb(r['temp_bytes'])}, peak {gb(r['peak_bytes'])} of {gb(r['memory_bytes'])}: {fits}",
       f"train step collectives (each once in the program): {collectives}; kernels a step: "
-      f"{r['kernels']['kernels']:,}, {r['kernels']['small']:,} of them on under 1 MiB",
+      f"{r['kernels']['kernels']:,}, {r['kernels']['small']:,} of them on under 1 MiB, "
+      f"{r['kernels']['copies']:,} copies ({gb(r['kernels']['copied'])})",
       f"FLOPs a step: {r['flops_per_step']:.3g} (the model's matrix products and convolutions)"
       + (f"; the compiler's, a device: {r['compiler_flops_per_step']:.3g}"
          if r["compiler_flops_per_step"] else ""),
