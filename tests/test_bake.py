@@ -101,6 +101,7 @@ EXPECTED_FILES = [
     "tests/test_huggingface.py",
     "tests/test_image_folder.py",
     "tests/test_input_pipeline.py",
+    "tests/test_layers.py",
     "tests/test_masking.py",
     "tests/test_model.py",
     "tests/test_multiprocess.py",

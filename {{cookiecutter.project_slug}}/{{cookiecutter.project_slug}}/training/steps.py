@@ -129,10 +129,13 @@ def sum_of_squares(tree, flat: bool = False) -> jax.Array:
   (fsdp: each leaf split over the devices, never gathered)."""
   leaves = jax.tree.leaves(tree)
   if flat and len(leaves) > 1:
-    # Read as the update wrote them: fused into it, the concatenation's row-major layout made it
-    # write each kernel and momentum twice, and XLA copy the carried ones (GPU: 106 copies a step).
-    leaves = [jnp.concatenate([x.astype(jnp.float32).ravel()
-                               for x in jax.lax.optimization_barrier(leaves)])]
+    # Read as the update wrote them (the barrier: fused into the update, the concatenation made it
+    # write each kernel and momentum twice, and XLA copy the carried ones: 106 copies a step), a
+    # convolution's kernel ([H, W, in, out]) out-channel major, as the GPU keeps it (read
+    # row-major, each took a transposing kernel: 159 a ResNet-50 step).
+    laid_out = [jnp.moveaxis(x, -1, 0) if x.ndim == 4 else x
+                for x in jax.lax.optimization_barrier(leaves)]
+    leaves = [jnp.concatenate([x.astype(jnp.float32).ravel() for x in laid_out])]
   return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves)
 
 
@@ -143,16 +146,17 @@ AVERAGED = (nnx.Param, nnx.BatchStat)
 
 def train_step(graphdef, state, running, batch, *, config, recipe, collection,
                batch_norm_groups=1, axis_name=None, skip_by="select", norms_of="kept",
-               flat_norms=False):
+               flat_norms=False, batch_norm_one_pass=False):
   """One optimizer step on one batch, in train mode (`model.train()`): returns the state and
   `running` with this step's metrics. The gradient is the real examples' summed over their
   number, both global (`gradients`); a non-finite step or a batch of padding alone leaves the
-  state as it was (`update_or_keep`). `skip_by`, `norms_of`, `flat_norms`: the backend's form
-  (dispatch.STEP_FORMS); the other keywords: `dispatch.step_options`."""
+  state as it was (`update_or_keep`). `skip_by`, `norms_of`, `flat_norms`, `batch_norm_one_pass`:
+  the backend's form (dispatch.STEP_FORMS); the other keywords: `dispatch.step_options`."""
   old_state = jax.tree.map(lambda x: x, state)  # kept for a step that changes nothing
   model, optimizer, *average = nnx.merge(graphdef, state)
   model.train()
-  model.set_attributes(layers.BatchNorm, groups=batch_norm_groups, raise_if_not_found=False)
+  model.set_attributes(layers.BatchNorm, groups=batch_norm_groups, one_pass=batch_norm_one_pass,
+                       raise_if_not_found=False)
   grads, step_metrics = gradients(model, batch, config, recipe, collection, axis_name)
   count = step_metrics.loss.count
   # One reduction for both: the squared norm of the summed gradient (for the metrics), which

@@ -1,0 +1,96 @@
+"""layers.BatchNorm's written-out gradient (`layers.normalize`: one pass over the activations each
+way) equals what autodiff makes of the plain formula: outputs, gradients of the input, scale and
+bias, and running statistics, with padding, in groups of devices, under jit and pmap."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from {{cookiecutter.project_slug}} import layers
+
+
+class Plain(layers.BatchNorm):
+  """The statistics as sums autodiff differentiates (layers.BatchNorm before `normalize`)."""
+
+  def __call__(self, x, use_running_average=None, *, mask=None):
+    axis_name = layers.PMAP_AXIS if layers.bound(layers.PMAP_AXIS) else None
+    local = self.groups if axis_name is None else 1
+    shape = (local, x.shape[0] // local, *x.shape[1:])
+    x32 = x.astype(jnp.float32).reshape(shape)
+    weight = jnp.broadcast_to(mask.reshape(-1, *[1] * (x.ndim - 1)), x.shape).astype(
+        jnp.float32).reshape(shape)
+    axes = tuple(range(1, x.ndim))
+    sums_G = (weight.sum(axes), (weight * x32).sum(axes), (weight * x32 * x32).sum(axes))
+    everywhere, sums = layers.combine(sums_G, axis_name, self.groups)
+    mean, var = layers.statistics(*everywhere)
+    self.mean[...] = self.momentum * self.mean[...] + (1 - self.momentum) * mean
+    self.var[...] = self.momentum * self.var[...] + (1 - self.momentum) * var
+    mean, var = (s.reshape(-1, *[1] * (x.ndim - 1), s.shape[-1])
+                 for s in layers.statistics(*sums))
+    scale = jax.lax.rsqrt(var + self.epsilon) * self.scale[...]
+    y = jnp.where(weight > 0, x32 - mean, 0.0) * scale + self.bias[...]
+    return y.reshape(x.shape).astype(self.dtype or x.dtype)
+
+
+def layer(cls, groups, dtype=None, one_pass=False):
+  norm = cls(6, momentum=0.9, dtype=dtype, rngs=nnx.Rngs(0))
+  norm.groups, norm.one_pass = groups, one_pass
+  norm.scale[...], norm.bias[...] = jnp.linspace(0.5, 1.5, 6), jnp.linspace(-1.0, 1.0, 6)
+  return norm
+
+
+def loss(norm, x_BHWC, mask_B, target_BHWC):
+  """A loss of the real examples that weighs each output differently (not a plain sum)."""
+  y = norm(x_BHWC, mask=mask_B).astype(jnp.float32)
+  return jnp.sum(jnp.where(mask_B[:, None, None, None], (y - target_BHWC) ** 2 * jnp.cos(y), 0))
+
+
+def outputs(norm, x, mask, target):
+  value, (grads, dx) = nnx.value_and_grad(loss, argnums=(0, 1))(norm, x, mask, target)
+  return value, nnx.state(grads), dx, norm.mean[...], norm.var[...]
+
+
+def assert_close(expected, got, rtol):
+  for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.abs(a - b).max() <= rtol * np.abs(a).max(), (a.shape, np.abs(a - b).max())
+
+
+X = jax.random.normal(jax.random.key(0), (16, 5, 5, 6)) * 3 + 1
+TARGET = jax.random.normal(jax.random.key(1), (16, 5, 5, 6))
+MASKS = {"full": np.ones(16, bool), "padded": np.arange(16) < 11,
+         "scattered": np.arange(16) % 3 == 0}
+
+
+@pytest.mark.parametrize("one_pass", [False, True])  # (XLA's sums; the GPU's, `layers.sums`)
+@pytest.mark.parametrize("groups, mask", [(1, "full"), (2, "padded"),
+                                          (8, "scattered")])  # (8: groups of padding alone)
+def test_the_written_out_gradient_is_autodiffs_under_jit(groups, mask, one_pass):
+  run = nnx.jit(outputs)
+  expected = run(layer(Plain, groups), X, MASKS[mask], TARGET)
+  got = run(layer(layers.BatchNorm, groups, one_pass=one_pass), X, MASKS[mask], TARGET)
+  assert_close(expected, got, 1e-5)
+
+
+def test_bfloat16_activations_keep_their_type_and_float32_statistics():
+  run = nnx.jit(outputs)
+  x = X.astype(jnp.bfloat16)
+  expected = run(layer(Plain, 2, jnp.bfloat16), x, MASKS["padded"], TARGET)
+  got = run(layer(layers.BatchNorm, 2, jnp.bfloat16), x, MASKS["padded"], TARGET)
+  assert got[2].dtype == jnp.bfloat16 and got[3].dtype == jnp.float32
+  assert_close(expected, got, 2e-2)  # (bfloat16's rounding of the outputs and of dx)
+
+
+@pytest.mark.parametrize("groups, one_pass", [(1, False), (2, True), (8, False)])
+def test_the_written_out_gradient_is_autodiffs_under_pmap(groups, one_pass):
+  """8 devices of 2 examples, 5 real in all (devices 3-7 hold padding alone)."""
+  results = []
+  for cls in (Plain, layers.BatchNorm):
+    graphdef, state = nnx.split(layer(cls, groups, one_pass=one_pass))
+    run = jax.pmap(lambda state, *batch: outputs(nnx.merge(graphdef, state), *batch),  # noqa: B023
+                   in_axes=(None, 0, 0, 0), axis_name=layers.PMAP_AXIS)
+    results.append(run(state, X.reshape(8, 2, 5, 5, 6), (np.arange(16) < 5).reshape(8, 2),
+                       TARGET.reshape(8, 2, 5, 5, 6)))
+  assert_close(*results, 1e-5)
