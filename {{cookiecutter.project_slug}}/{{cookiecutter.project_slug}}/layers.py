@@ -113,7 +113,7 @@ def statistics(count, total, squares):
 def sums(arrays, form: str = "plain"):
   """The sums over the examples of each group ([G, N, ..., C] -> [G, C]) of several arrays of one
   shape: XLA's own reductions ('plain'), or in two stages as XLA:GPU splits a large one, sums of
-  blocks of rows then of the blocks' sums ('blocked'), the second as one variadic reduction
+  blocks of rows then of the blocks' sums ('blocked'), the second stacked into one reduction
   ('one': a kernel where separate sums take one each)."""
   if form == "plain":
     return tuple(a.sum(tuple(range(1, a.ndim - 1))) for a in arrays)
@@ -123,8 +123,7 @@ def sums(arrays, form: str = "plain"):
   partial_GBC = [a.reshape(G, blocks, rows // blocks, C).sum(2) for a in arrays]
   if form == "blocked":
     return tuple(p.sum(1) for p in partial_GBC)
-  return jax.lax.reduce(tuple(partial_GBC), (0.0,) * len(arrays),
-                        lambda a, b: tuple(x + y for x, y in zip(a, b, strict=True)), (1,))
+  return tuple(jnp.stack(partial_GBC).sum(2))
 
 
 def combine(sums_G, axis_name, groups):

@@ -42,7 +42,7 @@ def step_options(run_plan, crop_on_device: bool = True, resize_to=None) -> dict:
 # a GPU fuses the concatenation into it (ResNet-50 on h100:8: 2,068 -> 1,612 kernels a step,
 # aot.py); the CPU writes the concatenation out (a second state), the TPU too (v5e:2x4: its
 # memory-bound step bound 62 -> 66 ms). BatchNorm's sums in two stages, the forward's second as
-# one variadic reduction (`layers.sums`): on the GPU, with the flat norms read as the update
+# one reduction (`layers.sums`): on the GPU, with the flat norms read as the update
 # wrote them, 1,665 -> 1,438 kernels a step, peak 6.30 -> 6.32 GiB; on the TPU, 2,525 -> 3,082
 # kernels and peak 4.98 -> 9.31 GiB (XLA's own sums: 2,475, 4.96 GiB). Other platforms take the
 # TPU's.
@@ -94,8 +94,6 @@ def make(graphdef, run_plan, mesh, unroll: bool | None = None, pmap_devices=None
   devices = (len(pmap_devices or jax.devices()) if config.parallelism == "pmap"
              else mesh.devices.size)
   options["batch_norm_groups"] = devices // (config.batch_norm_devices or devices)
-  # (XLA's partitioner gathers what one variadic reduction sums over devices: not all-reduced.)
-  options["batch_norm_one_pass"] &= config.parallelism == "pmap" or config.batch_norm_devices == 1
   unroll = platform == "cpu" if unroll is None else unroll
   pmap_axis = dict(axis_name=layers.PMAP_AXIS) if config.parallelism == "pmap" else {}
   one_step = functools.partial(train_step, graphdef, **options, **pmap_axis)
