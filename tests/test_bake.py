@@ -377,7 +377,8 @@ def test_bake_one_training_call_reads_in_the_steps_the_recipe_and_the_metrics(co
   """A training call runs the step (training/steps.py) as compiled, k a call
   (training/dispatch.py), the recipe's loss and augmentation (recipe.py, resolved once when the
   steps are made), the metrics it merges (training/metrics.py) and, of layers.py, the mask
-  handed to BatchNorm (`batch_mask`), and nothing of plan.py, data/ or parallel/: the recipe,
+  handed to BatchNorm (`batch_mask`) and the max pool in the backend's form (`pooling_by_slices`,
+  `max_pool` from model.py), and nothing of plan.py, data/ or parallel/: the recipe,
   the input and the layouts are done before the call. Prints how many functions it runs (the
   issue's figure; no bound)."""
   project = bake_ok(cookies)
@@ -390,7 +391,7 @@ def test_bake_one_training_call_reads_in_the_steps_the_recipe_and_the_metrics(co
   assert sorted(seen) == sorted(["recipe.py", f"{package}/training/dispatch.py",
                                  f"{package}/training/metrics.py",
                                  f"{package}/training/steps.py", f"{package}/layers.py"]), seen
-  assert seen[f"{package}/layers.py"] == ["batch_mask"], seen
+  assert seen[f"{package}/layers.py"] == ["batch_mask", "max_pool", "pooling_by_slices"], seen
   print(f"one training call runs {sum(map(len, seen.values()))} of the project's functions in "
         f"{len(seen)} files (train.py's loop besides): {seen}")
 

@@ -48,7 +48,9 @@ def augment(images_BHWC, keys_B, config) -> jax.Array:
     images_BHWC = jnp.where(flips_B[:, None, None, None], images_BHWC[:, :, ::-1], images_BHWC)
   if shift := config.augment_max_shift:
     _, height, width, channels = images_BHWC.shape
-    shifts_B2 = jax.vmap(lambda key: jax.random.randint(key, (2,), 0, 2 * shift + 1))(keys_B)
+    # (random bits modulo the offsets: randint less its correction of a bias of ~2^-32)
+    shifts_B2 = jax.vmap(lambda key: jax.random.bits(key, (2,)) % (2 * shift + 1))(keys_B)
+    shifts_B2 = shifts_B2.astype(jnp.int32)
     padded_BHWC = jnp.pad(images_BHWC, ((0, 0), (shift, shift), (shift, shift), (0, 0)))
     images_BHWC = jax.vmap(lambda image, s: jax.lax.dynamic_slice(
         image, (s[0], s[1], 0), (height, width, channels)))(padded_BHWC, shifts_B2)

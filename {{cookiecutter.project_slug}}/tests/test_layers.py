@@ -1,6 +1,7 @@
 """layers.BatchNorm's written-out gradient (`layers.normalize`: one pass over the activations each
 way) equals what autodiff makes of the plain formula: outputs, gradients of the input, scale and
-bias, and running statistics, with padding, in groups of devices, under jit and pmap."""
+bias, and running statistics, with padding, in groups of devices, under jit and pmap. The GPU's
+`layers.max_pool` is nnx.max_pool, its gradient too."""
 
 import jax
 import jax.numpy as jnp
@@ -94,3 +95,20 @@ def test_the_written_out_gradient_is_autodiffs_under_pmap(groups, one_pass):
     results.append(run(state, X.reshape(8, 2, 5, 5, 6), (np.arange(16) < 5).reshape(8, 2),
                        TARGET.reshape(8, 2, 5, 5, 6)))
   assert_close(*results, 1e-5)
+
+
+@pytest.mark.parametrize("window, strides, padding", [  # (model.py's ResNet's, its CNN's, others)
+    ((3, 3), (2, 2), "SAME"), ((2, 2), (2, 2), "SAME"), ((3, 2), (2, 3), ((1, 1), (0, 2)))])
+def test_max_pool_by_slices_is_nnx_max_pool(window, strides, padding):
+  """Under `pooling_by_slices` (the GPU's train step): nnx.max_pool's output exactly, and its
+  gradient, each window's to its first maximum, on pixels of 3 values (ties in every window)."""
+  x = jnp.asarray(np.random.default_rng(0).integers(0, 3, (2, 9, 10, 3)), jnp.float32)
+  expected, expected_vjp = jax.vjp(lambda x: nnx.max_pool(x, window, strides, padding), x)
+  with layers.pooling_by_slices():
+    got, got_vjp = jax.vjp(lambda x: layers.max_pool(x, window, strides, padding), x)
+    program = str(jax.make_jaxpr(lambda x: layers.max_pool(x, window, strides, padding))(x))
+  assert "reduce_window" not in program and "custom_vjp" in program  # (the slices' form)
+  dy = jax.random.normal(jax.random.key(2), expected.shape)
+  np.testing.assert_array_equal(got, expected)
+  # (a window's gradient sent elsewhere is off by about 1: this is summation order's rounding)
+  np.testing.assert_allclose(got_vjp(dy)[0], expected_vjp(dy)[0], rtol=0, atol=1e-6)

@@ -58,7 +58,8 @@ def fine_tune_on_a_folder(source, root):
         Image.fromarray(image[..., 0]).save(directory / f"{i:04d}.png")
   write_arrayrecord.write_image_folder(str(root / "data"), str(root / "pngs"))
   config = two_epochs("spmd")
-  config.num_epochs = 6
+  # (no flips: a mirrored digit is no digit; with them, 5 seeds ended at 0.78-0.92 accuracy)
+  config.num_epochs, config.augment_flip = 6, False
   config.dataset, config.data_dir, config.num_workers = "arrayrecord", str(root / "data"), 0
   config.init_from = source
   lines = []

@@ -1,6 +1,7 @@
 """Layers a model.py uses for the project's guarantees to hold: `BatchNorm`, whose statistics are
 those of the real examples (the batch's mask: `batch_mask`, or the `example_mask` the steps pass
-to a model that takes it). `masked` makes a model's plain nnx.BatchNorm layers this one."""
+to a model that takes it). `masked` makes a model's plain nnx.BatchNorm layers this one.
+`max_pool` is nnx.max_pool, with the GPU's gradient in the train step (`pooling_by_slices`)."""
 
 import contextlib
 import contextvars
@@ -15,6 +16,7 @@ PMAP_AXIS = "devices"  # pmap's axis (pmap.py maps the steps over it; BatchNorm 
 
 
 _BATCH_MASK = contextvars.ContextVar("batch_mask", default=None)
+_BY_SLICES = contextvars.ContextVar("pooling_by_slices", default=False)
 
 
 @contextlib.contextmanager
@@ -27,6 +29,17 @@ def batch_mask(mask_B):
     yield
   finally:
     _BATCH_MASK.reset(token)
+
+
+@contextlib.contextmanager
+def pooling_by_slices(on: bool = True):
+  """Within it, `max_pool` takes the maximum of its window's strided slices (the GPU's train
+  step sets it: dispatch.STEP_FORMS' `max_pool_by_slices`)."""
+  token = _BY_SLICES.set(on)
+  try:
+    yield
+  finally:
+    _BY_SLICES.reset(token)
 
 
 def masked(model):
@@ -110,19 +123,17 @@ def statistics(count, total, squares):
   return mean, jnp.maximum(squares / jnp.maximum(count, 1) - mean * mean, 0.0)
 
 
-def sums(arrays, form: str = "plain"):
+def sums(arrays, one: bool = False):
   """The sums over the examples of each group ([G, N, ..., C] -> [G, C]) of several arrays of one
-  shape: XLA's own reductions ('plain'), or in two stages as XLA:GPU splits a large one, sums of
-  blocks of rows then of the blocks' sums ('blocked'), the second stacked into one reduction
-  ('one': a kernel where separate sums take one each)."""
-  if form == "plain":
+  shape: XLA's own reductions, or (`one`) in two stages as XLA:GPU splits a large one, sums of
+  blocks of rows, then the blocks' sums stacked into one reduction (a kernel for all, where
+  separate sums take one each)."""
+  if not one:
     return tuple(a.sum(tuple(range(1, a.ndim - 1))) for a in arrays)
   G, C = arrays[0].shape[0], arrays[0].shape[-1]
   rows = math.prod(arrays[0].shape[1:-1])
   blocks = max(d for d in range(1, math.isqrt(rows) + 1) if rows % d == 0)  # ~sqrt(rows)
   partial_GBC = [a.reshape(G, blocks, rows // blocks, C).sum(2) for a in arrays]
-  if form == "blocked":
-    return tuple(p.sum(1) for p in partial_GBC)
   return tuple(jnp.stack(partial_GBC).sum(2))
 
 
@@ -144,8 +155,8 @@ def normalize(x, mask_GN, scale_C, bias_C, epsilon, axis_name, groups, dtype, on
   """`x` ([G, N, ..., C]) normalised by each group's real examples (`mask_GN`: [G, N, 1, ...],
   1 for a real one), scaled and shifted; and the whole batch's count, sum and sum of squares
   (for the running statistics). A padded example comes out as the bias. Its gradient is written
-  out (`_backward`): one pass over the activations each way; `one_pass`: the GPU's sums (`sums`,
-  'one' forward, 'blocked' backward), else XLA's own."""
+  out (`_backward`): one pass over the activations each way; `one_pass`: the GPU's sums (`sums`),
+  else XLA's own."""
   return _forward(x, mask_GN, scale_C, bias_C, epsilon, axis_name, groups, dtype, one_pass)[0]
 
 
@@ -158,8 +169,7 @@ def _forward(x, mask_GN, scale_C, bias_C, epsilon, axis_name, groups, dtype, one
   axes = tuple(range(1, x.ndim - 1))  # per group and feature (the last axis)
   x32 = x.astype(jnp.float32)
   count_G = mask_GN.sum(axes) * math.prod(x.shape[2:-1])
-  total_GC, squares_GC = sums((mask_GN * x32, mask_GN * x32 * x32),
-                              "one" if one_pass else "plain")
+  total_GC, squares_GC = sums((mask_GN * x32, mask_GN * x32 * x32), one_pass)
   everywhere, (count, total, squares) = combine((count_G, total_GC, squares_GC), axis_name, groups)
   mean, var = statistics(count, total, squares)
   rstd = jax.lax.rsqrt(var + epsilon)
@@ -176,9 +186,7 @@ def _backward(epsilon, axis_name, groups, dtype, one_pass, residuals, cotangents
   per_example = functools.partial(_per_example, ndim=x.ndim)
   normalized = jnp.where(mask_GN > 0, (x.astype(jnp.float32) - per_example(mean))
                          * per_example(rstd), 0.0)
-  # Separate sums: as one variadic reduction the step's peak was 0.11 GiB higher (aot.py, h100:8).
-  dbias_GC, dy_GC, dy_normalized_GC = sums((dy, mask_GN * dy, dy * normalized),
-                                           "blocked" if one_pass else "plain")
+  dbias_GC, dy_GC, dy_normalized_GC = sums((dy, mask_GN * dy, dy * normalized), one_pass)
   dscale, dbias = dy_normalized_GC.sum(0), dbias_GC.sum(0)  # this device's, as autodiff's
   _, (dy_GC, dy_normalized_GC) = combine((dy_GC, dy_normalized_GC), axis_name, groups)
   n = jnp.maximum(count, 1)
@@ -189,3 +197,54 @@ def _backward(epsilon, axis_name, groups, dtype, one_pass, residuals, cotangents
 
 
 normalize.defvjp(_forward, _backward)
+
+
+def max_pool(x_BHWC, window_shape, strides, padding="VALID"):
+  """nnx.max_pool of images [B, H, W, C]. Under `pooling_by_slices`, as the maximum of the
+  window's strided slices, each gradient going to its window's first maximum, as nnx.max_pool's
+  does: without XLA's select-and-scatter, whose int32 indices and scatter target are 0.7 GB of a
+  ResNet-50 step's memory on a GPU (aot.py configs/imagenet.py, h100:8)."""
+  if not (_BY_SLICES.get() and x_BHWC.ndim == 4 and jnp.issubdtype(x_BHWC.dtype, jnp.floating)):
+    return nnx.max_pool(x_BHWC, window_shape, strides, padding)
+  pads = (jax.lax.padtype_to_pads(x_BHWC.shape[1:3], window_shape, strides, padding)
+          if isinstance(padding, str) else tuple(padding))
+  return _max_of_slices(x_BHWC, tuple(window_shape), tuple(strides), tuple(map(tuple, pads)))
+
+
+def _slices(x_BHWC, window, strides, pads):
+  """`x` padded with -inf ([B, H + pads, W + pads, C]) and its window's strided slices, one an
+  offset (i, j) in the window, in row-major order: [B, H', W', C] each."""
+  padded = jnp.pad(x_BHWC, ((0, 0), *pads, (0, 0)), constant_values=-jnp.inf)
+  out = [(n - k) // s + 1 for n, k, s in zip(padded.shape[1:3], window, strides, strict=True)]
+  return padded, [padded[:, i:i + strides[0] * (out[0] - 1) + 1:strides[0],
+                         j:j + strides[1] * (out[1] - 1) + 1:strides[1]]
+                  for i in range(window[0]) for j in range(window[1])]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _max_of_slices(x_BHWC, window, strides, pads):
+  return functools.reduce(jnp.maximum, _slices(x_BHWC, window, strides, pads)[1])
+
+
+def _max_of_slices_forward(x_BHWC, window, strides, pads):
+  return _max_of_slices(x_BHWC, window, strides, pads), x_BHWC
+
+
+def _max_of_slices_backward(window, strides, pads, x_BHWC, dy):
+  padded, slices = _slices(x_BHWC, window, strides, pads)
+  y = functools.reduce(jnp.maximum, slices)
+  taken, dx_padded = jnp.zeros(y.shape, bool), jnp.zeros(padded.shape, dy.dtype)
+  for n, entries in enumerate(slices):  # each slice's gradient put back where it was read
+    first = (entries == y) & ~taken
+    taken = taken | first
+    offsets = divmod(n, window[1])
+    spread = [(o, size - o - (s * (m - 1) + 1), s - 1)
+              for o, size, s, m in zip(offsets, padded.shape[1:3], strides, y.shape[1:3],
+                                       strict=True)]
+    dx_padded = dx_padded + jax.lax.pad(jnp.where(first, dy, 0), jnp.zeros((), dy.dtype),
+                                        ((0, 0, 0), *spread, (0, 0, 0)))
+  (top, _), (left, _) = pads
+  return (dx_padded[:, top:top + x_BHWC.shape[1], left:left + x_BHWC.shape[2]],)
+
+
+_max_of_slices.defvjp(_max_of_slices_forward, _max_of_slices_backward)

@@ -123,18 +123,20 @@ def accumulated_gradients(grad_fn, model, batch, num_micro_batches: int, axis_na
   return sums
 
 
-def sum_of_squares(tree, flat: bool = False) -> jax.Array:
+def sum_of_squares(tree, flat: bool = False, carried: bool = True) -> jax.Array:
   """The sum of the squares of every entry of `tree`, in float32: over its leaves laid end to end
   (`flat`: one reduction, where the leaves are whole on each device), or one reduction a leaf
-  (fsdp: each leaf split over the devices, never gathered)."""
+  (fsdp: each leaf split over the devices, never gathered). `carried`: the leaves are the state's
+  or its update's (the loop carries them), not the gradient's."""
   leaves = jax.tree.leaves(tree)
   if flat and len(leaves) > 1:
-    # Read as the update wrote them (the barrier: fused into the update, the concatenation made it
-    # write each kernel and momentum twice, and XLA copy the carried ones: 106 copies a step), a
-    # convolution's kernel ([H, W, in, out]) out-channel major, as the GPU keeps it (read
-    # row-major, each took a transposing kernel: 159 a ResNet-50 step).
+    # The state's read as the update wrote them (the barrier: fused into the update, the
+    # concatenation made it write each kernel and momentum twice, and XLA copy the carried ones:
+    # 106 copies a step; the gradient's behind it took 55 kernels more), a convolution's kernel
+    # ([H, W, in, out]) out-channel major, as the GPU keeps it (read row-major, each took a
+    # transposing kernel: 159 a ResNet-50 step).
     laid_out = [jnp.moveaxis(x, -1, 0) if x.ndim == 4 else x
-                for x in jax.lax.optimization_barrier(leaves)]
+                for x in (jax.lax.optimization_barrier(leaves) if carried else leaves)]
     leaves = [jnp.concatenate([x.astype(jnp.float32).ravel() for x in laid_out])]
   return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves)
 
@@ -146,23 +148,25 @@ AVERAGED = (nnx.Param, nnx.BatchStat)
 
 def train_step(graphdef, state, running, batch, *, config, recipe, collection,
                batch_norm_groups=1, axis_name=None, skip_by="select", norms_of="kept",
-               flat_norms=False, batch_norm_one_pass=False):
+               flat_norms=False, batch_norm_one_pass=False, max_pool_by_slices=False):
   """One optimizer step on one batch, in train mode (`model.train()`): returns the state and
   `running` with this step's metrics. The gradient is the real examples' summed over their
   number, both global (`gradients`); a non-finite step or a batch of padding alone leaves the
-  state as it was (`update_or_keep`). `skip_by`, `norms_of`, `flat_norms`, `batch_norm_one_pass`:
-  the backend's form (dispatch.STEP_FORMS); the other keywords: `dispatch.step_options`."""
+  state as it was (`update_or_keep`). `skip_by`, `norms_of`, `flat_norms`, `batch_norm_one_pass`,
+  `max_pool_by_slices`: the backend's form (dispatch.STEP_FORMS); the other keywords:
+  `dispatch.step_options`."""
   old_state = jax.tree.map(lambda x: x, state)  # kept for a step that changes nothing
   model, optimizer, *average = nnx.merge(graphdef, state)
   model.train()
   model.set_attributes(layers.BatchNorm, groups=batch_norm_groups, one_pass=batch_norm_one_pass,
                        raise_if_not_found=False)
-  grads, step_metrics = gradients(model, batch, config, recipe, collection, axis_name)
+  with layers.pooling_by_slices(max_pool_by_slices):
+    grads, step_metrics = gradients(model, batch, config, recipe, collection, axis_name)
   count = step_metrics.loss.count
   # One reduction for both: the squared norm of the summed gradient (for the metrics), which
   # is not finite when an entry is not (nor when it overflows float32: a gradient beyond 1e19).
   flat = flat_norms and config.parallelism != "fsdp"  # (fsdp's leaves: never gathered)
-  grads_squared = sum_of_squares(grads, flat)
+  grads_squared = sum_of_squares(grads, flat, carried=False)
   finite = jnp.isfinite(step_metrics.loss.total) & jnp.isfinite(grads_squared)
   real = count > 0
 
