@@ -17,14 +17,13 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from {{cookiecutter.project_slug}} import errors, plan
+from {{cookiecutter.project_slug}} import errors
 from {{cookiecutter.project_slug}}.data import input_pipeline
 from {{cookiecutter.project_slug}}.errors import BadData, ConfigError
 from {{cookiecutter.project_slug}}.parallel import distributed, sharding
 from {{cookiecutter.project_slug}}.training import (
   checkpoints,
   dispatch,
-  flops,
   optim,
   report,
   runs,
@@ -41,7 +40,7 @@ class Run(NamedTuple):
   first_step: int  # the checkpoint's (0: a new run)
   compiled: dispatch.Steps
   state: object  # the first step's, placed for `compiled` (`put_state`)
-  plan: plan.Plan  # what the config names: the model's and recipe's modules, the metrics
+  plan: object  # plan.Plan: what the config names: the model's and recipe's modules, the metrics
   checkpoints: checkpoints.Checkpoints
   data: input_pipeline.Input  # the splits, described; evaluation's elements
   train_iter: input_pipeline.Iterator  # k batches an element, from the step after `first_step`
@@ -55,19 +54,14 @@ def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   and described, the model and optimizer built (or restored from the workdir's latest checkpoint,
   or `config.init_from`'s) and placed, the steps compiled, the writers opened, the input started;
   what the run is, logged."""
-  config, workdir = runs.prepare(config, workdir)
-  run_plan = plan.make_plan(config)  # the modules it names (model.py, recipe.py), made once
-  recipe = run_plan.recipe  # the schedule, the metrics
+  run_plan, workdir = runs.prepare(config, workdir)  # the modules it names, made once
+  config = run_plan.config
   # The devices' layout; the data (this process's rows of each batch), and what the run will do.
   mesh = sharding.make_mesh(config)
   data = input_pipeline.Input(config, sharding.process_rows(mesh, config.run.global_batch_size))
   info, num_train_steps = data.info, data.num_train_steps
-  report.log_run(config, info, recipe, data.memory, num_train_steps, workdir)
+  report.log_run(config, info, run_plan.recipe, data.memory, num_train_steps, workdir)
   optim.check_model(run_plan, info)  # model.py on this data, abstractly: before any compile
-  # Compiled now, as one program: op by op, it would compile at the first log, inside the first
-  # timed interval (a GPU: ~1 s of a ResNet-50 run's second interval).
-  schedule = jax.jit(recipe.schedule(config, num_train_steps))
-  schedule(0)
   # The state: built, or restored (the workdir's latest checkpoint), and the steps that take it.
   graphdef, abstract, init = optim.initial_state(run_plan, info, mesh, num_train_steps)
   if config.init_from:  # read before the workdir is touched: a mismatch stops here
@@ -77,11 +71,8 @@ def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   saved = checkpoints.Checkpoints(workdir, config)
   first_step, state = saved.restore_or_init(abstract, init)
   runs.write_description(workdir, config, info)  # what predict.py, export.py, ... read
-  speed = flops.Speed(graphdef, state, info.image_shape, run_plan)
-  report.log_state(config, graphdef, state, speed, num_train_steps)
   # What the run reports (process 0 writes): metrics, progress, a profile.
-  reporting = report.Report(config, workdir, num_train_steps, first_step == 0, recipe.METRICS,
-                            speed, schedule)
+  reporting = report.Report(run_plan, workdir, info, num_train_steps, first_step, graphdef, state)
   # The steps, compiled at their first call; the state placed for them.
   compiled = dispatch.make(graphdef, run_plan, mesh, info=info)
   state = compiled.put_state(state)

@@ -179,7 +179,7 @@ def test_the_runs_config_keeps_yours_and_says_what_it_comes_to(tiny_config, tmp_
   (its batch_size was the global batch)."""
   tiny_config.per_device_batch_size, tiny_config.batch_size = 8, 100
   tiny_config.steps_per_dispatch = 0
-  config, _ = runs.prepare(tiny_config, str(tmp_path / "run"))
+  config = runs.prepare(tiny_config, str(tmp_path / "run"))[0].config
   assert (config.batch_size, config.per_device_batch_size, config.steps_per_dispatch) == (
       100, 8, 0)
   assert config.run.to_dict() == dict(num_devices=8, global_batch_size=64,

@@ -14,23 +14,31 @@ from absl import logging
 from flax import nnx
 
 from ..parallel import sharding
-from . import steps, writers
+from . import flops, steps, writers
 
 
 class Report:
   """The run's reporting: `writer` (TensorBoard, W&B; on process 0 alone), `clock`, `progress`
-  (the log's lines and bar), `profiler`; each log interval's rates from `speed` (`flops.Speed`)
-  and its learning rate from `schedule`."""
+  (the log's lines and bar), `profiler`; each log interval's rates from the step's FLOPs
+  (`speed`: `flops.Speed`) and its learning rate from the recipe's `schedule`. Made once the
+  state is (`graphdef`, `state`: restored, or to be built), it logs it (`log_state`)."""
 
-  def __init__(self, config, workdir: str, num_train_steps: int, new_run: bool, metrics, speed,
-               schedule):
+  def __init__(self, run_plan, workdir: str, info, num_train_steps: int, first_step: int,
+               graphdef, state):
+    config = run_plan.config
+    # Compiled now, as one program: op by op, it would compile at the first log, inside the
+    # first timed interval (a GPU: ~1 s of a ResNet-50 run's second interval).
+    self.schedule = jax.jit(run_plan.recipe.schedule(config, num_train_steps))
+    self.schedule(0)
+    self.speed = flops.Speed(graphdef, state, info.image_shape, run_plan)
+    log_state(config, graphdef, state, self.speed, num_train_steps)
     is_main = jax.process_index() == 0
-    self.writer = writers.create_writer(workdir, write=is_main, config=config, new_run=new_run)
+    self.writer = writers.create_writer(workdir, write=is_main, config=config,
+                                        new_run=first_step == 0)
     self.clock = Clock()
     self.progress = Progress(num_train_steps, self.writer, self.clock, show=is_main,
-                             metrics=tuple(metrics))
+                             metrics=tuple(run_plan.recipe.METRICS))
     self.profiler = Profiler(config, workdir)
-    self.speed, self.schedule = speed, schedule
 
   def train(self, step: int, since: int, summary: dict[str, float]) -> None:
     """Writes and logs the metrics of training steps `since`..`step` (`dispatch.summarize`'s), with

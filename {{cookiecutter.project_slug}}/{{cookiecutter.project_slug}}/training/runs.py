@@ -22,18 +22,19 @@ CONFIG_FILE, DATA_FILE = "config.json", "data.json"
 MODEL_FILE = "model.py"  # the source of the run's model module (config.model.module), as trained
 
 
-def prepare(config: ml_collections.ConfigDict, workdir: str):
-  """The run's config, frozen: `config` checked, with what it comes to on these devices under
+def prepare(config: ml_collections.ConfigDict, workdir: str) -> tuple[plan.Plan, str]:
+  """The run's plan (`plan.make_plan`: the modules its config names, made once) and workdir. Its
+  config is `config` checked and frozen, with what it comes to on these devices under
   `config.run` (`plan.resolved`: k, the global batch and a device's share) and, when `workdir`
-  holds a run, that run's own config (`resumed`; changes logged); the workdir an absolute
-  path (a bucket's as it is)."""
+  holds a run, that run's own config (`resumed`; changes logged); the workdir an absolute path
+  (a bucket's as it is)."""
   rules.validate_config(config, workdir)
   config, workdir = plan.resolved(config), absolute(workdir)
   if (saved := saved_config(workdir)) is not None:  # a resume
     config, changes = resumed(config, saved, workdir)
     for line in changes:
       logging.warning("%s", line)
-  return ml_collections.FrozenConfigDict(config), workdir
+  return plan.make_plan(ml_collections.FrozenConfigDict(config)), workdir
 
 
 def write_description(workdir: str, config, info: sources.DatasetInfo) -> None:
