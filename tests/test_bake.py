@@ -272,7 +272,8 @@ def test_bake_layout_commands_at_the_top_machinery_in_one_package_no_import_cycl
                  "launch.py", "model.py", "predict.py", "recipe.py", "train.py",
                  "write_arrayrecord.py"], top
   graph = project_imports(project)
-  assert {"nnx_data_parallel.training.dispatch", "nnx_data_parallel.plan"} <= graph["train"]
+  assert {"nnx_data_parallel.training.dispatch",
+          "nnx_data_parallel.training.runs"} <= graph["train"]
 
   def cycle_from(module, path):
     for imported in sorted(graph[module]):
