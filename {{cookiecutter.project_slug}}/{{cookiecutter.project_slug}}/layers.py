@@ -199,16 +199,17 @@ def _backward(epsilon, axis_name, groups, dtype, one_pass, residuals, cotangents
 normalize.defvjp(_forward, _backward)
 
 
-def max_pool(x_BHWC, window_shape, strides, padding="VALID"):
+def max_pool(x_BHWC, window_shape, strides=None, padding="VALID"):
   """nnx.max_pool of images [B, H, W, C]. Under `pooling_by_slices`, as the maximum of the
   window's strided slices, each gradient going to its window's first maximum, as nnx.max_pool's
   does: without XLA's select-and-scatter, whose int32 indices and scatter target are 0.7 GB of a
   ResNet-50 step's memory on a GPU (aot.py configs/imagenet.py, h100:8)."""
   if not (_BY_SLICES.get() and x_BHWC.ndim == 4 and jnp.issubdtype(x_BHWC.dtype, jnp.floating)):
     return nnx.max_pool(x_BHWC, window_shape, strides, padding)
+  strides = tuple(strides or (1,) * len(window_shape))  # (nnx.max_pool's default)
   pads = (jax.lax.padtype_to_pads(x_BHWC.shape[1:3], window_shape, strides, padding)
           if isinstance(padding, str) else tuple(padding))
-  return _max_of_slices(x_BHWC, tuple(window_shape), tuple(strides), tuple(map(tuple, pads)))
+  return _max_of_slices(x_BHWC, tuple(window_shape), strides, tuple(map(tuple, pads)))
 
 
 def _slices(x_BHWC, window, strides, pads):

@@ -21,7 +21,7 @@ class Report:
   """The run's reporting: `writer` (TensorBoard, W&B; on process 0 alone), `clock`, `progress`
   (the log's lines and bar), `profiler`; each log interval's rates from the step's FLOPs
   (`speed`: `flops.Speed`) and its learning rate from the recipe's `schedule`. Made once the
-  state is (`graphdef`, `state`: restored, or to be built), it logs it (`log_state`)."""
+  state is restored or built (`graphdef`, `state`), it logs it (`log_state`)."""
 
   def __init__(self, run_plan, workdir: str, info, num_train_steps: int, first_step: int,
                graphdef, state):
