@@ -21,7 +21,7 @@ import numpy as np
 from absl import app, flags, logging
 from flax import nnx
 
-from {{cookiecutter.project_slug}} import plan, rules
+from {{cookiecutter.project_slug}} import plan, process, rules
 from {{cookiecutter.project_slug}}.data import (
     arrayrecord,
     batches,
@@ -30,7 +30,7 @@ from {{cookiecutter.project_slug}}.data import (
     sources,
 )
 from {{cookiecutter.project_slug}}.errors import BadData
-from {{cookiecutter.project_slug}}.parallel import distributed, sharding
+from {{cookiecutter.project_slug}}.parallel import sharding
 from {{cookiecutter.project_slug}}.training import dispatch, metrics, trained, writers
 
 FLAGS = flags.FLAGS
@@ -110,7 +110,7 @@ def evaluate(run: trained.Restored, source) -> dict:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  distributed.initialize()
+  process.initialize()
   try:
     run = trained.Restored(FLAGS.workdir, FLAGS.step,
                            runs_model=FLAGS.use_runs_model)
@@ -133,13 +133,13 @@ def main(argv):
       source = splits["eval"]
   except rules.ConfigError as e:
     raise SystemExit(f"error: {e}") from None
-  if distributed.is_first():
+  if process.is_first():
     print(run.summary, file=sys.stderr)
   try:
     result = evaluate(run, source)  # every process: its share of the batches
   except BadData as e:
     raise SystemExit(f"error: {e}") from None
-  if not distributed.is_first():
+  if not process.is_first():
     return
   names = run.info.class_names
   print(f"step {run.step}: loss {result['loss']:.4f}  accuracy {result['accuracy']:.4f}  "

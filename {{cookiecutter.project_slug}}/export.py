@@ -29,9 +29,8 @@ import numpy as np
 from absl import app, flags, logging
 from jax.experimental import multihost_utils
 
-from {{cookiecutter.project_slug}} import rules
+from {{cookiecutter.project_slug}} import process, rules
 from {{cookiecutter.project_slug}}.data import sources
-from {{cookiecutter.project_slug}}.parallel import distributed
 from {{cookiecutter.project_slug}}.training import steps, trained
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
@@ -69,7 +68,7 @@ def write(run: trained.Restored, path: str) -> None:
   """Writes `export(run)` and the model's arrays to the `.npz` file `path` (process 0; every
   process takes part in gathering each array from the devices that hold its pieces)."""
   exported = export(run)
-  archive = zipfile.ZipFile(path, "w", allowZip64=True) if distributed.is_first() else None
+  archive = zipfile.ZipFile(path, "w", allowZip64=True) if process.is_first() else None
 
   def put(name: str, array: np.ndarray) -> None:
     if archive is not None:
@@ -86,16 +85,16 @@ def write(run: trained.Restored, path: str) -> None:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  distributed.initialize()
+  process.initialize()
   try:
     run = trained.Restored(FLAGS.workdir, FLAGS.step,
                            runs_model=FLAGS.use_runs_model)
   except rules.ConfigError as e:
     raise SystemExit(f"error: {e}") from None
-  if distributed.is_first():
+  if process.is_first():
     print(run.summary, file=sys.stderr)
   write(run, FLAGS.out)
-  if not distributed.is_first():  # process 0 writes
+  if not process.is_first():  # process 0 writes
     return
   beside = os.path.splitext(FLAGS.out)[0] + ".json"
   with open(beside, "w") as f:

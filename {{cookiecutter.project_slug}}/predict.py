@@ -9,7 +9,7 @@ One line per image: `path: class probability` (`--top_k` classes, most probable 
 .npy file holds one image as stored: the only input of a run trained on float pixels), the
 model is the project's `model.py` with the latest checkpoint (`--step` for another), on every
 device, in batches of one fixed shape (padded and masked), so that the step compiles once. An
-unreadable file is reported on stderr and skipped. On several processes (distributed.py) each
+unreadable file is reported on stderr and skipped. On several processes (process.py) each
 reads its share of every batch and process 0 prints.
 """
 
@@ -24,9 +24,8 @@ from absl import app, flags, logging
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from {{cookiecutter.project_slug}} import rules
+from {{cookiecutter.project_slug}} import process, rules
 from {{cookiecutter.project_slug}}.data import batches, image_files
-from {{cookiecutter.project_slug}}.parallel import distributed
 from {{cookiecutter.project_slug}}.training import steps, trained
 
 FLAGS = flags.FLAGS
@@ -66,7 +65,7 @@ def predict(run: trained.Restored, paths: list[str], batch_size: int = 0):
 
 def main(argv):
   logging.set_verbosity(logging.WARNING)
-  distributed.initialize()
+  process.initialize()
   try:
     if FLAGS.top_k < 1:
       raise rules.ConfigError(f"--top_k={FLAGS.top_k} must be 1 or more.")
@@ -84,11 +83,11 @@ def main(argv):
           f"{list(run.info.image_shape)} of {run.info.pixel_dtype} instead.")
   except rules.ConfigError as e:
     raise SystemExit(f"error: {e}") from None
-  if distributed.is_first():
+  if process.is_first():
     print(run.summary, file=sys.stderr)
   names, skipped = run.info.class_names, 0
   for path, probs in predict(run, paths, FLAGS.batch_size):
-    if not distributed.is_first():  # process 0 prints
+    if not process.is_first():  # process 0 prints
       continue
     if isinstance(probs, str):
       print(f"skipped {path}: {probs}", file=sys.stderr)
@@ -102,7 +101,7 @@ def main(argv):
                                    for i in top])))
     else:
       print(f"{path}: " + ", ".join(f"{names[i]} {probs[i]:.4f}" for i in top))
-  if distributed.is_first():
+  if process.is_first():
     print(f"classified {len(paths) - skipped} images with the checkpoint of step {run.step}; "
           f"skipped {skipped} unreadable file{'s' * (skipped != 1)}", file=sys.stderr)
 

@@ -6,23 +6,17 @@ The logic is in `train_and_evaluate(config, workdir)`; the absl entry point is a
 """
 
 import contextlib
-import os
-import sys
-import threading
-import time
 from typing import NamedTuple
 
 import jax
 import ml_collections
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
-from {{cookiecutter.project_slug}} import errors
+from {{cookiecutter.project_slug}} import process
 from {{cookiecutter.project_slug}}.data import input_pipeline
-from {{cookiecutter.project_slug}}.errors import BadData, ConfigError
-from {{cookiecutter.project_slug}}.parallel import distributed, sharding
+from {{cookiecutter.project_slug}}.parallel import sharding
 from {{cookiecutter.project_slug}}.training import (
-  checkpoints,
   dispatch,
   optim,
   report,
@@ -34,18 +28,16 @@ from {{cookiecutter.project_slug}}.training import (
 class Run(NamedTuple):
   """A run, set up (`set_up`): what the loop reads."""
 
-  config: ml_collections.FrozenConfigDict  # the run's (`runs.prepare`)
+  plan: object  # plan.Plan: the run's config (`runs.prepare`), its model's and recipe's modules
   workdir: str
-  num_train_steps: int
+  data: input_pipeline.Input  # the splits, described; training's length; evaluation's elements
   first_step: int  # the checkpoint's (0: a new run)
-  compiled: dispatch.Steps
   state: object  # the first step's, placed for `compiled` (`put_state`)
-  plan: object  # plan.Plan: what the config names: the model's and recipe's modules, the metrics
-  checkpoints: checkpoints.Checkpoints
-  data: input_pipeline.Input  # the splits, described; evaluation's elements
+  compiled: dispatch.Steps
+  checkpoints: object  # checkpoints.Checkpoints (`runs.restore_or_init`): save, check, close
+  report: report.Report  # the writers, the log, the clock, the profile
   train_iter: input_pipeline.Iterator  # k batches an element, from the step after `first_step`
   eval_iter: input_pipeline.Iterator  # the eval split, repeated: its workers start once
-  report: report.Report  # the writers, the log, the clock, the profile
   eval_compile_s: float
 
 
@@ -56,33 +48,26 @@ def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   what the run is, logged."""
   run_plan, workdir = runs.prepare(config, workdir)  # the modules it names, made once
   config = run_plan.config
-  # The devices' layout; the data (this process's rows of each batch), and what the run will do.
+  # The devices' layout; the data (this process's rows of each batch), read and described.
   mesh = sharding.make_mesh(config)
   data = input_pipeline.Input(config, sharding.process_rows(mesh, config.run.global_batch_size))
   info, num_train_steps = data.info, data.num_train_steps
-  report.log_run(config, info, run_plan.recipe, data.memory, num_train_steps, workdir)
   optim.check_model(run_plan, info)  # model.py on this data, abstractly: before any compile
   # The state: built, or restored (the workdir's latest checkpoint), and the steps that take it.
   graphdef, abstract, init = optim.initial_state(run_plan, info, mesh, num_train_steps)
-  if config.init_from:  # read before the workdir is touched: a mismatch stops here
-    from {{cookiecutter.project_slug}}.training import trained
-
-    init = trained.init_from(config.init_from, abstract, init)
-  saved = checkpoints.Checkpoints(workdir, config)
-  first_step, state = saved.restore_or_init(abstract, init)
-  runs.write_description(workdir, config, info)  # what predict.py, export.py, ... read
-  # What the run reports (process 0 writes): metrics, progress, a profile.
-  reporting = report.Report(run_plan, workdir, info, num_train_steps, first_step, graphdef, state)
+  saved, first_step, state = runs.restore_or_init(workdir, config, info, abstract, init)
+  # What the run reports (process 0 writes): what it will do, its metrics, progress, a profile.
+  reporting = report.Report(run_plan, workdir, data, first_step, graphdef, state)
   # The steps, compiled at their first call; the state placed for them.
   compiled = dispatch.make(graphdef, run_plan, mesh, info=info)
   state = compiled.put_state(state)
-  # The input: its workers start here; the eval step compiled on its first and last batches.
-  train_iter, eval_iter = data.train_iterator(first_step, compiled.put_batch), data.eval_iterator()
   if config.print_shardings:
     logging.info("%s", sharding.describe_run(compiled.get_state(state),
                                              compiled.put_batch(data.eval_batches[0])))
-  return Run(config, workdir, num_train_steps, first_step, compiled, state, run_plan,
-             saved, data, train_iter, eval_iter, reporting,
+  # The input: its workers start here; the eval step compiled on its first and last batches.
+  train_iter, eval_iter = data.train_iterator(first_step, compiled.put_batch), data.eval_iterator()
+  return Run(run_plan, workdir, data, first_step, state, compiled, saved, reporting, train_iter,
+             eval_iter,
              dispatch.compile_eval(compiled, state, data.eval_batches, run_plan.metrics.eval))
 
 
@@ -91,9 +76,9 @@ def train_loop(run: Run, received: list):
   returns the last step, its state, the last evaluation's metrics (None if stopped before one)
   and what stopped the run early (`stopping.stop_now`: a signal in `received`, or a preemption
   notice), or None."""
-  config, compiled, saved, reporting = run.config, run.compiled, run.checkpoints, run.report
+  config, compiled, saved, reporting = run.plan.config, run.compiled, run.checkpoints, run.report
   clock, progress, profiler = reporting.clock, reporting.progress, reporting.profiler
-  k, num_train_steps, state = config.run.steps_per_dispatch, run.num_train_steps, run.state
+  k, num_train_steps, state = config.run.steps_per_dispatch, run.data.num_train_steps, run.state
   # `running` merges the metrics of the training steps from `since` on, on the devices. Each
   # dispatch runs the steps of one element: up to the next multiple of k (or the end).
   running, since = compiled.empty(run.plan.metrics.train), run.first_step + 1
@@ -149,7 +134,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   Raises `stopping.Stopped` when SIGTERM/SIGINT (or a preemption notice) stopped it, after saving
   a checkpoint."""
   run = set_up(config, workdir)
-  config, workdir = run.config, run.workdir
+  config, workdir, num_train_steps = run.plan.config, run.workdir, run.data.num_train_steps
   # Closed at the end, however it ends: the workers stopped, the progress bar cleared.
   with (stopping.stop_signals() as received, contextlib.closing(run.train_iter),
         contextlib.closing(run.eval_iter), contextlib.closing(run.report.progress)):
@@ -157,9 +142,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   run.checkpoints.close()  # waits for the last asynchronous save
   if stopped_by:
     run.report.end()
-    logging.warning("%s", stopping.Stopped(stopped_by, step, run.num_train_steps, workdir))
-    raise stopping.Stopped(stopped_by, step, run.num_train_steps, workdir)  # (no local: no cycle)
-  run.report.end(run.num_train_steps, config.run.global_batch_size)
+    logging.warning("%s", stopping.Stopped(stopped_by, step, num_train_steps, workdir))
+    raise stopping.Stopped(stopped_by, step, num_train_steps, workdir)  # (no local: no cycle)
+  run.report.end(num_train_steps, config.run.global_batch_size)
   logging.info("Final eval: accuracy %.4f, loss %.4f, on %d examples", eval_metrics["accuracy"],
                eval_metrics["loss"], eval_metrics["examples"])
   return eval_metrics
@@ -170,60 +155,12 @@ flags.mark_flag_as_required("config")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints and metrics go.", required=True)
 
 
-class _QuietLibraries(logging.logging.Filter):
-  """Keeps the log to progress and metrics: drops INFO lines from inside the libraries, and
-  Orbax's errors with their tracebacks (each reaches the run as an exception: a failed save is
-  said in one line, checkpoints.saving)."""
-
-  def filter(self, record):
-    if f"{os.sep}orbax{os.sep}" in record.pathname and record.levelno >= logging.logging.ERROR:
-      return False
-    return record.levelno >= logging.logging.WARNING or not any(
-        f"{os.sep}{lib}{os.sep}" in record.pathname
-        for lib in ("jax", "orbax", "gcsfs", "datasets"))
-
-
-def use_compilation_cache(config) -> None:
-  """JAX's persistent compilation cache in `config.compilation_cache_dir`, unless it is empty or
-  JAX_COMPILATION_CACHE_DIR already names one. Call before anything is compiled."""
-  if config.compilation_cache_dir and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-    jax.config.update("jax_compilation_cache_dir",
-                      os.path.expanduser(config.compilation_cache_dir))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                      config.compilation_cache_min_seconds)
-
-
 def main(argv):
   del argv
-  logging.get_absl_handler().addFilter(_QuietLibraries())
-  distributed.supervised()  # (one of several processes: a lost one said in one line)
-  use_compilation_cache(_CONFIG.value)
-  distributed.initialize()
-  try:
+  process.start(_CONFIG.value)  # the log, the compilation cache; one of several processes: joined
+  with process.exits():  # an error: one line
     train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  except (BadData, ConfigError, stopping.NonFiniteLoss) as e:
-    raise SystemExit(f"error: {e}") from None
-  except checkpoints.SaveFailed as e:
-    exit_leaving_threads(f"error: {e}")
-  except stopping.Stopped as e:  # saved, and said
-    raise SystemExit(e.exit_code) from None
-
-
-def exit_leaving_threads(message: str, wait_s: float = 10.0):
-  """Ends the process with `message` on stderr once the libraries' threads have ended, or after
-  `wait_s` at once (os._exit), abandoning them: a save that failed leaves Orbax's (and the event
-  writer's) behind, which the interpreter would wait for forever."""
-  deadline = time.monotonic() + wait_s
-  for thread in threading.enumerate():
-    if thread is not threading.current_thread() and not thread.daemon:  # (Thread's own join:
-      threading.Thread.join(thread, max(deadline - time.monotonic(), 0))  # Orbax's raises)
-  if any(t.is_alive() and not t.daemon for t in threading.enumerate()
-         if t is not threading.current_thread()):
-    print(message, file=sys.stderr, flush=True)
-    logging.flush()
-    os._exit(1)
-  raise SystemExit(message)
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=errors.parse_flags)
+  process.run(main)

@@ -131,7 +131,7 @@ def get_config() -> ml_collections.ConfigDict:
   # checkpoint_every_steps), however many newer ones follow; 0: none. A resume keeps the run's.
   config.keep_checkpoint_every_steps = 0
   config.skip_nonfinite_steps = False  # True: skip a step whose loss is not finite; False: stop
-  # A resumed run keeps its own config (the workdir's config.json) but for how it runs (runs.py's
+  # A resumed run keeps its own config (the workdir's config.json) but for how it runs (plan.py's
   # FREE_ON_RESUME); the keys named here (comma-separated, e.g. 'learning_rate,num_epochs') may
   # change too, each change logged.
   config.resume_may_change = ""

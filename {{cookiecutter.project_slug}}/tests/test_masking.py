@@ -180,7 +180,7 @@ def test_the_mask_reaches_every_batchnorm_and_one_it_cannot_reach_is_named(tiny_
   means = {}
   for cls in (DecoratedNorm, KeywordsNorm, NormNoMask, StockNorm, OwnNorm):
     model = layers.masked(cls((8, 8, 1), 10, nnx.Rngs(0)))
-    assert steps.takes_mask(cls) == (cls in (DecoratedNorm, KeywordsNorm))
+    assert layers.takes_mask(cls) == (cls in (DecoratedNorm, KeywordsNorm))
     steps.forward(model, {"image": jax.numpy.asarray(batch["image"]), "mask": batch["mask"]}, None)
     means[cls] = float(model.norm.mean[...][0])
   real_mean = 0.01 * batch["image"][:5].mean()  # momentum 0.99: one step from 0
@@ -223,7 +223,8 @@ def test_statistics_of_groups_of_devices_refuse_a_batchnorm_of_the_models_own_cl
   model holding a subclass of nnx.BatchNorm of its own, whose statistics would stay the global
   batch's, stops as it is built, naming the layer and the fix; with batch_norm_devices=0 it
   trains, in the same workdir."""
-  monkeypatch.setattr(optim, "create_model", lambda config, image_shape, num_classes, rngs:
+  monkeypatch.setattr(plan.model_module(tiny_config), "create_model",  # (model.py's)
+                      lambda config, image_shape, num_classes, rngs:
                       FlaxNorm(image_shape, num_classes, rngs))
   tiny_config.eval_every_steps = tiny_config.checkpoint_every_steps = 1000
   tiny_config.batch_norm_devices = 1

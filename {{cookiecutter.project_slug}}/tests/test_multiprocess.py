@@ -552,9 +552,10 @@ import jax, jax.numpy as jnp, numpy as np
 from absl import flags
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
-from {{cookiecutter.project_slug}}.parallel import distributed, sharding
+from {{cookiecutter.project_slug}} import process
+from {{cookiecutter.project_slug}}.parallel import sharding
 flags.FLAGS(sys.argv)
-distributed.initialize()
+process.initialize()
 if jax.process_index() == 1:
   time.sleep(35)  # longer than gloo waits to connect a group of devices (30 s)
 multihost_utils.sync_global_devices("late")  # one device a process, as Orbax's barriers

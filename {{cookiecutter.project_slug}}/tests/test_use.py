@@ -32,7 +32,7 @@ from configs import default
 from {{cookiecutter.project_slug}} import plan, rules
 from {{cookiecutter.project_slug}}.data import image_files, sources
 from {{cookiecutter.project_slug}}.parallel import sharding
-from {{cookiecutter.project_slug}}.training import optim, runs, steps, trained
+from {{cookiecutter.project_slug}}.training import finetune, optim, runs, steps, trained
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLASSES = ("zero", "one", "two", "three")  # the digits 0-3; labels follow the sorted names
@@ -89,7 +89,7 @@ def test_fine_tuning_copies_the_convolutions_and_starts_a_new_classifier(folder_
   config, info = trained.read_description(workdir)  # the state it started from, built again
   mesh = sharding.make_mesh(config)
   _, abstract, init = optim.initial_state(plan.make_plan(plan.resolved(config)), info, mesh, 10)
-  start = jax.device_get(trained.init_from(source, abstract, init)())
+  start = jax.device_get(finetune.init_from(source, abstract, init)())
   fresh = jax.device_get(init())
   with ocp.CheckpointManager(os.path.join(source, "checkpoints")) as checkpoints:
     saved = checkpoints.restore(45, args=ocp.args.Composite(
@@ -110,7 +110,7 @@ def test_fine_tuning_copies_the_convolutions_and_starts_a_new_classifier(folder_
   sharded = plan.resolved(sharded)
   mesh = sharding.make_mesh(sharded)
   _, abstract, init = optim.initial_state(plan.make_plan(sharded), info, mesh, 10)
-  kernel = trained.init_from(source, abstract, init)()[0]["convs"][1]["kernel"][...]
+  kernel = finetune.init_from(source, abstract, init)()[0]["convs"][1]["kernel"][...]
   wanted = jax.tree.leaves(abstract[0]["convs"][1]["kernel"])[0].sharding
   assert kernel.sharding.is_equivalent_to(wanted, kernel.ndim)
   assert sharding.bytes_per_device(kernel) == kernel.nbytes // 8

@@ -1,6 +1,7 @@
 """The errors of a run that cannot work, at the bottom of the imports: the config checker
-(rules.py), the data sources and the workdir's reader (runs.py) raise them; and the command
-line's: a config file or a --config.KEY that is not there, in one line (`parse_flags`)."""
+(rules.py), the data sources, the model's check (optim.py) and the workdir's readers (plan.py,
+runs.py, trained.py) raise them; and the command line's: a config file or a --config.KEY that is
+not there, in one line (`parse_flags`; process.exits ends a run's process on them)."""
 
 import difflib
 import glob

@@ -6,6 +6,7 @@ to a model that takes it). `masked` makes a model's plain nnx.BatchNorm layers t
 import contextlib
 import contextvars
 import functools
+import inspect
 import math
 
 import jax
@@ -51,6 +52,13 @@ def masked(model):
     if type(node) is nnx.BatchNorm:
       node.__class__ = BatchNorm
   return model
+
+
+@functools.cache  # (a class's signature: read once, not at every trace)
+def takes_mask(model_class) -> bool:
+  """Whether the model class's `__call__` takes `example_mask=` (or `**kwargs`)."""
+  parameters = inspect.signature(model_class.__call__).parameters.values()
+  return any(p.name == "example_mask" or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 def unmasked(model) -> list[str]:

@@ -1,17 +1,22 @@
 """What a run of a config will be, decided before anything is read or compiled: its choices made
-on its devices (`resolved`: k, the global batch), the user's modules it names, the compiler's
-options. (The config checked first, against a table of rules: rules.py.) train.py and aot.py
-both start here."""
+on its devices (`resolved`: k, the global batch), a resumed run's own config (`resumed`), the
+user's modules it names, the compiler's options. (The config checked first, against a table of
+rules: rules.py.) train.py and aot.py both start here."""
 
 import importlib
 import importlib.util
+import json
 import types
 from typing import NamedTuple
 
 import jax
 import ml_collections
+from absl import logging
 
+from .errors import ConfigError
 from .training import metrics
+
+CONFIG_FILE = "config.json"  # in a run's workdir: its resolved config (runs.write_description)
 
 PARALLELISMS = ("spmd", "pmap", "fsdp")
 # k when `config.steps_per_dispatch` is 0, on a GPU or TPU (or the largest number below it that
@@ -104,12 +109,14 @@ def _installed(module: str) -> bool:
     return False
 
 
-def resolved(config: ml_collections.ConfigDict, devices=None) -> ml_collections.ConfigDict:
+def resolved(config: ml_collections.ConfigDict, devices=None,
+             resuming: tuple[dict | None, str] = (None, "")) -> ml_collections.ConfigDict:
   """A copy of a valid config with what it comes to on `devices` (default: `jax.devices()`)
   under names of its own, `config.run`; the keys you set keep their meaning. `run.num_devices`;
   `run.global_batch_size`, examples per optimizer step (`global_batch_size`), and
   `run.per_device_batch_size`, its share a device; `run.steps_per_dispatch`, k (`config.
-  steps_per_dispatch`, or when 0 the platform's choice)."""
+  steps_per_dispatch`, or when 0 the platform's choice). `resuming`: the config (a dict) of the
+  run in the workdir (a path) that this run resumes, if any (`resumed`; its changes logged)."""
   devices = devices or jax.devices()
   config = config.copy_and_resolve_references()
   batch = global_batch_size(config, len(devices))
@@ -118,4 +125,69 @@ def resolved(config: ml_collections.ConfigDict, devices=None) -> ml_collections.
         num_devices=len(devices), global_batch_size=batch,
         per_device_batch_size=batch // len(devices),
         steps_per_dispatch=steps_per_dispatch(config, devices[0].platform)))
+  saved, workdir = resuming
+  if saved is not None:  # a resume
+    config, changes = resumed(config, saved, workdir)
+    for line in changes:
+      logging.warning("%s", line)
   return config
+
+
+# Keys that a resumed run may change: how it runs, not what it computes (the rest, what it
+# optimises and on what data, is the run's own: `resumed`).
+FREE_ON_RESUME = (
+    "num_workers", "read_threads", "prefetch_batches", "prefetch_to_device", "grad_accum_steps",
+    "steps_per_dispatch", "init_from", "parallelism", "fsdp_devices", "fsdp_min_size",
+    "print_shardings", "xla_options", "compilation_cache_dir", "compilation_cache_min_seconds",
+    "peak_flops_per_device", "profile_first_step", "profile_num_steps", "wandb_project",
+    "log_every_steps", "eval_every_steps", "checkpoint_every_steps", "max_checkpoints_to_keep",
+    "skip_nonfinite_steps", "cpu_sync_every_steps", "per_device_batch_size", "resume_may_change",
+    "run")  # (what the config comes to on the devices: its global batch is kept above)
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+  """Nested dicts as one dict of dotted keys ('model.features')."""
+  flat = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      flat.update(flatten(value, f"{prefix}{key}."))
+    else:
+      flat[f"{prefix}{key}"] = value
+  return flat
+
+
+def resumed(config: ml_collections.ConfigDict, saved: dict,
+            workdir: str) -> tuple[ml_collections.ConfigDict, list[str]]:
+  """A resolved `config` (`plan.resolved`) resuming the run whose config.json is `saved`: a
+  differing key outside `FREE_ON_RESUME` raises ConfigError unless `config.resume_may_change`
+  names it; `per_device_batch_size` on another device count keeps the run's global batch
+  (`run.per_device_batch_size` changes). Returns the config and the log lines of what changed."""
+  config, lines = config.copy_and_resolve_references(), []
+  num_devices, per_device = config.run.num_devices, config.per_device_batch_size
+  # (A config.json from before `config.run` held the global batch in batch_size.)
+  run_batch = saved.get("run", {}).get("global_batch_size", saved["batch_size"])
+  if per_device and config.run.global_batch_size != run_batch:
+    if run_batch % num_devices:
+      raise ConfigError(
+          f"the run in {workdir!r} has a global batch of {run_batch}, which {num_devices} "
+          f"devices do not divide (config.per_device_batch_size={config.per_device_batch_size}"
+          f"); resume it on a number of devices that divides {run_batch}, or use a new "
+          "--workdir.")
+    lines.append(f"resumed on {num_devices} devices: per_device_batch_size "
+                 f"{config.per_device_batch_size} -> {run_batch // num_devices}, keeping the "
+                 f"run's global batch of {run_batch}")
+    config.run.per_device_batch_size = run_batch // num_devices
+    config.run.global_batch_size = run_batch
+  may_change = {key.strip() for key in config.resume_may_change.split(",") if key.strip()}
+  given, saved = flatten(json.loads(config.to_json())), flatten(saved)
+  for key in sorted(given.keys() & saved.keys()):
+    if (given[key] == saved[key] or key.split(".")[0] in FREE_ON_RESUME
+        or key == "batch_size" and per_device):  # (then not what the run uses)
+      continue
+    if key not in may_change:
+      raise ConfigError(
+          f"config.{key}={given[key]!r} differs from the {saved[key]!r} of the run in "
+          f"{workdir!r} that this resumes ({CONFIG_FILE}); a resumed run keeps its config: "
+          f"use a new --workdir, or --config.resume_may_change={key} to change it (logged).")
+    lines.append(f"resumed with config.{key} changed: {saved[key]!r} -> {given[key]!r}")
+  return config, lines

@@ -1,37 +1,17 @@
-"""Several processes, one program: every entry point (train.py, evaluate.py, predict.py,
-export.py) joins JAX's distributed runtime first, with the same flags, then does its share.
+"""Which job of several processes this one is part of, read from its launcher's environment
+(`cluster`): what process.initialize passes to jax.distributed.initialize() beyond what JAX reads
+itself, including which GPUs a process drives. Loaded only by process.py, as a run starts.
 
-  python launch.py --num_processes=2 --devices_per_process=4 --script=evaluate.py -- \
-      --workdir=/tmp/run   # this machine; adds the three flags below to each process
-
-Under SLURM, Open MPI 4 and on Cloud TPU pods (GKE's too) JAX finds the job by itself (`cluster`
-decides which GPUs a process drives); elsewhere give each process --coordinator_address (or
-JAX_COORDINATOR_ADDRESS: clusters/gke-gpu-jobset.yaml), --num_processes and --process_id. The
-launchers JAX does not find (Open MPI 5, MPICH, torchrun-style, a Kubernetes Indexed Job, PMIx
-alone) are refused in one line until those are given, never started as N runs of one process.
-Whatever prints or writes a file does it on process 0 alone (`is_first`).
+Under SLURM, Open MPI 4 and on Cloud TPU pods (GKE's too) JAX finds the job by itself; elsewhere
+give each process --coordinator_address (or JAX_COORDINATOR_ADDRESS: clusters/gke-gpu-jobset.yaml),
+--num_processes and --process_id. The launchers JAX does not find (Open MPI 5, MPICH,
+torchrun-style, a Kubernetes Indexed Job, PMIx alone) are refused in one line until those are
+given, never started as N runs of one process.
 """
 
 import glob
 import importlib.util
 import os
-
-import jax
-from absl import flags
-
-_COORDINATOR = flags.DEFINE_string(
-    "coordinator_address", None, "host:port of process 0, to run several processes without a "
-    "cluster that JAX detects by itself (SLURM, Open MPI, Cloud TPU pods).")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "With --coordinator_address, or "
-                                      "JAX_COORDINATOR_ADDRESS (a Kubernetes job).")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "With --coordinator_address, or "
-                                   "JAX_COORDINATOR_ADDRESS.")
-_JOIN_TIMEOUT = flags.DEFINE_integer(
-    "join_timeout_seconds", 300, "How long a process waits for the job's coordinator (process "
-    "0) and the other processes to join, then stops with one line naming the address.")
-_HEARTBEAT = flags.DEFINE_integer(
-    "heartbeat_timeout_seconds", 100, "After this long without news of a process, the others "
-    "stop with an error instead of waiting for it.")
 
 
 def tasks_on_this_node(environ) -> int:
@@ -136,42 +116,3 @@ def cluster(environ=os.environ) -> dict | None:
   if tpu_vm and (len(hosts.split(",")) > 1 if hosts else True):
     return {}
   return None
-
-
-def supervised() -> None:
-  """Where this is one of several processes, hands the run to a child process watched by this
-  one (supervisor.py: a lost process said in one line); returns in the child, exits here."""
-  try:
-    several = bool(_COORDINATOR.value) or cluster() is not None
-  except ValueError:  # (initialize says why)
-    return
-  if several:
-    from . import supervisor
-
-    supervisor.supervise()
-
-
-def initialize() -> None:
-  """Joins JAX's distributed runtime when this is one of several processes (joined.py); else does
-  nothing."""
-  if address := _COORDINATOR.value:
-    host = address.rsplit(":", 1)[0]
-    bind = address if host in ("127.0.0.1", "localhost") else None  # loopback only
-    joining = dict(coordinator_address=address, coordinator_bind_address=bind)
-  else:
-    try:
-      joining = cluster()
-    except ValueError as e:
-      raise SystemExit(f"error: {e}") from None
-    if joining is None:
-      return
-    address = os.environ.get("JAX_COORDINATOR_ADDRESS", "the address JAX reads from the launcher")
-  from . import joined  # (only where several processes run)
-
-  joined.join(address, joining, _PROCESS_ID.value, _NUM_PROCESSES.value, _JOIN_TIMEOUT.value,
-              _HEARTBEAT.value)
-
-
-def is_first() -> bool:
-  """Whether this is process 0: the one that prints, logs and writes files."""
-  return jax.process_index() == 0

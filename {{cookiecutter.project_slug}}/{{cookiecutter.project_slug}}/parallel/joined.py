@@ -1,4 +1,4 @@
-"""A process joining a job of several (distributed.initialize decides that it is one): JAX's
+"""A process joining a job of several (process.initialize decides that it is one): JAX's
 distributed runtime joined within --join_timeout_seconds or one line naming the address, the
 CPU's collectives connected while the processes are in step, the gloo chatter kept out of
 stdout, and the log left to process 0."""

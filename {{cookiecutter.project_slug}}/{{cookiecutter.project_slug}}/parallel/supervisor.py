@@ -2,7 +2,7 @@
 JAX's distributed service (or gloo's collective) stops the survivors with a C++ abort, 80-120
 lines of stack dumps and no word of which process was lost; the parent says it in one line.
 
-train.py, one of several processes (distributed.supervised), runs its own command again as a
+train.py, one of several processes (process.start), runs its own command again as a
 child and only passes on: its standard error, line by line; the signals it gets (SIGTERM, SIGINT,
 ...); its exit status. The child ends with the parent (a SIGKILL of the parent ends both)."""
 

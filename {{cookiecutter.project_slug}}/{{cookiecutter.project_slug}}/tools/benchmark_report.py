@@ -166,7 +166,9 @@ def resnet_section(c: dict) -> str:
 
 
 PHOTOS_TITLE = "## Photos stored whole: the input alone"
-OWN_SECTIONS = (RESNET_TITLE, PHOTOS_TITLE)  # (written by their own commands, kept by the others)
+FORMS_TITLE = "## The train step's forms"  # (dispatch.STEP_FORMS: written by hand, from aot.py)
+OWN_SECTIONS = (RESNET_TITLE, PHOTOS_TITLE, FORMS_TITLE)  # (written by their own commands, or by
+# hand: kept by the others)
 
 
 def photos_section(r: dict) -> str:

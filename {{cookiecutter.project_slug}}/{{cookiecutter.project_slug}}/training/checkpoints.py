@@ -52,6 +52,11 @@ class Checkpoints:
       self.manager.close()
 
 
+def absolute(path: str) -> str:
+  """A local path made absolute (Orbax reads only those); a bucket's (gs://...) as it is."""
+  return path if "://" in path else os.path.abspath(path)
+
+
 def array_handlers():
   """Orbax's writers of jax.Array leaves: a replicated array written by its replicas together on
   TPU (Orbax's default), by one replica elsewhere (on the CPU splitting it compiles slicing

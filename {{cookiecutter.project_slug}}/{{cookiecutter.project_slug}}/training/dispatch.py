@@ -35,18 +35,8 @@ def step_options(run_plan, crop_on_device: bool = True, resize_to=None) -> dict:
 
 
 # The one per-backend choice of how the train step is written (`train_step`'s `skip_by`, `norms_of`,
-# `flat_norms`, `batch_norm_one_pass` and `max_pool_by_slices`); no form is within 5% of the best
-# peak memory on every chip (aot.py: the 1.16 GB MLP of tests/test_aot.py under fsdp, 'kept' +19% on
-# h100:8 with the low-memory options, 'updated' +7% on v5e:2x4). The CPU skips under lax.cond:
-# selecting keeps a second state. The norms over the leaves laid end to end: one reduction where a
-# GPU fuses the concatenation into it (ResNet-50 on h100:8: 2,068 -> 1,612 kernels a step, aot.py);
-# the CPU writes the concatenation out (a second state), the TPU too (v5e:2x4: its memory-bound step
-# bound 62 -> 66 ms). BatchNorm's sums in two stages, the second as one reduction (`layers.sums`):
-# on the GPU, with the flat norms read as the update wrote them, 1,665 -> 1,438 kernels a step, peak
-# 6.30 -> 6.32 GiB; on the TPU, 2,525 -> 3,082 kernels and peak 4.98 -> 9.31 GiB (XLA's own sums:
-# 2,475, 4.96 GiB). The max pool's gradient without XLA's select-and-scatter (`layers.max_pool`),
-# with the backward's sums stacked too: on the GPU 1,438 -> 1,285 kernels, peak 6.32 -> 6.07 GiB; on
-# the TPU, its memory-bound step bound 62 -> 72 ms. Other platforms take the TPU's.
+# `flat_norms`, `batch_norm_one_pass`, `max_pool_by_slices`): on each platform, the forms whose
+# compiled steps aot.py found best (BENCHMARKS.md: "The train step's forms"). Others take the TPU's.
 STEP_FORMS = {
     "cpu": dict(skip_by="cond", norms_of="kept", flat_norms=False, batch_norm_one_pass=False,
                 max_pool_by_slices=False),

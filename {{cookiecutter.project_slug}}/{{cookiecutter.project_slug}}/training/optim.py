@@ -9,15 +9,22 @@ from flax import nnx
 
 from .. import errors
 from ..errors import ConfigError
-from ..layers import masked, unmasked
+from ..layers import masked, takes_mask, unmasked
 from ..parallel import sharding
-from .steps import takes_mask
 
 
 def create_model(run_plan, image_shape, num_classes, rngs: nnx.Rngs) -> nnx.Module:
   """The model that the plan's model module (model.py) builds for this data, its plain
-  nnx.BatchNorm layers masked (`layers.masked`)."""
-  return masked(run_plan.model.create_model(run_plan.config, image_shape, num_classes, rngs))
+  nnx.BatchNorm layers masked (`layers.masked`). Raises ConfigError for a BatchNorm the mask
+  cannot reach where `config.batch_norm_devices` is set."""
+  config = run_plan.config
+  model = masked(run_plan.model.create_model(config, image_shape, num_classes, rngs))
+  if config.get("batch_norm_devices") and (own := unmasked(model)):
+    raise ConfigError(f"config.batch_norm_devices={config.batch_norm_devices} is for "
+                      f"layers.BatchNorm; {type(model).__name__} holds {', '.join(own)}, which "
+                      "takes the global batch's statistics: use layers.BatchNorm in model.py "
+                      "(or batch_norm_devices=0).")
+  return model
 
 
 def check_model(run_plan, info) -> None:
@@ -48,6 +55,8 @@ def check_model(run_plan, info) -> None:
 
   try:
     logits = jax.eval_shape(build_and_call, images_BHWC)
+  except ConfigError:  # (create_model's own: said as it is)
+    raise
   except Exception as e:
     raise ConfigError(f"{errors.where(e, module.__file__)}: {failed[0]}: "
                       f"{errors.one_line(e)}") from None
@@ -73,11 +82,6 @@ def build_state(run_plan, image_shape, num_classes, num_train_steps: int) -> tup
   moving average of the model (a copy of it, which the train step moves and evaluation uses)."""
   config = run_plan.config
   model = create_model(run_plan, image_shape, num_classes, nnx.Rngs(config.seed))
-  if config.get("batch_norm_devices") and (own := unmasked(model)):
-    raise ConfigError(f"config.batch_norm_devices={config.batch_norm_devices} is for "
-                      f"layers.BatchNorm; {type(model).__name__} holds {', '.join(own)}, which "
-                      "takes the global batch's statistics: use layers.BatchNorm in model.py "
-                      "(or batch_norm_devices=0).")
   optimizer = nnx.Optimizer(model, run_plan.recipe.optimizer(config, num_train_steps),
                             wrt=nnx.Param)
   if not config.ema_decay:

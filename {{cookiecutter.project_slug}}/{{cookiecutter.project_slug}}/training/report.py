@@ -21,11 +21,12 @@ class Report:
   """The run's reporting: `writer` (TensorBoard, W&B; on process 0 alone), `clock`, `progress`
   (the log's lines and bar), `profiler`; each log interval's rates from the step's FLOPs
   (`speed`: `flops.Speed`) and its learning rate from the recipe's `schedule`. Made once the
-  state is restored or built (`graphdef`, `state`), it logs it (`log_state`)."""
+  state is restored or built (`graphdef`, `state`), it logs what the run will do (`log_run`: the
+  devices, the data, the input, the batch) and the state (`log_state`)."""
 
-  def __init__(self, run_plan, workdir: str, info, num_train_steps: int, first_step: int,
-               graphdef, state):
-    config = run_plan.config
+  def __init__(self, run_plan, workdir: str, data, first_step: int, graphdef, state):
+    config, info, num_train_steps = run_plan.config, data.info, data.num_train_steps
+    log_run(config, info, run_plan.recipe, data.memory, num_train_steps, workdir)
     # Compiled now, as one program: op by op, it would compile at the first log, inside the
     # first timed interval (a GPU: ~1 s of a ResNet-50 run's second interval).
     self.schedule = jax.jit(run_plan.recipe.schedule(config, num_train_steps))

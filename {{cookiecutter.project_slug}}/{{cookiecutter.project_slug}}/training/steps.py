@@ -1,8 +1,5 @@
-"""The train and eval steps, how each parallelism compiles them, and the evaluation loop.
-
-This module holds the steps on one batch, as the math: the forward pass, the masked loss, the
-gradient, the update. dispatch.py compiles them for each parallelism, k a call, and runs the
-evaluation loop.
+"""The train and eval steps on one batch, as the math: the forward pass, the masked loss, the
+gradient, the update. (dispatch.py compiles them for each parallelism, k a call.)
 
 A batch: image [B, H, W, C] (the stored dtype), label [B], mask [B] (False on padding), position
 [B] (each example's place in the stream: it keys the augmentation), and box [B, 6] where the
@@ -10,7 +7,6 @@ images are photos' crops that the devices resize (`forward`). Suffixes name axes
 H, W, C an image's, K the classes. A batch of padding alone changes nothing."""
 
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -22,17 +18,10 @@ from ..data import augment as augment_ops
 from .metrics import NonFinite
 
 
-@functools.cache  # (a class's signature: read once, not at every trace)
-def takes_mask(model_class) -> bool:
-  """Whether the model class's `__call__` takes `example_mask=` (or `**kwargs`)."""
-  parameters = inspect.signature(model_class.__call__).parameters.values()
-  return any(p.name == "example_mask" or p.kind is p.VAR_KEYWORD for p in parameters)
-
-
 def mask_warning(model) -> str | None:
   """A warning for a model holding a BatchNorm that the mask cannot reach (not layers.BatchNorm,
   which `layers.masked` makes of a plain nnx.BatchNorm), else None."""
-  if takes_mask(type(model)) or not (unmasked := layers.unmasked(model)):
+  if layers.takes_mask(type(model)) or not (unmasked := layers.unmasked(model)):
     return None
   return (f"warning: {type(model).__name__} holds {', '.join(unmasked)}, whose batch statistics "
           "include the padding of partial batches; make it layers.BatchNorm, or give __call__ "
@@ -62,7 +51,7 @@ def forward(model, batch, config, augment=None) -> jax.Array:
       key = jax.random.fold_in(jax.random.key(config.seed), AUGMENT_STREAM)
     keys_B = jax.vmap(lambda position: jax.random.fold_in(key, position))(batch["position"])
     images_BHWC = augment(images_BHWC, keys_B, config)
-  masked = {"example_mask": batch["mask"]} if takes_mask(type(model)) else {}
+  masked = {"example_mask": batch["mask"]} if layers.takes_mask(type(model)) else {}
   with layers.batch_mask(batch.get("mask")):  # (every layers.BatchNorm's, unless given its own)
     return model(images_BHWC, **masked).astype(jnp.float32)
 

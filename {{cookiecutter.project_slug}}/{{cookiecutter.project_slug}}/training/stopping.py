@@ -1,10 +1,10 @@
 """Stopping a run early. On a non-finite step (unless it may be skipped): `check_finite` raises
 `NonFiniteLoss`, naming the step and the checkpoint saved before it. On a signal, on every process
-after the same step, having saved: SIGTERM (a
-preemption, a scheduler's notice) and SIGINT (Ctrl-C) are collected instead of ending the process
-(`stop_signals`); after each call the loop asks `stop_now`, saves, and `train_and_evaluate` raises
-`Stopped`. JAX's preemption service, where it runs, names the step for every process; else the
-processes agree through a collective, at a step where the loop waits for results anyway."""
+after the same step, having saved: SIGTERM (a preemption, a scheduler's notice) and SIGINT
+(Ctrl-C) are collected instead of ending the process (`stop_signals`); after each call the loop
+asks `stop_now`, saves, and `train_and_evaluate` raises `Stopped`. JAX's preemption service,
+where it runs, names the step for every process; else the processes agree through a collective,
+at a step where the loop waits for results anyway."""
 
 import contextlib
 import os

@@ -4,6 +4,8 @@ TensorFlow) and W&B beside them (wandb_writer.py). Each writer has the methods o
 
 import concurrent.futures
 
+from ..plan import flatten
+
 
 class TensorBoardWriter:
   """TensorBoard event files in `logdir` (tensorboardX)."""
@@ -85,9 +87,7 @@ def create_writer(workdir: str, write: bool = True, config=None, new_run: bool =
   chosen = [TensorBoardWriter(workdir)]
   flat = None
   if config is not None:
-    from .runs import flatten  # the config as dotted keys
-
-    flat = flatten(config.to_dict())
+    flat = flatten(config.to_dict())  # the config as dotted keys
     if config.get("wandb_project"):
       from .wandb_writer import WandbWriter  # (a run without W&B never imports it)
 

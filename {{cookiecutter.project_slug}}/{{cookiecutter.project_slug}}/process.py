@@ -1,0 +1,143 @@
+"""What an entry point (train.py, evaluate.py, predict.py, export.py) does as a process, around its
+work: the flags of a job of several processes and joining it (`initialize`); for a run, its log,
+its compilation cache (`start`) and how its errors end the process (`exits`).
+
+  python launch.py --num_processes=2 --devices_per_process=4 --script=evaluate.py -- \
+      --workdir=/tmp/run   # this machine; adds the three flags below to each process
+
+Under SLURM, Open MPI 4 and on Cloud TPU pods (GKE's too) JAX finds the job by itself (see
+distributed.py, loaded only here); elsewhere give each process --coordinator_address (or
+JAX_COORDINATOR_ADDRESS), --num_processes and --process_id. Whatever prints or writes a file
+does it on process 0 alone (`is_first`).
+"""
+
+import contextlib
+import os
+import sys
+import threading
+import time
+
+import jax
+from absl import app, flags, logging
+
+from . import errors
+from .training import checkpoints, stopping
+
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "host:port of process 0, to run several processes without a "
+    "cluster that JAX detects by itself (SLURM, Open MPI, Cloud TPU pods).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "With --coordinator_address, or "
+                                      "JAX_COORDINATOR_ADDRESS (a Kubernetes job).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "With --coordinator_address, or "
+                                   "JAX_COORDINATOR_ADDRESS.")
+_JOIN_TIMEOUT = flags.DEFINE_integer(
+    "join_timeout_seconds", 300, "How long a process waits for the job's coordinator (process "
+    "0) and the other processes to join, then stops with one line naming the address.")
+_HEARTBEAT = flags.DEFINE_integer(
+    "heartbeat_timeout_seconds", 100, "After this long without news of a process, the others "
+    "stop with an error instead of waiting for it.")
+
+
+def run(main) -> None:
+  """absl's `app.run(main)`, a missing config file or --config.KEY said in one line."""
+  app.run(main, flags_parser=errors.parse_flags)
+
+
+def start(config) -> None:
+  """A run's process, before anything is compiled: its log kept to progress and metrics; handed
+  to a supervising parent when it is one of several (supervisor.py: a lost process said in one
+  line); JAX's compilation cache in `config.compilation_cache_dir`; the job joined."""
+  logging.get_absl_handler().addFilter(_QuietLibraries())
+  if several():
+    from .parallel import supervisor
+
+    supervisor.supervise()
+  if config.compilation_cache_dir and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    jax.config.update("jax_compilation_cache_dir",
+                      os.path.expanduser(config.compilation_cache_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      config.compilation_cache_min_seconds)
+  initialize()
+
+
+def several() -> bool:
+  """Whether this process is one of a job of several (False where its launcher is one that
+  `initialize` refuses: it says why)."""
+  from .parallel import distributed
+
+  try:
+    return bool(_COORDINATOR.value) or distributed.cluster() is not None
+  except ValueError:
+    return False
+
+
+def initialize() -> None:
+  """Joins JAX's distributed runtime when this is one of several processes (joined.py); else does
+  nothing. A launcher that JAX does not find ends the process in one line naming the fix."""
+  if address := _COORDINATOR.value:
+    host = address.rsplit(":", 1)[0]
+    bind = address if host in ("127.0.0.1", "localhost") else None  # loopback only
+    joining = dict(coordinator_address=address, coordinator_bind_address=bind)
+  else:
+    from .parallel import distributed
+
+    try:
+      joining = distributed.cluster()
+    except ValueError as e:
+      raise SystemExit(f"error: {e}") from None
+    if joining is None:
+      return
+    address = os.environ.get("JAX_COORDINATOR_ADDRESS", "the address JAX reads from the launcher")
+  from .parallel import joined
+
+  joined.join(address, joining, _PROCESS_ID.value, _NUM_PROCESSES.value, _JOIN_TIMEOUT.value,
+              _HEARTBEAT.value)
+
+
+def is_first() -> bool:
+  """Whether this is process 0: the one that prints, logs and writes files."""
+  return jax.process_index() == 0
+
+
+@contextlib.contextmanager
+def exits():
+  """A run's end by an error, as the process's: a config, data or loss that cannot work in one
+  `error:` line; a failed save too, Orbax's threads left behind (`exit_leaving_threads`); a
+  stopped run (saved, and said) with its own status."""
+  try:
+    yield
+  except (errors.BadData, errors.ConfigError, stopping.NonFiniteLoss) as e:
+    raise SystemExit(f"error: {e}") from None
+  except checkpoints.SaveFailed as e:
+    exit_leaving_threads(f"error: {e}")
+  except stopping.Stopped as e:
+    raise SystemExit(e.exit_code) from None
+
+
+def exit_leaving_threads(message: str, wait_s: float = 10.0):
+  """Ends the process with `message` on stderr once the libraries' threads have ended, or after
+  `wait_s` at once (os._exit), abandoning them: a save that failed leaves Orbax's (and the event
+  writer's) behind, which the interpreter would wait for forever."""
+  deadline = time.monotonic() + wait_s
+  for thread in threading.enumerate():
+    if thread is not threading.current_thread() and not thread.daemon:  # (Thread's own join:
+      threading.Thread.join(thread, max(deadline - time.monotonic(), 0))  # Orbax's raises)
+  if any(t.is_alive() and not t.daemon for t in threading.enumerate()
+         if t is not threading.current_thread()):
+    print(message, file=sys.stderr, flush=True)
+    logging.flush()
+    os._exit(1)
+  raise SystemExit(message)
+
+
+class _QuietLibraries(logging.logging.Filter):
+  """Keeps the log to progress and metrics: drops INFO lines from inside the libraries, and
+  Orbax's errors with their tracebacks (each reaches the run as an exception: a failed save is
+  said in one line, checkpoints.saving)."""
+
+  def filter(self, record):
+    if f"{os.sep}orbax{os.sep}" in record.pathname and record.levelno >= logging.logging.ERROR:
+      return False
+    return record.levelno >= logging.logging.WARNING or not any(
+        f"{os.sep}{lib}{os.sep}" in record.pathname
+        for lib in ("jax", "orbax", "gcsfs", "datasets"))
