@@ -1,5 +1,8 @@
-"""The train and eval steps on one batch, as the math: the forward pass, the masked loss, the
-gradient, the update. (dispatch.py compiles them for each parallelism, k a call.)
+"""The train and eval steps, how each parallelism compiles them, and the evaluation loop.
+
+This module holds the steps on one batch, as the math: the forward pass, the masked loss, the
+gradient, the update. dispatch.py compiles them for each parallelism, k a call, and runs the
+evaluation loop.
 
 A batch: image [B, H, W, C] (the stored dtype), label [B], mask [B] (False on padding), position
 [B] (each example's place in the stream: it keys the augmentation), and box [B, 6] where the
