@@ -376,11 +376,11 @@ def record(frame, event, arg):
     seen.setdefault(os.path.relpath(code.co_filename, here), set()).add(code.co_qualname)
 
 run = train.set_up(config, tempfile.mkdtemp())
-batches, running = next(run.train_iter), run.compiled.empty(run.plan.metrics.train)
+batches, running = next(run.data.train), run.compiled.empty(run.plan.metrics.train)
 sys.setprofile(record)
 run.compiled.train(run.state, running, batches)
 sys.setprofile(None)
-run.train_iter.close(), run.eval_iter.close()
+run.data.close()
 print(json.dumps({{file: sorted(names) for file, names in seen.items()}}))
 """
 

@@ -30,14 +30,12 @@ class Run(NamedTuple):
 
   plan: object  # plan.Plan: the run's config (`runs.prepare`), its model's and recipe's modules
   workdir: str
-  data: input_pipeline.Input  # the splits, described; training's length; evaluation's elements
+  data: input_pipeline.Input  # the splits, described; training's length; the iterators, started
   first_step: int  # the checkpoint's (0: a new run)
   state: object  # the first step's, placed for `compiled` (`put_state`)
   compiled: dispatch.Steps
   checkpoints: object  # checkpoints.Checkpoints (`runs.restore_or_init`): save, check, close
   report: report.Report  # the writers, the log, the clock, the profile
-  train_iter: input_pipeline.Iterator  # k batches an element, from the step after `first_step`
-  eval_iter: input_pipeline.Iterator  # the eval split, repeated: its workers start once
   eval_compile_s: float
 
 
@@ -65,9 +63,8 @@ def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
     logging.info("%s", sharding.describe_run(compiled.get_state(state),
                                              compiled.put_batch(data.eval_batches[0])))
   # The input: its workers start here; the eval step compiled on its first and last batches.
-  train_iter, eval_iter = data.train_iterator(first_step, compiled.put_batch), data.eval_iterator()
-  return Run(run_plan, workdir, data, first_step, state, compiled, saved, reporting, train_iter,
-             eval_iter,
+  data.start(first_step, compiled.put_batch)
+  return Run(run_plan, workdir, data, first_step, state, compiled, saved, reporting,
              dispatch.compile_eval(compiled, state, data.eval_batches, run_plan.metrics.eval))
 
 
@@ -83,12 +80,12 @@ def train_loop(run: Run, received: list):
   # dispatch runs the steps of one element: up to the next multiple of k (or the end).
   running, since = compiled.empty(run.plan.metrics.train), run.first_step + 1
   step, eval_metrics, stopped_by, every = run.first_step, None, None, dispatch.sync_every(config)
-  eval_split = (run.eval_iter, len(run.data.eval_batches), config, run.plan.metrics.eval)
+  eval_split = (run.data.eval, len(run.data.eval_batches), config, run.plan.metrics.eval)
   while step < num_train_steps:
     done = min((step // k + 1) * k, num_train_steps)  # `done` counts finished updates
     profiler.before(step, done)
     with clock.waiting():  # for the input: an input-bound loop shows here
-      batches = next(run.train_iter)
+      batches = next(run.data.train)
     with profiler.annotate(done):
       state, running = compiled.train(state, running, batches)
     if every and done // every > step // every:
@@ -136,8 +133,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   run = set_up(config, workdir)
   config, workdir, num_train_steps = run.plan.config, run.workdir, run.data.num_train_steps
   # Closed at the end, however it ends: the workers stopped, the progress bar cleared.
-  with (stopping.stop_signals() as received, contextlib.closing(run.train_iter),
-        contextlib.closing(run.eval_iter), contextlib.closing(run.report.progress)):
+  with (stopping.stop_signals() as received, contextlib.closing(run.data),
+        contextlib.closing(run.report.progress)):
     step, state, eval_metrics, stopped_by = train_loop(run, received)
   run.checkpoints.close()  # waits for the last asynchronous save
   if stopped_by:

@@ -5,6 +5,7 @@ loader: Grain worker processes read a split's elements and hand them over in sha
 a time with NumPy (Grain's per-example path costs more than a small step). `host_memory` says
 what all this holds."""
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -25,11 +26,12 @@ from .sources import DatasetInfo
 class Input:
   """A run's data, on this process: both splits read and described (`info`), training's
   length in steps, evaluation's elements (`eval_batches`), the host memory the loader will hold
-  (`memory`), and the iterators that read them. `rows`: this process's rows of each global batch
-  (`sharding.process_rows`; None: one process)."""
+  (`memory`), and once started (`start`) the iterators that read them, `train` and `eval`;
+  `close` stops them. `rows`: this process's rows of each global batch (`sharding.process_rows`;
+  None: one process)."""
 
   def __init__(self, config, rows=None):
-    self.config, self.rows = config, rows
+    self.config, self.rows, self.train, self.eval = config, rows, None, None
     self.splits, self.info = sources.get_datasets(config)
     self.num_train_steps = batches.num_batches(
         config.num_epochs * self.info.num_examples["train"], config.run.global_batch_size)
@@ -44,6 +46,18 @@ class Input:
   def eval_iterator(self) -> "Iterator":
     """The eval split, repeated without end: its workers start once."""
     return as_iterator(self.eval_batches.repeat(), self.config)
+
+  def start(self, first_step: int, put) -> None:
+    """Starts the workers: `train`, training's elements from the one holding step `first_step`
+    on, placed by `put`; `eval`, the eval split repeated (`eval_iterator`)."""
+    self.train, self.eval = self.train_iterator(first_step, put), self.eval_iterator()
+
+  def close(self) -> None:
+    """Stops the iterators' workers (both, whatever the first one's close raises)."""
+    with contextlib.ExitStack() as iterators:
+      for iterator in (self.train, self.eval):
+        if iterator is not None:
+          iterators.callback(iterator.close)
 
 
 @dataclasses.dataclass(frozen=True)
