@@ -5,20 +5,18 @@ Contract with train.py: `create_model(config, image_shape, num_classes, rngs)` r
 `nnx.Module` mapping images `[batch, height, width, channels]` to logits `[batch, num_classes]`
 (train.py checks both, abstractly, before it compiles anything). Training calls `model.train()`
 and evaluation `model.eval()`, as Flax's examples do: stock layers need no `deterministic=`.
-BatchNorm leaves the padding of partial batches out (nnx.BatchNorm is built as
-layers.BatchNorm, which the steps give the batch's mask); a model whose `__call__` has an
-`example_mask` parameter (or `**kwargs`) also gets the mask `[batch]` (False on padding), for
-layers of its own that pool over the batch. The loss is computed in float32 whatever the
-logits' dtype. `layers.max_pool` is nnx.max_pool, whose gradient a GPU's train step takes in a
-leaner form (nnx.max_pool works too).
+Stock NNX layers are all it takes: nnx.BatchNorm leaves the padding of partial batches out (the
+project builds it as its own masked subclass, whose statistics the steps give the batch's mask),
+and each backend's faster forms of nnx.max_pool or BatchNorm's sums are put in by the steps. A
+model whose `__call__` has an `example_mask` parameter (or `**kwargs`) also gets the mask
+`[batch]` (False on padding), for layers of its own that pool over the batch. The loss is
+computed in float32 whatever the logits' dtype.
 """
 
 import functools
 
 import jax.numpy as jnp
 from flax import nnx
-
-from {{cookiecutter.project_slug}} import layers
 
 
 class CNN(nnx.Module):
@@ -50,7 +48,7 @@ class CNN(nnx.Module):
   def __call__(self, images_BHWC: jnp.ndarray) -> jnp.ndarray:
     x = images_BHWC
     for conv in self.convs:
-      x = layers.max_pool(nnx.relu(conv(x)), window_shape=(2, 2), strides=(2, 2), padding="SAME")
+      x = nnx.max_pool(nnx.relu(conv(x)), window_shape=(2, 2), strides=(2, 2), padding="SAME")
     x_BD = x.reshape(x.shape[0], -1)
     return self.dense(self.dropout(x_BD) if self.dropout else x_BD)
 
@@ -89,7 +87,7 @@ class ResNet(nnx.Module):
   """ResNet v1.5 (He et al. 2016; torchvision's and Flax's examples/imagenet's): a 7x7 stride-2
   convolution and a 3x3 stride-2 max pool, four stages of residual blocks (the first block of
   stages 2-4 halves the resolution and doubles the width), global average pool, linear. Its
-  BatchNorm (`layers.BatchNorm`) takes the statistics of the real examples of the global batch
+  BatchNorm takes the statistics of the real examples of the global batch
   or of each group of `config.batch_norm_devices` devices, alike on every path, padding left
   out (`example_mask`)."""
 
@@ -100,7 +98,7 @@ class ResNet(nnx.Module):
                              kernel_init=nnx.initializers.variance_scaling(2.0, "fan_out",
                                                                            "normal"),
                              rngs=rngs)
-    norm = functools.partial(layers.BatchNorm, momentum=0.9, epsilon=1e-5, dtype=dtype,
+    norm = functools.partial(nnx.BatchNorm, momentum=0.9, epsilon=1e-5, dtype=dtype,
                              param_dtype=param_dtype, rngs=rngs)
     self.stem = conv(image_shape[-1], width, (7, 7), strides=2, padding=((3, 3), (3, 3)))
     self.stem_norm = norm(width)
@@ -116,7 +114,7 @@ class ResNet(nnx.Module):
 
   def __call__(self, images_BHWC, example_mask=None):
     x = nnx.relu(self.stem_norm(self.stem(images_BHWC), mask=example_mask))
-    x = layers.max_pool(x, window_shape=(3, 3), strides=(2, 2), padding="SAME")
+    x = nnx.max_pool(x, window_shape=(3, 3), strides=(2, 2), padding="SAME")
     for block in self.blocks:
       x = block(x, example_mask)
     return self.head(x.mean(axis=(1, 2)))

@@ -28,13 +28,13 @@ from {{cookiecutter.project_slug}}.training import (
 class Run(NamedTuple):
   """A run, set up (`set_up`): what the loop reads."""
 
-  plan: object  # plan.Plan: the run's config (`runs.prepare`), its model's and recipe's modules
+  plan: runs.Plan  # the run's config (`runs.prepare`), its model's and recipe's modules
   workdir: str
   data: input_pipeline.Input  # the splits, described; training's length; the iterators, started
   first_step: int  # the checkpoint's (0: a new run)
-  state: object  # the first step's, placed for `compiled` (`put_state`)
+  state: object  # the first step's, placed for `compiled` (`put_state`): a pytree of arrays
   compiled: dispatch.Steps
-  checkpoints: object  # checkpoints.Checkpoints (`runs.restore_or_init`): save, check, close
+  checkpoints: runs.Checkpoints  # (`runs.start_or_resume`'s): the loop's one contact with Orbax
   report: report.Report  # the writers, the log, the clock, the profile
   eval_compile_s: float
 
@@ -53,7 +53,7 @@ def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   optim.check_model(run_plan, info)  # model.py on this data, abstractly: before any compile
   # The state: built, or restored (the workdir's latest checkpoint), and the steps that take it.
   graphdef, abstract, init = optim.initial_state(run_plan, info, mesh, num_train_steps)
-  saved, first_step, state = runs.restore_or_init(workdir, config, info, abstract, init)
+  saved, first_step, state = runs.start_or_resume(workdir, config, info, abstract, init)
   # What the run reports (process 0 writes): what it will do, its metrics, progress, a profile.
   reporting = report.Report(run_plan, workdir, data, first_step, graphdef, state)
   # The steps, compiled at their first call; the state placed for them.
@@ -98,13 +98,13 @@ def train_loop(run: Run, received: list):
       progress.log("first calls (compiling, or loading from the cache): train %.2f s, eval "
                    "%.2f s", clock.start(step), run.eval_compile_s)
     is_last = step == num_train_steps
-    stopped_by = stopping.stop_now(received, saved.manager, -(-step // k),  # (its dispatch)
+    stopped_by = stopping.stop_now(received, saved, -(-step // k),  # (its dispatch)
                                    can_agree=step % config.log_every_steps == 0)
     log_now = step % config.log_every_steps == 0 or is_last
     if log_now or step % config.checkpoint_every_steps == 0 or stopped_by:
       saved.check()  # an asynchronous save that failed since: stop here
       fetched = jax.device_get(running)  # one transfer, for the check and the summary
-      stopping.check_finite(fetched.nonfinite_steps, since, config, saved.manager)
+      stopping.check_finite(fetched.nonfinite_steps, since, config, saved)
       if log_now:
         reporting.train(step, since, dispatch.summarize(fetched))
         running, since = compiled.empty(run.plan.metrics.train), step + 1

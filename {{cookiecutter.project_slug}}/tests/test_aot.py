@@ -381,9 +381,9 @@ def test_the_imagenet_recipe_fits_8_chips_at_a_batch_of_1024(topology, tmp_path)
   those of ResNet-50 v1.5 (4.1 GMACs forward, the backward pass twice that) within 3%; on the
   GPU a step copies at most 10 buffers (XLA copies a carried parameter or momentum it cannot
   update in place: the update's layout fighting the flat norm's concatenation made 111 copies,
-  409 MB a step, before `steps.sum_of_squares` read the leaves behind a barrier; the TPU's 14 are
-  printed), runs at most 1,400 kernels, 900 of them on under 1 MiB, and peaks at 6.30 GiB a
-  device at most (1,612, 1,116 and 6.30 before #66's forms: dispatch.STEP_FORMS)."""
+  409 MB a step, before `gpu.state_sums_of_squares` read the leaves behind a barrier; the TPU's
+  14 are printed), runs at most 1,400 kernels, 900 of them on under 1 MiB, and peaks at 6.30 GiB
+  a device at most (1,612, 1,116 and 6.30 before #66's forms: gpu.py)."""
   out, hlo = tmp_path / "aot.json", tmp_path / "train.hlo"
   done = run_aot("--config=configs/imagenet.py", "--config.dataset=synthetic",
                  f"--topology={topology}", f"--json={out}", f"--hlo={hlo}", timeout=1800)

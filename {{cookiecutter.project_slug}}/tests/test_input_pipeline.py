@@ -483,3 +483,91 @@ def test_a_new_data_source_is_a_module_and_one_line(tiny_config, tmp_path, monke
   tiny_config.data_dir = str(tmp_path)
   with pytest.raises(rules.ConfigError, match=r"config.data_dir='.*' is not an .npz file."):
     rules.validate_config(tiny_config)
+
+
+# Written from sources.Split's docstring and the README alone (#80): a file source that can fail.
+CSV_SOURCE = '''
+"""A data source of one's own: a CSV of image paths and labels (config.data_dir: the file; the
+paths relative to it), its last 40 rows the eval split; grey images of 8x8, read a batch at a
+time (sources.Split)."""
+import csv
+import os
+
+import numpy as np
+from PIL import Image
+
+from {{cookiecutter.project_slug}}.data.sources import Loaded
+
+
+class CsvSplit:
+  crops = None  # images as they are stored
+
+  def __init__(self, rows, root, name):
+    self.rows, self.root, self.name = rows, root, name
+
+  def __len__(self):
+    return len(self.rows)
+
+  def take(self, indices, positions=None, empty=None):
+    images, failed = np.zeros((len(indices), 8, 8, 1), np.uint8), {}
+    for j, i in enumerate(indices):
+      try:
+        with Image.open(os.path.join(self.root, self.rows[i][0])) as image:
+          images[j, ..., 0] = np.asarray(image.convert("L"))
+      except OSError as e:
+        failed[j] = f"{self.rows[i][0]}: {e}"
+    labels = np.array([int(self.rows[i][1]) for i in indices], np.int32)
+    return {"image": images, "label": labels, "failed": failed}
+
+
+def load(config):
+  with open(config.data_dir, newline="") as f:
+    rows = [(row["path"], row["label"]) for row in csv.DictReader(f)]
+  root = os.path.dirname(config.data_dir)
+  return Loaded({"train": CsvSplit(rows[:-40], root, "csv train"),
+                 "eval": CsvSplit(rows[-40:], root, "csv eval")}, (8, 8, 1), 10)
+
+
+def describe(config):
+  return None  # (known once loaded)
+
+
+def check(config):
+  if not config.data_dir.endswith(".csv"):
+    return f"config.data_dir={config.data_dir!r} is not a .csv file."
+  return None
+'''
+
+
+def test_a_csv_source_of_image_files_written_from_the_protocol(tiny_config, tmp_path, monkeypatch,
+                                                               caplog):
+  """A CSV of image paths and labels (`CSV_SOURCE`, written from sources.Split alone): 120 PNG
+  files of the digits, one of the eval split's not an image. Described by reading it, its eval
+  split batched with that one masked out and named (by the split's name and row), and a run
+  trains on it to the end: every other example counted once."""
+  from PIL import Image
+
+  (tmp_path / "csv_source.py").write_text(CSV_SOURCE)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.setitem(sources.SOURCES, "csv", sources.Source("csv_source", reads_data_dir=True))
+  digits, _ = sources.get_datasets(tiny_config)
+  rows = ["path,label"]
+  for i in range(120):
+    Image.fromarray(digits["train"].images[i, ..., 0]).save(tmp_path / f"{i}.png")
+    rows.append(f"{i}.png,{digits['train'].labels[i]}")
+  (tmp_path / "100.png").write_text("not an image")  # eval row 20
+  (tmp_path / "images.csv").write_text("\n".join(rows) + "\n")
+  tiny_config.dataset, tiny_config.data_dir = "csv", str(tmp_path / "images.csv")
+  rules.validate_config(tiny_config)
+  splits, info = sources.get_datasets(tiny_config)
+  assert (info.image_shape, info.num_classes, info.num_examples) == ((8, 8, 1), 10, {
+      "train": 80, "eval": 40})
+  np.testing.assert_array_equal(splits["train"].take(np.arange(3))["image"],
+                                digits["train"].images[:3])
+  with caplog.at_level(logging.WARNING):
+    elements = batches.eval_batches(splits["eval"], plan.resolved(tiny_config))
+  assert sum(int(element["mask"].sum()) for element in elements) == 39
+  assert "skipped csv eval row 20, unreadable (100.png: " in caplog.text, caplog.text
+  tiny_config.num_epochs = 1
+  result = train.train_and_evaluate(tiny_config, str(tmp_path / "workdir"))
+  assert result["examples"] == 39

@@ -1,7 +1,8 @@
 """layers.BatchNorm's written-out gradient (`layers.normalize`: one pass over the activations each
 way) equals what autodiff makes of the plain formula: outputs, gradients of the input, scale and
-bias, and running statistics, with padding, in groups of devices, under jit and pmap. The GPU's
-`layers.max_pool` is nnx.max_pool, its gradient too."""
+bias, and running statistics, with padding, in groups of devices, under jit and pmap, in the
+stock forms and the GPU's (gpu.py). The GPU's max pool is nnx.max_pool, its gradient too."""
+
 
 import jax
 import jax.numpy as jnp
@@ -9,14 +10,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from {{cookiecutter.project_slug}} import layers
+from {{cookiecutter.project_slug}} import gpu, layers
+from {{cookiecutter.project_slug}}.parallel.pmap import PMAP_AXIS
+from {{cookiecutter.project_slug}}.training.dispatch import substituted
 
 
 class Plain(layers.BatchNorm):
   """The statistics as sums autodiff differentiates (layers.BatchNorm before `normalize`)."""
 
   def __call__(self, x, use_running_average=None, *, mask=None):
-    axis_name = layers.PMAP_AXIS if layers.bound(layers.PMAP_AXIS) else None
+    axis_name = self.axis_name
     local = self.groups if axis_name is None else 1
     shape = (local, x.shape[0] // local, *x.shape[1:])
     x32 = x.astype(jnp.float32).reshape(shape)
@@ -35,9 +38,9 @@ class Plain(layers.BatchNorm):
     return y.reshape(x.shape).astype(self.dtype or x.dtype)
 
 
-def layer(cls, groups, dtype=None, one_pass=False):
-  norm = cls(6, momentum=0.9, dtype=dtype, rngs=nnx.Rngs(0))
-  norm.groups, norm.one_pass = groups, one_pass
+def layer(cls, groups, dtype=None, axis_name=None):
+  norm = cls(6, momentum=0.9, dtype=dtype, axis_name=axis_name, rngs=nnx.Rngs(0))
+  norm.groups = groups
   norm.scale[...], norm.bias[...] = jnp.linspace(0.5, 1.5, 6), jnp.linspace(-1.0, 1.0, 6)
   return norm
 
@@ -68,10 +71,11 @@ MASKS = {"full": np.ones(16, bool), "padded": np.arange(16) < 11,
 @pytest.mark.parametrize("groups, mask", [(1, "full"), (2, "padded"),
                                           (8, "scattered")])  # (8: groups of padding alone)
 def test_the_written_out_gradient_is_autodiffs_under_jit(groups, mask):
-  run = nnx.jit(outputs)
-  expected = run(layer(Plain, groups), X, MASKS[mask], TARGET)
-  for one_pass in (False, True):  # XLA's sums; the GPU's (`layers.sums`)
-    got = run(layer(layers.BatchNorm, groups, one_pass=one_pass), X, MASKS[mask], TARGET)
+  expected = nnx.jit(outputs)(layer(Plain, groups), X, MASKS[mask], TARGET)
+  for forms in (list, gpu.forms):  # XLA's sums; the GPU's (`gpu.sums`)
+    with substituted(forms()):  # (a new function a form: each traced under its own)
+      got = nnx.jit(lambda *args: outputs(*args))(layer(layers.BatchNorm, groups), X,
+                                                   MASKS[mask], TARGET)
     assert_close(expected, got, 1e-5)
 
 
@@ -84,29 +88,32 @@ def test_bfloat16_activations_keep_their_type_and_float32_statistics():
   assert_close(expected, got, 2e-2)  # (bfloat16's rounding of the outputs and of dx)
 
 
-@pytest.mark.parametrize("groups, one_pass", [(1, False), (2, True), (8, False)])
-def test_the_written_out_gradient_is_autodiffs_under_pmap(groups, one_pass):
+@pytest.mark.parametrize("groups, gpu_forms", [(1, False), (2, True), (8, False)])
+def test_the_written_out_gradient_is_autodiffs_under_pmap(groups, gpu_forms):
   """8 devices of 2 examples, 5 real in all (devices 3-7 hold padding alone)."""
   results = []
   for cls in (Plain, layers.BatchNorm):
-    graphdef, state = nnx.split(layer(cls, groups, one_pass=one_pass))
+    graphdef, state = nnx.split(layer(cls, groups, axis_name=PMAP_AXIS))
     run = jax.pmap(lambda state, *batch: outputs(nnx.merge(graphdef, state), *batch),  # noqa: B023
-                   in_axes=(None, 0, 0, 0), axis_name=layers.PMAP_AXIS)
-    results.append(run(state, X.reshape(8, 2, 5, 5, 6), (np.arange(16) < 5).reshape(8, 2),
-                       TARGET.reshape(8, 2, 5, 5, 6)))
+                   in_axes=(None, 0, 0, 0), axis_name=PMAP_AXIS)
+    with substituted(gpu.forms() if gpu_forms and cls is layers.BatchNorm else []):
+      results.append(run(state, X.reshape(8, 2, 5, 5, 6), (np.arange(16) < 5).reshape(8, 2),
+                         TARGET.reshape(8, 2, 5, 5, 6)))
   assert_close(*results, 1e-5)
 
 
 @pytest.mark.parametrize("window, strides, padding", [  # (model.py's ResNet's, its CNN's, others)
     ((3, 3), (2, 2), "SAME"), ((2, 2), (2, 2), "SAME"), ((3, 2), (2, 3), ((1, 1), (0, 2)))])
 def test_max_pool_by_slices_is_nnx_max_pool(window, strides, padding):
-  """Under `pooling_by_slices` (the GPU's train step): nnx.max_pool's output exactly, and its
-  gradient, each window's to its first maximum, on pixels of 3 values (ties in every window)."""
+  """nnx.max_pool in the GPU's form (`gpu.forms`, as the GPU's train step is traced):
+  nnx.max_pool's output exactly, and its gradient, each window's to its first maximum, on pixels
+  of 3 values (ties in every window)."""
   x = jnp.asarray(np.random.default_rng(0).integers(0, 3, (2, 9, 10, 3)), jnp.float32)
   expected, expected_vjp = jax.vjp(lambda x: nnx.max_pool(x, window, strides, padding), x)
-  with layers.pooling_by_slices():
-    got, got_vjp = jax.vjp(lambda x: layers.max_pool(x, window, strides, padding), x)
-    program = str(jax.make_jaxpr(lambda x: layers.max_pool(x, window, strides, padding))(x))
+  with substituted(gpu.forms()):
+    got, got_vjp = jax.vjp(lambda x: nnx.max_pool(x, window, strides, padding), x)
+    program = str(jax.make_jaxpr(lambda x: nnx.max_pool(x, window, strides, padding))(x))
+  assert nnx.max_pool is gpu.STOCK_MAX_POOL  # (put back)
   assert "reduce_window" not in program and "custom_vjp" in program  # (the slices' form)
   dy = jax.random.normal(jax.random.key(2), expected.shape)
   np.testing.assert_array_equal(got, expected)

@@ -171,7 +171,7 @@ class KeywordsNorm(NormNoMask):
 
 def test_the_mask_reaches_every_batchnorm_and_one_it_cannot_reach_is_named(tiny_config):
   """The mask goes to a __call__ with an example_mask parameter, behind a decorator too, or
-  taking **kwargs, and to a layers.BatchNorm called without it (`layers.batch_mask`), a plain
+  taking **kwargs, and to a layers.BatchNorm called without it (`layers.BATCH_MASK`), a plain
   nnx.BatchNorm made one by `layers.masked` too: their statistics are those of the real
   examples. A BatchNorm of the model's own class, which it cannot reach, gets one warning that
   names the layer and the fix."""

@@ -60,11 +60,8 @@ def stacked(batch_list, k: int):
 
 
 def single_step(config, graphdef):
-  """One device's train step; with `config.batch_norm_devices`, its batch split into as many
-  groups for BatchNorm's statistics as 8 devices make."""
-  groups = NUM_DEVICES // (config.get("batch_norm_devices") or NUM_DEVICES)
-  return jitted_single_step(graphdef, tuple(dict(dispatch.step_options(plan.make_plan(config)),
-                                                 batch_norm_groups=groups).items()))
+  """One device's train step (BatchNorm's groups: the graphdef's, `batchnorm_state`'s)."""
+  return jitted_single_step(graphdef, tuple(dispatch.step_options(plan.make_plan(config)).items()))
 
 
 @functools.cache
@@ -233,8 +230,8 @@ def test_accumulation_sums_in_the_same_order_on_spmd_and_pmap(tiny_config):
   with each device's own BatchNorm statistics, ResNet-18's losses differed by 2e-3 at step 5.)"""
   tiny_config.grad_accum_steps, tiny_config.batch_norm_devices = 2, 1
   data = batches([64, 20, 64])
-  spmd, spmd_metrics = run(tiny_config, "spmd", data, *batchnorm_state(ADAM))
-  pmap, pmap_metrics = run(tiny_config, "pmap", data, *batchnorm_state(ADAM))
+  spmd, spmd_metrics = run(tiny_config, "spmd", data, *batchnorm_state(ADAM, groups=NUM_DEVICES))
+  pmap, pmap_metrics = run(tiny_config, "pmap", data, *batchnorm_state(ADAM, groups=NUM_DEVICES))
   assert_trees_close(pmap, spmd, atol=0)
   assert pmap_metrics == spmd_metrics
 
@@ -338,7 +335,7 @@ def test_dropout_gives_the_same_numbers_on_spmd_fsdp_and_one_device_not_pmap(tin
 
 
 class BatchNormCNN(nnx.Module):
-  """layers.BatchNorm as model.py uses it: no axis_name (under pmap it finds pmap's axis)."""
+  """layers.BatchNorm as model.py uses it: no axis_name (under pmap the step gives it pmap's)."""
 
   def __init__(self, rngs):
     self.conv = nnx.Conv(1, 4, kernel_size=(3, 3), use_bias=False, rngs=rngs)  # BN has one
@@ -362,8 +359,50 @@ class StockBatchNormCNN(BatchNormCNN):
     return self.dense(x.reshape(x.shape[0], -1))
 
 
-def batchnorm_state(optimizer=None, model_class=BatchNormCNN):
-  model = layers.masked(model_class(nnx.Rngs(0)))
+class AxisNamingCNN(StockBatchNormCNN):
+  """A plain nnx.BatchNorm that names pmap's axis, as Flax's ImageNet example names its own."""
+
+  def __init__(self, rngs):
+    super().__init__(rngs)
+    self.norm = nnx.BatchNorm(4, momentum=0.9, axis_name=pmap.PMAP_AXIS, rngs=rngs)
+
+
+def test_a_batchnorm_naming_pmaps_axis_trains_on_pmap_and_is_refused_in_one_line_elsewhere(
+    tiny_config):
+  """A model.py whose nnx.BatchNorm names pmap's axis: its check (`optim.check_model`, run under
+  pmap's axis as the step is) passes and 3 padded steps on pmap give the state of the same model
+  without the name (which the step gives pmap's axis), bit for bit; on spmd and fsdp the check
+  stops in one line naming the axis and the fix."""
+  from types import SimpleNamespace
+
+  from {{cookiecutter.project_slug}}.errors import ConfigError
+
+  data = batches([64, 20, 64])
+  expected, _ = run(tiny_config, "pmap", data, *batchnorm_state(SGD, StockBatchNormCNN))
+  got, metrics = run(tiny_config, "pmap", data, *batchnorm_state(SGD, AxisNamingCNN))
+  assert metrics["nonfinite_steps"] == 0 and metrics["examples"] == 148
+  assert_trees_close(got, expected, atol=0)
+  model = SimpleNamespace(__file__=__file__, create_model=lambda config, image_shape, classes,
+                          rngs: AxisNamingCNN(nnx.Rngs(0)))
+  info = SimpleNamespace(image_shape=(8, 8, 1), num_classes=10, class_names=None)
+  for parallelism in ("pmap", "spmd", "fsdp"):
+    config = plan.resolved(ml_collections.ConfigDict(dict(tiny_config, parallelism=parallelism)))
+    run_plan = plan.make_plan(config)._replace(model=model)
+    if parallelism == "pmap":
+      optim.check_model(run_plan, info)
+      continue
+    with pytest.raises(ConfigError) as refused:
+      optim.check_model(run_plan, info)
+    message = str(refused.value)
+    assert "\n" not in message and "'devices'" in message and "drop its axis_name=" in message, (
+        message)
+    assert "parallelism=pmap" in message, message
+
+
+def batchnorm_state(optimizer=None, model_class=BatchNormCNN, groups=1):
+  """The model and its optimizer, split; its BatchNorm's statistics over `groups` groups of
+  devices (as `optim.create_model` makes them of `config.batch_norm_devices`)."""
+  model = layers.masked(model_class(nnx.Rngs(0)), groups)
   return nnx.split((model, nnx.Optimizer(model, optimizer or ADAM, wrt=nnx.Param)))
 
 
@@ -418,7 +457,8 @@ def test_a_plain_nnx_batchnorm_takes_the_global_batchs_statistics_on_pmap_too(ti
 def grouped_batch_norm(x, mask, weights, groups, parallelism):
   """A layers.BatchNorm of `groups` with `weights` (scale, bias) on `x`: one array (jit), or
   pmap's 8 devices a share each. Its output and running statistics."""
-  norm = layers.BatchNorm(x.shape[-1], momentum=0.5, rngs=nnx.Rngs(0))
+  norm = layers.BatchNorm(x.shape[-1], momentum=0.5, rngs=nnx.Rngs(0),
+                         axis_name=pmap.PMAP_AXIS if parallelism == "pmap" else None)
   norm.scale[...], norm.bias[...] = weights
   norm.groups = groups
   graphdef, state = nnx.split(norm)
@@ -478,16 +518,15 @@ def test_batchnorm_over_groups_of_devices_is_the_same_on_every_path(tiny_config,
   groups; not the state of the global batch's statistics."""
   tiny_config.fsdp_min_size, tiny_config.batch_norm_devices = 0, batch_norm_devices
   data = batches([64, 20, 64])
-  graphdef, state = batchnorm_state(SGD)
-  options = dispatch.step_options(plan.make_plan(tiny_config))
-  step = jitted_single_step(graphdef, tuple(dict(
-      options, batch_norm_groups=NUM_DEVICES // batch_norm_devices).items()))
+  groups = NUM_DEVICES // batch_norm_devices
+  graphdef, state = batchnorm_state(SGD, groups=groups)
+  step = single_step(tiny_config, graphdef)
   expected, running = jax.device_put((state, recipe_metrics(tiny_config).train.empty()),
                                      jax.devices()[0])
   for batch in data:
     expected, running = step(expected, running, batch)
   for parallelism in ("spmd", "fsdp", "pmap"):
-    got, got_metrics = run(tiny_config, parallelism, data, *batchnorm_state(SGD))
+    got, got_metrics = run(tiny_config, parallelism, data, *batchnorm_state(SGD, groups=groups))
     assert got_metrics["nonfinite_steps"] == 0 and got_metrics["examples"] == 148
     assert_trees_close(got, expected, atol=1e-6)
   tiny_config.batch_norm_devices = 0
@@ -520,7 +559,7 @@ def test_a_devices_own_statistics_add_no_all_reduce_a_layer(tiny_config):
   counts = {}
   for devices, depth in itertools.product((0, 1), (1, 3)):
     tiny_config.batch_norm_devices = devices
-    model = NormStack(depth, nnx.Rngs(0))
+    model = layers.masked(NormStack(depth, nnx.Rngs(0)), NUM_DEVICES // (devices or NUM_DEVICES))
     graphdef, state = nnx.split((model, nnx.Optimizer(model, SGD, wrt=nnx.Param)))
     compiled, mesh = steps_for(tiny_config, "spmd", graphdef)
     program = compiled.train.lower(

@@ -163,36 +163,59 @@ def test_a_skipped_step_leaves_the_whole_state_bitwise_unchanged(tiny_config):
   assert not np.array_equal(after[0]["dense"]["kernel"][...], state[0]["dense"]["kernel"][...])
 
 
-def test_skipping_by_selection_equals_skipping_under_cond(tiny_config):
-  """The GPU's and TPU's way of skipping a step (the update, then each leaf's old value
-  selected; the norms taken before or after, over each leaf or all in one) and lax.cond's (the
-  CPU's) give the same state and metrics, bit for bit (the norms in one: to float32's rounding):
-  4 steps with
-  dropout (PRNG keys in the state), a NaN in step 2 and a batch of padding alone in step 3."""
+def test_every_backends_forms_give_the_same_state_and_metrics(tiny_config):
+  """Each backend's forms of the step (`dispatch.backend_forms`): the stock one, the TPU's
+  (skipping a step by selecting each leaf's old value), the CPU's (cpu.py: under lax.cond) and
+  the GPU's (gpu.py: selecting, the norms over the leaves laid end to end) give the same state
+  and metrics, bit for bit (the norms in one: to float32's rounding): 4 steps with dropout (PRNG
+  keys in the state), a NaN in step 2 and a batch of padding alone in step 3."""
   from test_parallel import DropoutCNN, as_numpy, batches, initial_state
 
   data = [dict(b, image=b["image"].astype(np.float32) / 255) for b in batches([64, 20, 0, 37])]
   data[1]["image"][3] = np.nan
   results = {}
-  for form in (("cond", "kept", False), ("select", "kept", False), ("select", "updated", False),
-               ("select", "updated", True)):
+  for form in ("cpu", "tpu", "gpu"):
     graphdef, state = initial_state(tiny_config, DropoutCNN(nnx.Rngs(0)))
-    options = dict(zip(("skip_by", "norms_of", "flat_norms"), form, strict=True))
-    step = jax.jit(functools.partial(steps.train_step, graphdef,
-                                     **dispatch.step_options(plan.make_plan(tiny_config)),
-                                     **options))
+    step = jax.jit(dispatch.backend_forms(functools.partial(
+        steps.train_step, graphdef, **dispatch.step_options(plan.make_plan(tiny_config))),
+        form, tiny_config))
     running = recipe_metrics(tiny_config).train.empty()
     for batch in data:
       state, running = step(state, running, batch)
     results[form] = ([as_numpy(x) for x in jax.tree.leaves(state)], dispatch.summarize(running))
     assert int(nnx.merge(graphdef, state)[1].step[...]) == 2  # steps 1 and 4 were applied
-  cond, cond_metrics = results.pop(("cond", "kept", False))
-  for (*_, flat), (select, select_metrics) in results.items():
+  cond, cond_metrics = results.pop("cpu")
+  for form, (select, select_metrics) in results.items():
     assert all(a.tobytes() == b.tobytes() for a, b in zip(cond, select, strict=True))
     assert select_metrics["nonfinite_steps"] == 1
     for name, value in cond_metrics.items():  # the norms over one buffer: summed in another order
-      rel = 1e-6 if flat and name.startswith("l2_") else 0
+      rel = 1e-6 if form == "gpu" and name.startswith("l2_") else 0
       assert select_metrics[name] == pytest.approx(value, nan_ok=True, rel=rel, abs=0), name
+
+
+def test_a_model_of_stock_layers_gets_each_backends_forms(tiny_config):
+  """The shipped ResNet, written with nnx.max_pool and nnx.BatchNorm alone: the GPU's train step
+  (`dispatch.one_batch_steps` for "gpu") takes the max pool's gradient by slices (no
+  select-and-scatter: gpu.max_pool) and BatchNorm's sums in two stages (gpu.sums), the TPU's
+  XLA's own; and nnx.max_pool is itself again after tracing."""
+  from test_parallel import batches
+
+  from {{cookiecutter.project_slug}} import gpu
+
+  tiny_config.model.name, tiny_config.model.width = "resnet18", 4
+  run_plan = plan.make_plan(plan.resolved(tiny_config))
+  graphdef, state = nnx.split(optim.build_state(run_plan, (8, 8, 1), 10, 3))
+  running, batch = recipe_metrics(tiny_config).train.empty(), batches([64])[0]
+  programs = {}
+  for platform in ("gpu", "tpu"):
+    train, _ = dispatch.one_batch_steps(run_plan, platform)
+    programs[platform] = str(jax.make_jaxpr(functools.partial(train, graphdef))(
+        state, running, batch))
+  assert "select_and_scatter_add" in programs["tpu"] and "reduce_window_max" in programs["tpu"]
+  assert "select_and_scatter_add" not in programs["gpu"]
+  assert "reduce_window_max" not in programs["gpu"]
+  assert programs["gpu"].count("custom_vjp_call") > programs["tpu"].count("custom_vjp_call")
+  assert nnx.max_pool is gpu.STOCK_MAX_POOL
 
 
 @pytest.mark.parametrize("parallelism", ["spmd", pytest.param("fsdp", marks=pytest.mark.slow)])

@@ -25,7 +25,7 @@ import numpy as np
 from absl import logging
 
 from ..errors import BadData
-from .sources import SOURCES, ArraySource
+from .sources import SOURCES, Split
 
 
 def num_batches(num_examples: int, global_batch_size: int) -> int:
@@ -41,7 +41,7 @@ class LoadUnit:
   cut into whole elements of k batches from its start, and with `trim` (evaluation) the last
   element holds only the batches left."""
 
-  source: ArraySource  # or any source of len() and take(indices): arrayrecord.RecordSource, ...
+  source: Split  # (sources.Split: ArraySource, arrayrecord.RecordSource, ...)
   global_batch_size: int
   num_epochs: int = 1
   shuffle_seed: int | None = None  # None: the source's order
@@ -85,10 +85,8 @@ class LoadUnit:
     # The batches that fill the last element (`trim`): left out (all but the first at least).
     kept = min(k, self.num_batches - element * k) if self.trim else k
     lend = self.out is not None and read_S.all() and kept == k  # (the image sent as decoded)
-    if getattr(self.source, "crops", None) is not None:
-      taken = self.source.take(indices, positions_S[read_S], self.out.empty if lend else None)
-    else:
-      taken = self.source.take(indices)
+    taken = self.source.take(indices, positions_S[read_S],
+                             self.out.empty if lend and self.source.crops is not None else None)
     failed = taken.pop("failed", None)  # records read from files: which could not be used
     if failed is not None:
       mask_S, bad_records = skip_failed(self.source, failed, indices, np.flatnonzero(read_S),

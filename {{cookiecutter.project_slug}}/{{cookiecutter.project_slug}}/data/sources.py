@@ -1,14 +1,15 @@
 """The data sources, by `config.dataset`, and what a source gives: its 'train' and 'eval' splits
 (`Loaded`) and what the model is told of them (`DatasetInfo`).
 
-A source is a module with `load(config)`, `describe(config)` and `check(config)` (digits.py is the
-simplest: copy it) and one line in `SOURCES`, which says what the source reads: rules.py checks a
-config against it without importing any source, and a run imports only its own."""
+A source is a module with `load(config)` (its splits: each a `Split`), `describe(config)` and
+`check(config)` (digits.py is the simplest: copy it) and one line in `SOURCES`, which says what
+the source reads: rules.py checks a config against it without importing any source, and a run
+imports only its own."""
 
 import dataclasses
 import importlib
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 
@@ -49,14 +50,37 @@ class DatasetInfo:
   # Photos stored whole (write_arrayrecord --resize_shorter), cropped to `image_shape` here.
   crops_on_host: bool = False
   # (height, width) of the canvas those crops come in, each with its "box", for the devices to
-  # resize (`config.resize_on_device`: steps.forward); None: resized on the host.
+  # resize (`config.resize_on_device`: dispatch.on_resized); None: resized on the host.
   canvas: tuple[int, int] | None = None
+
+
+class Split(Protocol):
+  """What every source gives of a split ('train', 'eval'): batches.py reads it through this alone.
+
+  `len(split)`: its number of examples. `take(indices, positions, empty)`: the examples at
+  `indices` ([S] int64, in that order) as a dict of NumPy arrays of S rows: "image" ([S, H, W, C]
+  of the stored dtype) and "label" ([S] integers); a split that can fail to use an example (a
+  record unreadable, a file not an image) returns a stand-in for it and adds "failed", {its place
+  in `indices`: why, one line}: the example is masked out, and named in the log by `name` and
+  its index (a run stops past 1% of them). A split of photos kept whole (`crops`: an
+  image_files.Crops, else None) cuts each on the host, keyed by its place in the stream
+  (`positions`, [S]), into `empty` where given (a buffer of the batch's images, else new arrays)
+  and, with a canvas, adds each crop's "box" ([S, 6]). ArraySource is the simplest; a file source
+  of your own: arrayrecord.RecordSource."""
+
+  name: str  # how the log names it
+  crops: "Crops | None"
+
+  def __len__(self) -> int: ...
+
+  def take(self, indices: np.ndarray, positions: np.ndarray | None = None,
+           empty: np.ndarray | None = None) -> dict[str, np.ndarray]: ...
 
 
 class Loaded(NamedTuple):
   """What a source's `load(config)` returns."""
 
-  sources: dict  # 'train' and 'eval': each with len() and take(indices) (ArraySource's kind)
+  sources: dict[str, Split]  # 'train' and 'eval'
   image_shape: tuple[int, int, int]
   num_classes: int
   class_names: tuple[str, ...] = ()
@@ -70,7 +94,9 @@ def model_input(pixel_dtype: str) -> str:
 
 
 class ArraySource:
-  """Examples held in memory: `take` gathers a batch of them at once."""
+  """A `Split` held in memory: `take` gathers a batch of it at once."""
+
+  name, crops = "arrays", None  # (never fails; never cropped)
 
   def __init__(self, images: np.ndarray, labels: np.ndarray):
     self.images, self.labels = images, labels
@@ -78,7 +104,7 @@ class ArraySource:
   def __len__(self) -> int:
     return len(self.labels)
 
-  def take(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+  def take(self, indices: np.ndarray, positions=None, empty=None) -> dict[str, np.ndarray]:
     return {"image": self.images[indices], "label": self.labels[indices]}
 
 

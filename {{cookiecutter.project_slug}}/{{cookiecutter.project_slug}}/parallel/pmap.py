@@ -1,7 +1,8 @@
 """pmap's pieces, the legacy path (`config.parallelism='pmap'`): every leaf has a leading axis of
 one entry per local device. `replicate` makes it, `unreplicate` takes it away, `shard_batch`
 splits a batch into per-device pieces; `fold_in_device_index` gives each device its own dropout;
-`compiled` makes dispatch.py's steps pmap's. A reader of the spmd and fsdp paths (jit,
+`on_devices` wraps a step on one batch (steps.py's) for pmap's axis, `compiled` makes
+dispatch.py's steps pmap's. A reader of the spmd and fsdp paths (jit,
 sharding.py) needs nothing from this module.
 """
 
@@ -13,8 +14,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..layers import PMAP_AXIS  # (layers.BatchNorm reduces over pmap's axis)
 from . import sharding
+
+PMAP_AXIS = "devices"  # pmap's axis: the steps are mapped over it (`on_devices`)
 
 
 def local_devices_mesh() -> Mesh:
@@ -108,23 +110,59 @@ def fold_in_device_index(model, axis_name):
 def batch_norm_over_devices(model, axis_name) -> None:
   """A plain nnx.BatchNorm takes the statistics of the batch it sees, under pmap one device's:
   give each one without an axis of its own `axis_name`, so that they are the global batch's (and
-  its running statistics one value on every device), as on spmd and fsdp. layers.BatchNorm finds
-  the axis itself. `model` is the step's own (merged in it): nothing outlives the step."""
+  its running statistics one value on every device), as on spmd and fsdp."""
   for _, node in nnx.iter_graph(model):
     if isinstance(node, nnx.BatchNorm) and node.axis_name is None:
       node.axis_name = axis_name
 
 
+def under_axis(fn, devices: int):
+  """`fn(x_B...)` -> `[B, ...]`, traced as pmap runs it: `x` split over `devices` devices under
+  pmap's axis, each its share (a check of the model, `optim.check_model`, as the step runs it)."""
+
+  def on_devices(x):
+    y = jax.vmap(fn, axis_name=PMAP_AXIS)(x.reshape(devices, -1, *x.shape[1:]))
+    return jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:]), y)
+
+  return on_devices
+
+
+def on_devices(step):
+  """`step` (steps.train_step or eval_step on one batch, as a partial) as each device runs it
+  under pmap's axis: its sums over the devices (`sum_devices`), its BatchNorm's statistics over
+  them (`batch_norm_over_devices`) and its dropout its own a device (`fold_in_device_index`; the
+  shared keys are put back in the state it returns, which stays one value on every device)."""
+  sum_devices = functools.partial(jax.lax.psum, axis_name=PMAP_AXIS)
+
+  @functools.wraps(step)
+  def on_each_device(graphdef, state, running, batch):
+    objects = nnx.merge(graphdef, state)
+    batch_norm_over_devices(objects, PMAP_AXIS)
+    shared = [s.key[...] for _, s in nnx.iter_graph(objects) if isinstance(s, nnx.RngStream)]
+    fold_in_device_index(objects, PMAP_AXIS)
+    graphdef, state = nnx.split(objects)
+    out = step(graphdef, state, running, batch, sum_devices=sum_devices)
+    if not isinstance(out, tuple):  # (eval_step's metrics)
+      return out
+    objects = nnx.merge(graphdef, out[0])
+    streams = [s for _, s in nnx.iter_graph(objects) if isinstance(s, nnx.RngStream)]
+    for stream, key in zip(streams, shared, strict=True):
+      stream.key[...] = key
+    return nnx.state(objects), out[1]
+
+  return on_each_device
+
+
 def compiled(train, evaluate, mesh: Mesh, devices=None) -> dict:
   """`dispatch.Steps`' fields under pmap, for the steps over stacked batches that `train` and
-  `evaluate` take (with `PMAP_AXIS` as their axis name): each compiled for `devices` (default:
-  the local ones). State and batch: one slice a device (axis 0); metrics: one value, the same
-  everywhere. The state is placed as `replicate` places it, and given back as `mesh`'s."""
-  on_devices = functools.partial(jax.pmap, axis_name=PMAP_AXIS, in_axes=(0, None, 0),
-                                 devices=devices)
+  `evaluate` take (`on_devices`' steps): each compiled for `devices` (default: the local ones).
+  State and batch: one slice a device (axis 0); metrics: one value, the same everywhere. The
+  state is placed as `replicate` places it, and given back as `mesh`'s."""
+  mapped = functools.partial(jax.pmap, axis_name=PMAP_AXIS, in_axes=(0, None, 0),
+                             devices=devices)
   local = sharding.replicated(local_devices_mesh())
-  return dict(train=on_devices(train, out_axes=(0, None), donate_argnums=(0, 1)),
-              eval=on_devices(evaluate, out_axes=None, donate_argnums=1),
+  return dict(train=mapped(train, out_axes=(0, None), donate_argnums=(0, 1)),
+              eval=mapped(evaluate, out_axes=None, donate_argnums=1),
               put_state=replicate,
               get_state=lambda state: sharding.to_global(unreplicate(state), mesh),
               put_batch=pmap_batch,

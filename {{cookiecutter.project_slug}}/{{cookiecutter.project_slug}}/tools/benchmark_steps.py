@@ -13,7 +13,7 @@ from flax import nnx
 from .. import plan
 from ..data import batches, sources
 from ..parallel import sharding
-from ..training import dispatch, optim, steps
+from ..training import dispatch, optim
 
 WARMUP_STEPS = 2  # untimed calls of each compiled step before the timed ones
 
@@ -33,8 +33,8 @@ def step_state_batch(config, path: str):
   running = run_plan.metrics.train.empty()
   if path == "single":
     device = jax.devices()[0]
-    step = jax.jit(functools.partial(steps.train_step, graphdef,
-                                     **dispatch.step_options(run_plan)), donate_argnums=(0, 1))
+    train, _ = dispatch.one_batch_steps(run_plan, device.platform)  # (the backend's forms)
+    step = jax.jit(functools.partial(train, graphdef), donate_argnums=(0, 1))
     one_batch = jax.tree.map(lambda x: x[0], batch)
     return step, *jax.device_put((state, running, one_batch), device)
   config.parallelism = path

@@ -29,8 +29,39 @@ class Checkpoints:
     self.every = config.checkpoint_every_steps
 
   def restore_or_init(self, abstract, init):
-    """The step and state to start from: `restore_or_init`'s."""
-    return restore_or_init(self.manager, abstract, init, self.workdir)
+    """The step and state of the latest intact checkpoint in the workdir (into `abstract`'s
+    shapes, dtypes and shardings), or (0, `init()`). Each newer one that cannot be read, or holds
+    non-finite values, is named in a warning and put aside (`put_aside`). Every process must see
+    the same checkpoints."""
+    workdir, step = self.workdir, self.manager.latest_step()
+    if jax.process_count() > 1:
+      seen = multihost_utils.process_allgather(np.int32(-1 if step is None else step)).tolist()
+      if len(set(seen)) > 1:
+        latest = ", ".join(f"{s if s >= 0 else None} (process {i})" for i, s in enumerate(seen))
+        raise ConfigError(
+            f"the workdir is not shared by the processes: their latest checkpoints in {workdir!r} "
+            f"are {latest}; give every process the same --workdir, on a file system that they "
+            "all see (or a bucket: gs://...).")
+    if step is None:
+      if (damaged := epath.Path(workdir) / DAMAGED).exists() and any(damaged.iterdir()):
+        raise ConfigError(
+            f"workdir {workdir!r} holds no checkpoint but those put aside as damaged in {damaged} "
+            "(the log of the run that put them aside said why): this run would start over from "
+            f"step 0. To start over here, remove or rename {damaged}; or use a new --workdir.")
+      return 0, init()
+    step, state = newest_intact(
+        sorted(self.manager.all_steps(), reverse=True),
+        lambda s: restore_state(self.manager, s, abstract, workdir),
+        lambda s, why: logging.warning("checkpoint %d in %s %s: kept in %s; resuming from an "
+                                       "older one", s, workdir, why,
+                                       put_aside(self.manager, s, workdir)),
+        functools.partial(changed_leaf, self.manager))
+    if step is not None:
+      logging.info("Resumed from the checkpoint of step %d in %s", step, workdir)
+      return step, state
+    raise ConfigError(f"no checkpoint in {workdir!r} can be restored (each is in "
+                      f"{os.path.join(workdir, DAMAGED)}, the log says why); start again in a new "
+                      "--workdir.")
 
   def save(self, step: int, state) -> None:
     """Starts saving `state` as checkpoint `step`, in the background. A save off the interval
@@ -50,6 +81,16 @@ class Checkpoints:
     """Waits for the last save, and closes."""
     with saving(self.workdir):
       self.manager.close()
+
+  def reached_preemption(self, dispatch: int) -> bool:
+    """Whether JAX's preemption service stops every process after this dispatch."""
+    return self.manager.reached_preemption(dispatch)
+
+  def wait(self) -> tuple[int | None, str]:
+    """Waits for the save in the background; returns the latest checkpoint's step, and where."""
+    with saving(self.workdir):
+      self.manager.wait_until_finished()
+    return self.manager.latest_step(), str(self.manager.directory)
 
 
 def absolute(path: str) -> str:
@@ -216,38 +257,3 @@ def restore_state(checkpoints, step: int, abstract, workdir: str):
   check_checkpoint_fits(checkpoints, step, abstract, workdir)
   return checkpoints.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
       abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))))["state"]
-
-
-def restore_or_init(checkpoints, abstract, init, workdir: str):
-  """The step and state of the latest intact checkpoint in `workdir` (into `abstract`'s shapes,
-  dtypes and shardings), or (0, `init()`). Each newer one that cannot be read, or holds non-finite
-  values, is named in a warning and put aside (`put_aside`). Every process must see the same
-  checkpoints."""
-  step = checkpoints.latest_step()
-  if jax.process_count() > 1:
-    seen = multihost_utils.process_allgather(np.int32(-1 if step is None else step)).tolist()
-    if len(set(seen)) > 1:
-      raise ConfigError(
-          f"the workdir is not shared by the processes: their latest checkpoints in {workdir!r} "
-          f"are {', '.join(f'{s if s >= 0 else None} (process {i})' for i, s in enumerate(seen))}; "
-          "give every process the same --workdir, on a file system that they all see (or a "
-          "bucket: gs://...).")
-  if step is None:
-    if (damaged := epath.Path(workdir) / DAMAGED).exists() and any(damaged.iterdir()):
-      raise ConfigError(
-          f"workdir {workdir!r} holds no checkpoint but those put aside as damaged in {damaged} "
-          "(the log of the run that put them aside said why): this run would start over from "
-          f"step 0. To start over here, remove or rename {damaged}; or use a new --workdir.")
-    return 0, init()
-  step, state = newest_intact(
-      sorted(checkpoints.all_steps(), reverse=True),
-      lambda s: restore_state(checkpoints, s, abstract, workdir),
-      lambda s, why: logging.warning("checkpoint %d in %s %s: kept in %s; resuming from an older "
-                                     "one", s, workdir, why, put_aside(checkpoints, s, workdir)),
-      functools.partial(changed_leaf, checkpoints))
-  if step is not None:
-    logging.info("Resumed from the checkpoint of step %d in %s", step, workdir)
-    return step, state
-  raise ConfigError(f"no checkpoint in {workdir!r} can be restored (each is in "
-                    f"{os.path.join(workdir, DAMAGED)}, the log says why); start again in a new "
-                    "--workdir.")

@@ -4,47 +4,99 @@ them (`evaluate`, `summarize`).
 A compiled call runs k = `config.run.steps_per_dispatch` steps (`lax.scan`) over k batches
 stacked on a leading axis ([k, B, ...]): k steps in one call equal k single calls."""
 
+import contextlib
 import functools
 import time
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 
-from .. import layers
+from ..data import augment
 from ..parallel import sharding
 from .steps import eval_step, train_step
 
 
-def step_options(run_plan, crop_on_device: bool = True, resize_to=None) -> dict:
+def step_options(run_plan, crop_on_device: bool = True) -> dict:
   """The train step's keyword arguments, resolved once from the run's plan (`plan.make_plan`): its
-  config, frozen (hashable, read-only),
-  with the recipe's crop off where the input pipeline crops (photos stored whole:
-  `crop_on_device` False) and `run.image_shape` = `resize_to`, the shape that crops coming with
-  their boxes are resized to (`forward`); `recipe`, the plan's recipe module; `collection`, the
-  class of the forward pass's metrics (the plan's `metrics.train_loss`). The eval step takes the
-  first two."""
+  config, frozen (hashable, read-only), with the recipe's crop off where the input pipeline crops
+  (photos stored whole: `crop_on_device` False); `recipe`, the plan's recipe module;
+  `collection`, the class of the forward pass's metrics (the plan's `metrics.train_loss`). The
+  eval step takes the first two."""
   config = ml_collections.ConfigDict(run_plan.config)
   if not crop_on_device:
     config.augment_crop = False
-  if resize_to is not None:
-    with config.unlocked():
-      config.run.image_shape = tuple(resize_to)
   return dict(config=ml_collections.FrozenConfigDict(config), recipe=run_plan.recipe,
               collection=run_plan.metrics.train_loss)
 
 
-# The one per-backend choice of how the train step is written (`train_step`'s `skip_by`, `norms_of`,
-# `flat_norms`, `batch_norm_one_pass`, `max_pool_by_slices`): on each platform, the forms whose
-# compiled steps aot.py found best (BENCHMARKS.md: "The train step's forms"). Others take the TPU's.
-STEP_FORMS = {
-    "cpu": dict(skip_by="cond", norms_of="kept", flat_norms=False, batch_norm_one_pass=False,
-                max_pool_by_slices=False),
-    "gpu": dict(skip_by="select", norms_of="updated", flat_norms=True, batch_norm_one_pass=True,
-                max_pool_by_slices=True),
-    "tpu": dict(skip_by="select", norms_of="kept", flat_norms=False, batch_norm_one_pass=False,
-                max_pool_by_slices=False),
-}
+def backend_forms(step, platform: str, config):
+  """`step` (one batch's) traced in the platform's own forms of the same math, where it has any:
+  the one place a backend's module is chosen (BENCHMARKS.md, "The train step's forms")."""
+  if platform == "gpu":
+    from .. import gpu
+
+    swaps = gpu.forms(flat_norms=config.parallelism != "fsdp")  # (fsdp's leaves: split)
+  elif platform == "cpu":
+    from .. import cpu
+
+    swaps = cpu.forms()
+  else:  # (the TPU's are the stock ones)
+    return step
+
+  @functools.wraps(step)
+  def in_backend_forms(*args, **kwargs):
+    with substituted(swaps):
+      return step(*args, **kwargs)
+
+  return in_backend_forms
+
+
+@contextlib.contextmanager
+def substituted(swaps):
+  """Within it, each (module, name, form) of `swaps` has the form in the module's `name` (a stock
+  function's place: nnx.max_pool's, say), put back after. A step is traced in one thread."""
+  stock = [getattr(module, name) for module, name, _ in swaps]
+  try:
+    for module, name, form in swaps:
+      setattr(module, name, form)
+    yield
+  finally:
+    for (module, name, _), original in zip(swaps, stock, strict=True):
+      setattr(module, name, original)
+
+
+def on_resized(step, image_hw):
+  """`step` on a batch whose photos' crops, cut on the host and sent with their "box"
+  (sources.DatasetInfo.canvas), are first resized on the devices to `image_hw` and scaled as
+  the model takes pixels (steps.forward): a stage before the step."""
+
+  def resized_step(graphdef, state, running, batch, **kwargs):
+    batch = dict(batch)
+    images_BHWC = augment.resize_crops(batch["image"].astype(jnp.float32), batch.pop("box"),
+                                       tuple(image_hw))
+    if jnp.issubdtype(batch["image"].dtype, jnp.integer):
+      images_BHWC = images_BHWC / 255.0
+    return step(graphdef, state, running, dict(batch, image=images_BHWC), **kwargs)
+
+  return resized_step
+
+
+def one_batch_steps(run_plan, platform: str, info=None):
+  """The train and eval steps on one batch (steps.py's, as partials of everything but the
+  graphdef, state, metrics and batch), composed for the platform (`backend_forms`), the
+  parallelism (pmap: `pmap.on_devices`) and the data (photos' crops: `on_resized`)."""
+  options = step_options(run_plan, not (info and info.crops_on_host))
+  train = backend_forms(functools.partial(train_step, **options), platform, run_plan.config)
+  evaluate = functools.partial(eval_step, config=options["config"], recipe=options["recipe"])
+  if run_plan.config.parallelism == "pmap":
+    from ..parallel import pmap
+
+    train, evaluate = pmap.on_devices(train), pmap.on_devices(evaluate)
+  if info and info.canvas:
+    train, evaluate = (on_resized(step, info.image_shape[:2]) for step in (train, evaluate))
+  return train, evaluate
 
 
 def k_steps(step, state, running, batches, unroll: bool = False):
@@ -81,18 +133,10 @@ def make(graphdef, run_plan, mesh, unroll: bool | None = None, pmap_devices=None
   out; `pmap_devices`: pmap's (aot.py: a topology's); `info`: the data's DatasetInfo (photos
   cropped on the host: the recipe's crop off; crops in a canvas resized to its image_shape)."""
   config, platform = run_plan.config, (pmap_devices or mesh.devices.flat)[0].platform
-  options = dict(step_options(run_plan, not (info and info.crops_on_host),
-                              info.image_shape if info else None),
-                 **STEP_FORMS.get(platform, STEP_FORMS["tpu"]))
   compiler_options = run_plan.xla_options or None  # (jit's; pmap takes none)
-  devices = (len(pmap_devices or jax.devices()) if config.parallelism == "pmap"
-             else mesh.devices.size)
-  options["batch_norm_groups"] = devices // (config.batch_norm_devices or devices)
   unroll = platform == "cpu" if unroll is None else unroll
-  pmap_axis = dict(axis_name=layers.PMAP_AXIS) if config.parallelism == "pmap" else {}
-  one_step = functools.partial(train_step, graphdef, **options, **pmap_axis)
-  one_eval = functools.partial(eval_step, graphdef, config=options["config"],
-                               recipe=options["recipe"], **pmap_axis)
+  one_step, one_eval = (functools.partial(step, graphdef)
+                        for step in one_batch_steps(run_plan, platform, info))
   train = functools.partial(k_steps, one_step, unroll=unroll)
 
   def evaluate(state, running, batches):  # (the state is read only)

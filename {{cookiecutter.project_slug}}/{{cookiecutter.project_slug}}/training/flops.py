@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex
 
-from .. import layers
 from ..parallel import chips
 from . import dispatch, steps
 
@@ -59,12 +58,12 @@ class Speed:
 
   def __init__(self, graphdef, state, image_shape, run_plan, devices=None):
     # Under pmap, traced with its axis (of size 1: the global batch on one device), for models
-    # whose layers reduce over it (BatchNorm).
+    # whose layers name it (BatchNorm).
     config = run_plan.config
-    axis = layers.PMAP_AXIS if config.parallelism == "pmap" else None
+    axis = "devices" if config.parallelism == "pmap" else None  # (pmap.PMAP_AXIS)
     # (The crop's resampling is left out: it is a matrix product, but not the model's.)
     step = functools.partial(steps.train_step, graphdef, **dispatch.step_options(
-        run_plan, crop_on_device=False), axis_name=axis)
+        run_plan, crop_on_device=False))
     spec = lambda shape, dtype: jax.ShapeDtypeStruct((config.run.global_batch_size, *shape), dtype)  # noqa: E731
     batch = {"image": spec(image_shape, jnp.uint8), "label": spec((), jnp.int32),
              "mask": spec((), jnp.bool_), "position": spec((), jnp.uint32)}  # one global batch

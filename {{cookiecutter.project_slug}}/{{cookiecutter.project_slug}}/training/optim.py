@@ -15,10 +15,12 @@ from ..parallel import sharding
 
 def create_model(run_plan, image_shape, num_classes, rngs: nnx.Rngs) -> nnx.Module:
   """The model that the plan's model module (model.py) builds for this data, its plain
-  nnx.BatchNorm layers masked (`layers.masked`). Raises ConfigError for a BatchNorm the mask
-  cannot reach where `config.batch_norm_devices` is set."""
+  nnx.BatchNorm layers masked (`layers.masked`), in groups of `config.batch_norm_devices`
+  devices. Raises ConfigError for a BatchNorm the mask cannot reach where that is set."""
   config = run_plan.config
-  model = masked(run_plan.model.create_model(config, image_shape, num_classes, rngs))
+  devices = config.run.num_devices if "run" in config else jax.device_count()
+  groups = devices // (config.get("batch_norm_devices") or devices)
+  model = masked(run_plan.model.create_model(config, image_shape, num_classes, rngs), groups)
   if config.get("batch_norm_devices") and (own := unmasked(model)):
     raise ConfigError(f"config.batch_norm_devices={config.batch_norm_devices} is for "
                       f"layers.BatchNorm; {type(model).__name__} holds {', '.join(own)}, which "
@@ -50,16 +52,25 @@ def check_model(run_plan, info) -> None:
     model = create_model(run_plan, info.image_shape, classes, nnx.Rngs(config.seed))
     failed[0] = f"the model failed on a batch of images {list(images_BHWC.shape)} float32"
     model.train()
-    masked = {"example_mask": jnp.ones(batch, bool)} if takes_mask(type(model)) else {}
+    masked = {"example_mask": jnp.ones(len(images_BHWC), bool)} if takes_mask(type(model)) else {}
     return model(images_BHWC, **masked)
 
+  if config.parallelism == "pmap":  # (under pmap's axis, as the step runs: a layer may name it)
+    from ..parallel import pmap
+
+    build_and_call = pmap.under_axis(build_and_call, config.run.num_devices if "run" in config
+                                      else 1)
   try:
     logits = jax.eval_shape(build_and_call, images_BHWC)
   except ConfigError:  # (create_model's own: said as it is)
     raise
   except Exception as e:
-    raise ConfigError(f"{errors.where(e, module.__file__)}: {failed[0]}: "
-                      f"{errors.one_line(e)}") from None
+    axis = str(e).rsplit(":", 1)[-1].strip() if "unbound axis name" in str(e) else None
+    fix = (f": a layer names the axis {axis!r}, which config.parallelism="
+           f"{config.parallelism!r} does not have (pmap's alone names one): drop its axis_name= "
+           "(spmd and fsdp take the global batch's statistics without it) or train with "
+           "--config.parallelism=pmap" if axis else f": {errors.one_line(e)}")
+    raise ConfigError(f"{errors.where(e, module.__file__)}: {failed[0]}{fix}") from None
   shape = getattr(logits, "shape", None)
   if shape == (batch, classes) and jnp.issubdtype(logits.dtype, jnp.floating):
     return

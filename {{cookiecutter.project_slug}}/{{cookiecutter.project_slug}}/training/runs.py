@@ -1,5 +1,5 @@
 """A run's config (`prepare`) and its workdir: config.json (the run's config), data.json (the data's
-description), a copy of its model.py, its checkpoints (checkpoints.py: `restore_or_init`). A run
+description), a copy of its model.py, its checkpoints (checkpoints.py: `Checkpoints`). A run
 started again in its workdir resumes it, and keeps its config but for what plan.FREE_ON_RESUME
 names. (Reading a trained run back: trained.py.)"""
 
@@ -14,15 +14,14 @@ from etils import epath
 
 from .. import plan, rules
 from ..data import sources
-from ..plan import CONFIG_FILE
-from . import checkpoints
-from .checkpoints import absolute, checkpoint_manager
+from ..plan import CONFIG_FILE, Plan
+from .checkpoints import Checkpoints, absolute, checkpoint_manager
 
 DATA_FILE = "data.json"
 MODEL_FILE = "model.py"  # the source of the run's model module (config.model.module), as trained
 
 
-def prepare(config: ml_collections.ConfigDict, workdir: str) -> tuple[plan.Plan, str]:
+def prepare(config: ml_collections.ConfigDict, workdir: str) -> tuple[Plan, str]:
   """The run's plan (`plan.make_plan`: the modules its config names, made once) and workdir. Its
   config is `config` checked and frozen, with what it comes to on these devices under
   `config.run` (`plan.resolved`: k, the global batch and a device's share) and, when `workdir`
@@ -34,7 +33,8 @@ def prepare(config: ml_collections.ConfigDict, workdir: str) -> tuple[plan.Plan,
   return plan.make_plan(ml_collections.FrozenConfigDict(config)), workdir
 
 
-def restore_or_init(workdir: str, config, info: sources.DatasetInfo, abstract, init):
+def start_or_resume(workdir: str, config, info: sources.DatasetInfo, abstract, init
+                    ) -> tuple[Checkpoints, int, object]:
   """The run's checkpoints (`checkpoints.Checkpoints`), the step it starts from and its state:
   the workdir's latest checkpoint's, else `init`'s (fine-tuned from `config.init_from`'s run:
   finetune.py, read first, so that a mismatch stops the run before its workdir is touched).
@@ -43,7 +43,7 @@ def restore_or_init(workdir: str, config, info: sources.DatasetInfo, abstract, i
     from .finetune import init_from
 
     init = init_from(config.init_from, abstract, init)
-  saved = checkpoints.Checkpoints(workdir, config)
+  saved = Checkpoints(workdir, config)
   first_step, state = saved.restore_or_init(abstract, init)
   write_description(workdir, config, info)
   return saved, first_step, state

@@ -62,7 +62,8 @@ def stop_signals():
 
 def stop_now(received: list, checkpoints, dispatch: int, can_agree: bool):
   """What stops the loop after this call (a signal number or a name), or None. Processes stop
-  together: on JAX's preemption service at the step that it names; else, with several processes
+  together: on JAX's preemption service at the step that it names (`checkpoints`: the run's
+  checkpoints.Checkpoints, which asks it); else, with several processes
   (which the platform connects without that service), at a step where they can agree
   (`can_agree`: one where the loop waits for results anyway), through a collective."""
   if preemption_service():
@@ -83,11 +84,12 @@ class NonFiniteLoss(FloatingPointError):
 
 def check_finite(nonfinite, since: int, config, checkpoints) -> None:
   """Raises if a step from `since` on was not finite (`nonfinite`: the interval's
-  `metrics.NonFinite`), unless such steps may be skipped."""
+  `metrics.NonFinite`), unless such steps may be skipped (`checkpoints`: the run's
+  checkpoints.Checkpoints, whose save in the background ends first)."""
   if nonfinite.count and not config.skip_nonfinite_steps:
-    checkpoints.wait_until_finished()
+    latest, directory = checkpoints.wait()
     raise NonFiniteLoss(
         f"non-finite loss or gradient at step {since + int(nonfinite.first)}; its update was "
-        f"not applied, and the latest checkpoint, step {checkpoints.latest_step()} in "
-        f"{checkpoints.directory}, was saved before it. Lower the learning rate, check the data, "
+        f"not applied, and the latest checkpoint, step {latest} in {directory}, was saved "
+        "before it. Lower the learning rate, check the data, "
         "or set --config.skip_nonfinite_steps=True.")
