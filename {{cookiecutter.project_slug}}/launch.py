@@ -9,12 +9,19 @@ on this machine, to try multi-process runs.
 Each process gets `--coordinator_address=127.0.0.1:PORT --num_processes=N --process_id=I`
 (JAX's distributed runtime, bound to the loopback interface only) and, with
 --devices_per_process, that many virtual CPU devices. When a process fails, the others are
-stopped; every process is bounded by --timeout. On a real cluster use its launcher instead
-(see README.md): every entry point finds SLURM, Open MPI and Cloud TPU pods (distributed.py).
+stopped; every process is bounded by --timeout. SIGTERM, SIGINT or SIGHUP to launch.py (what
+`timeout`, `kill`, Ctrl-C or a closed terminal send) is passed on to every process as SIGTERM:
+train.py saves at one step and exits 143, and so does launch.py. A SIGKILL of launch.py, which
+it cannot pass on, ends every process at once (Linux: the kernel kills them with it; the newest
+checkpoint saved before stays whole). On a real cluster use its launcher
+instead (see README.md): every entry point finds SLURM, Open MPI and Cloud TPU pods
+(distributed.py).
 """
 
+import ctypes
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -33,6 +40,19 @@ _SCRIPT = flags.DEFINE_string("script", "train.py", "The program each process ru
 GRACE_SECONDS = 10
 
 
+PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # to every process, as SIGTERM
+
+
+def ending_with(parent: int):
+  """What each process runs before its program (Linux): killed when `parent` (launch.py) dies
+  without passing a signal on (prctl's PR_SET_PDEATHSIG; a process of several ends its own
+  child with it: supervisor.py); ended at once if it already has."""
+  if sys.platform.startswith("linux"):
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+      os._exit(128 + signal.SIGKILL)
+
+
 def exit_status(returncode: int) -> int:
   """A process's exit status as a shell gives it: 128 + N for one killed by signal N."""
   return 128 - returncode if returncode < 0 else returncode
@@ -41,23 +61,51 @@ def exit_status(returncode: int) -> int:
 def launch(train_args: list[str], num_processes: int, devices_per_process: int | None = None,
            timeout: float = 3600, script: str = "train.py") -> int:
   """Starts the processes, waits for them; when one fails (or the timeout passes), stops the
-  others (SIGTERM, then SIGKILL after GRACE_SECONDS). Returns the first failed process's exit
-  status (`exit_status`), 124 on the timeout, or 0."""
+  others (SIGTERM, then SIGKILL after GRACE_SECONDS); a signal of `PASSED_ON` is passed on to
+  each as SIGTERM, and they are waited for (to the timeout). Returns the first failed process's
+  exit status (`exit_status`), 124 on the timeout, 143 after a signal passed on, or 0."""
   env = dict(os.environ)
   if devices_per_process:
     env["JAX_PLATFORMS"] = "cpu"
     others = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
     env["XLA_FLAGS"] = f"{others} --xla_force_host_platform_device_count={devices_per_process}"
   address = f"127.0.0.1:{portpicker.pick_unused_port()}"
-  processes = [
+  received, processes = [], []
+
+  def pass_on(signum, frame):
+    if not received:
+      print(f"launch.py: {signal.Signals(signum).name}; passed on to every process as SIGTERM "
+            "(each saves and stops)", file=sys.stderr, flush=True)
+    received.append(signum)
+    for p in processes:
+      if p.poll() is None:
+        p.terminate()
+
+  previous, parent = {signum: signal.signal(signum, pass_on) for signum in PASSED_ON}, os.getpid()
+  processes += [
       subprocess.Popen([sys.executable, script, *train_args, f"--coordinator_address={address}",
-                        f"--num_processes={num_processes}", f"--process_id={i}"], env=env)
+                        f"--num_processes={num_processes}", f"--process_id={i}"], env=env,
+                       preexec_fn=lambda: ending_with(parent))
       for i in range(num_processes)
   ]
+  if received:  # (one that came while they started)
+    pass_on(received[0], None)
+  try:
+    return wait(processes, timeout, received)
+  finally:
+    for signum, handler in previous.items():
+      signal.signal(signum, handler)
+
+
+def wait(processes: list, timeout: float, received: list) -> int:
+  """`launch`'s wait for its `processes`; `received`: the signals passed on to them so far."""
   deadline, status, stopping_since = time.monotonic() + timeout, 0, None
   while running := [p for p in processes if p.poll() is None]:  # (polls every process)
     failed = [(i, p.returncode) for i, p in enumerate(processes) if p.returncode not in (None, 0)]
-    if (failed or time.monotonic() > deadline) and stopping_since is None:
+    if received:  # stopping on a signal: each saves and exits, within the timeout
+      for p in running if time.monotonic() > deadline else ():
+        p.kill()
+    elif (failed or time.monotonic() > deadline) and stopping_since is None:
       status = exit_status(failed[0][1]) if failed else 124
       why = f"process {failed[0][0]} exited with status {status}" if failed else "timed out"
       print(f"launch.py: {why}; stopping the others", file=sys.stderr)
@@ -68,6 +116,8 @@ def launch(train_args: list[str], num_processes: int, devices_per_process: int |
       for p in running:
         p.kill()
     time.sleep(0.1)
+  if received and not status:
+    return 128 + signal.SIGTERM
   return status or next((exit_status(p.returncode) for p in processes if p.returncode), 0)
 
 

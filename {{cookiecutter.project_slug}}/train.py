@@ -132,11 +132,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   a checkpoint."""
   run = set_up(config, workdir)
   config, workdir, num_train_steps = run.plan.config, run.workdir, run.data.num_train_steps
-  # Closed at the end, however it ends: the workers stopped, the progress bar cleared.
-  with (stopping.stop_signals() as received, contextlib.closing(run.data),
-        contextlib.closing(run.report.progress)):
-    step, state, eval_metrics, stopped_by = train_loop(run, received)
-  run.checkpoints.close()  # waits for the last asynchronous save
+  # Closed at the end, however it ends: the workers stopped, the progress bar cleared; the last
+  # asynchronous save waited for; the workdir let go (its claim, `runs.Claim`).
+  with contextlib.closing(run.checkpoints.claim):
+    with (stopping.stop_signals() as received, contextlib.closing(run.data),
+          contextlib.closing(run.report.progress)):
+      step, state, eval_metrics, stopped_by = train_loop(run, received)
+    run.checkpoints.close()
   if stopped_by:
     run.report.end()
     logging.warning("%s", stopping.Stopped(stopped_by, step, num_train_steps, workdir))

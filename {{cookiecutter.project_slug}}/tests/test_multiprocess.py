@@ -243,6 +243,71 @@ def test_launch_stops_everything_soon_after_any_process_dies(tmp_path):
   print(f"launch.py exited {elapsed:.1f} s after process 1 was killed")
 
 
+def descendants(pid: int) -> list[int]:
+  """The processes below `pid`: its children, theirs, ..."""
+  children = [int(c) for c in subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)],
+                                             capture_output=True, text=True).stdout.split()]
+  return children + [d for child in children for d in descendants(child)]
+
+
+def launched_and_training(tmp_path) -> tuple[subprocess.Popen, list[int]]:
+  """launch.py's 2 processes training (their 10th step's checkpoint written), and every process
+  below launch.py."""
+  launcher = subprocess.Popen(
+      [sys.executable, "launch.py", "--num_processes=2", "--devices_per_process=4",
+       "--timeout=400", "--", "--config=configs/tiny.py", *OWN, f"--workdir={tmp_path}",
+       "--config.num_epochs=500"],
+      cwd=PROJECT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  deadline = time.monotonic() + 300
+  while not (tmp_path / "checkpoints" / "10").is_dir():  # training is under way
+    assert time.monotonic() < deadline and launcher.poll() is None, launcher.stderr.read()[-3000:]
+    time.sleep(0.1)
+  return launcher, descendants(launcher.pid)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_to_launch_reaches_every_process_which_saves_and_stops(tmp_path, signum):
+  """SIGTERM or SIGHUP to launch.py (what `timeout`, `kill` or a closed terminal sends): passed
+  on to both processes, which stop at one step and save it; each exits 143, and launch.py too;
+  no process is left."""
+  launcher, below = launched_and_training(tmp_path)
+  try:
+    launcher.send_signal(signum)
+    _, stderr = launcher.communicate(timeout=120)
+  finally:
+    for pid in [launcher.pid, *below]:
+      with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+  assert launcher.returncode == 143, stderr[-3000:]
+  assert f"launch.py: {signal.Signals(signum).name}; passed on to every process" in stderr
+  stops = re.findall(r"Stopped by (?:SIGTERM|a preemption notice) after step (\d+)", stderr)
+  steps = sorted(int(d.name) for d in (tmp_path / "checkpoints").iterdir() if d.name.isdigit())
+  assert not [pid for pid in below if alive(pid)]
+  print(f"stopped: {stops}; checkpoints {steps}")
+  assert steps[-1] > 10 and set(stops) == {str(steps[-1])}, (stops, steps, stderr[-3000:])
+
+
+@pytest.mark.slow
+def test_a_sigkill_of_launch_ends_every_process_it_started(tmp_path):
+  """SIGKILL of launch.py (nothing it can pass on): every process below it ends within 15 s (the
+  kernel kills each with it: prctl's PR_SET_PDEATHSIG), none trains on as an orphan."""
+  launcher, below = launched_and_training(tmp_path)
+  try:
+    launcher.kill()
+    launcher.wait(timeout=10)
+    killed, deadline = time.monotonic(), time.monotonic() + 60
+    while [pid for pid in below if alive(pid)] and time.monotonic() < deadline:
+      time.sleep(0.1)
+    elapsed = time.monotonic() - killed
+  finally:
+    for pid in below:
+      with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+  print(f"every process of launch.py's ended {elapsed:.1f} s after its SIGKILL")
+  assert elapsed <= 15 and len(below) >= 2, (elapsed, below)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("service", [True, False], ids=["preemption_service", "no_service"])
 def test_sigterm_to_one_process_stops_all_at_the_same_step(tmp_path, service):

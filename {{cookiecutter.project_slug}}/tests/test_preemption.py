@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import OWN, two_epochs
+from conftest import OWN, own_mount_namespace, two_epochs
 
 import train
 from write_arrayrecord import write_dataset
@@ -296,9 +296,15 @@ def damage_checkpoint(directory, how: str) -> None:
   """Damages checkpoint `directory` as disks and copies do: bytes `garbled` in its largest data
   file, that file `truncated` to half, its data folder `missing`, its metadata file
   (`no_metadata`), or one bit of one float flipped (`bit_flipped`: the state written again as
-  Orbax writes it, its checksums kept: damage that no read of the data notices)."""
+  Orbax writes it, its checksums kept: damage that no read of the data notices); its checksum
+  file garbled (`checksums_garbled`) or JSON of another type (`checksums_a_list`)."""
   if how == "bit_flipped":
     flip_a_bit(pathlib.Path(directory))
+    return
+  if how.startswith("checksums_"):
+    checksums = pathlib.Path(directory) / "checksums" / "metadata"
+    checksums.write_text("[1, 2, 3]" if how == "checksums_a_list" else
+                         checksums.read_text()[:40] + "\x00\xff garbled")
     return
   data = sorted(glob.glob(os.path.join(directory, "state", "ocdbt.process_*", "d", "*")),
                 key=os.path.getsize)
@@ -378,7 +384,7 @@ def test_the_other_failed_reads_of_a_damaged_checkpoint_are_not_reported_again(c
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["garbled", "truncated", "missing", "no_metadata", "bit_flipped",
-                                 "nonfinite"])
+                                 "nonfinite", "checksums_garbled", "checksums_a_list"])
 def test_a_damaged_checkpoint_is_named_kept_aside_and_the_run_ends_as_if_undamaged(
     straight_runs, tmp_path, caplog, how):
   """The latest checkpoint of a finished run damaged (or, `nonfinite`, a later one holding a
@@ -401,7 +407,9 @@ def test_a_damaged_checkpoint_is_named_kept_aside_and_the_run_ends_as_if_undamag
   gc.collect()  # (asyncio reports a failed read's other futures when they are collected)
   said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
   reason = {"nonfinite": "restores to non-finite values (0/dense/kernel)",
-            "bit_flipped": "is not what was saved (0/dense/kernel differs from its checksum)"
+            "bit_flipped": "is not what was saved (0/dense/kernel differs from its checksum)",
+            "checksums_garbled": "has a damaged checksum file (checksums/metadata: ",
+            "checksums_a_list": "has a damaged checksum file (checksums/metadata: a list)",
             }.get(how, "cannot be read (")
   assert len(said) == 1 and said[0].startswith(f"checkpoint {bad} in {workdir} {reason}"), said
   assert said[0].endswith(f": kept in {workdir}/damaged_checkpoints/{bad}; resuming from an "
@@ -412,6 +420,52 @@ def test_a_damaged_checkpoint_is_named_kept_aside_and_the_run_ends_as_if_undamag
   assert step == last and got.keys() == want.keys()
   for name, value in want.items():
     np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_without_checksums_is_restored_unchecked_in_one_line(straight_runs, tmp_path,
+                                                                          caplog):
+  """The latest checkpoint saved without checksums (an older version's: its checksums/ gone): the
+  same command restores it, saying in one warning that it was not checked, and ends as the run
+  never stopped, bitwise."""
+  straight, _ = straight_runs["spmd"]
+  workdir = tmp_path / "run"
+  shutil.copytree(straight, workdir)
+  last, want = final_state(workdir)
+  shutil.rmtree(workdir / "checkpoints" / str(last) / "checksums")
+  caplog.set_level(logging.INFO)
+  assert train.train_and_evaluate(two_epochs("spmd"), str(workdir))["examples"] == 360
+  said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+  assert said == [f"checkpoint {last} in {workdir}/checkpoints holds no checksums (an older "
+                  "version saved it): restored unchecked"], said
+  step, got = final_state(workdir)
+  assert step == last and not (workdir / "damaged_checkpoints").exists()
+  for name, value in want.items():
+    np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+@pytest.mark.slow
+def test_damage_that_cannot_be_put_aside_is_one_line_naming_both(tmp_path):
+  """A finished run's latest checkpoint garbled, its checkpoints/ a read-only mount of its own
+  (whence nothing moves): the same command stops in one `error:` line naming the damage and why
+  it could not be moved, exit 1, the checkpoint kept."""
+  own_mount_namespace()
+  workdir = tmp_path / "run"
+  train_py = [sys.executable, "train.py", "--config=configs/tiny.py", *OWN,
+              f"--workdir={workdir}", "--config.num_epochs=1"]
+  done = subprocess.run(train_py, cwd=PROJECT, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  last = max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+  damage_checkpoint(workdir / "checkpoints" / str(last), "garbled")
+  read_only = (f"mount --bind {workdir}/checkpoints {workdir}/checkpoints && mount -o "
+               f"remount,bind,ro {workdir}/checkpoints")
+  out = subprocess.run(["unshare", "-m", "sh", "-c", f"{read_only} && {' '.join(train_py)}"],
+                       cwd=PROJECT, capture_output=True, text=True, timeout=300)
+  lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+  assert out.returncode == 1 and len(lines) == 1, out.stderr[-3000:]
+  assert lines[0].startswith(f"error: checkpoint {last} in {workdir} cannot be read ("), lines
+  assert ", and it cannot be put aside (OSError: " in lines[0], lines  # (EXDEV: another mount)
+  assert (workdir / "checkpoints" / str(last) / "state").is_dir()
 
 
 @pytest.mark.slow

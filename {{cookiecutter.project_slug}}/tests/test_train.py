@@ -843,6 +843,49 @@ def test_a_workdir_that_is_a_file_is_refused_and_kept(tmp_path, monkeypatch, whe
   assert a_file.read_text() == "keep me"
 
 
+def test_a_workdir_is_held_by_one_run_at_a_time(tiny_config, tmp_path, monkeypatch, caplog):
+  """A workdir that cannot be made is one line. A run on a workdir that a live process of another
+  run claims (runs.CLAIM_FILE) stops in one line naming it (its host, process id and start),
+  nothing else written there; a claim whose process is gone, or that was not renewed for
+  runs.STALE_AFTER_S, is taken over, said in a warning: the run trains, and lets the workdir go
+  at its end."""
+  import socket
+
+  monkeypatch.chdir(PROJECT)
+  error = run_in_process("--config=configs/tiny.py", *OWN, "--workdir=/proc/nnx_dp_run")
+  assert error.startswith("error: --workdir='/proc/nnx_dp_run' cannot be made (") and (
+      "\n" not in error), error  # (a workdir that cannot be made: before Orbax's traceback)
+  workdir, host = tmp_path / "run", socket.gethostname()
+  workdir.mkdir()
+  claim = workdir / runs.CLAIM_FILE
+  holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+  try:
+    claim.write_text(json.dumps(dict(host=host, pid=holder.pid, since="2026-12-01T10:00:00",
+                                     renewed=time.time())))
+    error = run_in_process("--config=configs/tiny.py", *OWN, f"--workdir={workdir}")
+    assert error.startswith(f"error: workdir '{workdir}' is in use by another run: process "
+                            f"{holder.pid} on {host}, since 2026-12-01T10:00:00 (renewed "), error
+    assert "\n" not in error and sorted(os.listdir(workdir)) == [runs.CLAIM_FILE], error
+    renewed = time.time() - runs.STALE_AFTER_S - 60  # (a host gone: its process not seen here)
+    claim.write_text(json.dumps(dict(host="elsewhere", pid=holder.pid, since="then",
+                                     renewed=renewed)))
+    with caplog.at_level("WARNING"):
+      runs.Claim(str(workdir)).close()
+    assert f"held by process {holder.pid} on elsewhere since then, not renewed for " in caplog.text
+    assert not claim.exists()
+  finally:
+    holder.kill()
+    holder.wait()
+  claim.write_text(json.dumps(dict(host=host, pid=holder.pid, since="then", renewed=time.time())))
+  caplog.clear()
+  tiny_config.num_epochs = 1
+  with caplog.at_level("WARNING"):
+    train.train_and_evaluate(tiny_config, str(workdir))
+  assert f"held by process {holder.pid} on {host} since then, which is no longer running: " \
+         "taken over" in caplog.text, caplog.text
+  assert not claim.exists() and (workdir / "checkpoints").is_dir()
+
+
 def test_a_checkpoint_of_another_model_is_refused_and_kept(straight_runs, tmp_path, monkeypatch):
   """The spmd run's checkpoints (up to step 45) without its config.json (a resume compares
   that first: the test below), given a config with another model."""

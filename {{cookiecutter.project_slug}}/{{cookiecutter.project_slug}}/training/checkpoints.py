@@ -21,11 +21,13 @@ from .damaged import DAMAGED, leaf_name, newest_intact, put_aside
 
 
 class Checkpoints:
-  """The checkpoints of the run in `workdir` (`checkpoint_manager`, written as `config` says).
-  Any error of a save, whenever Orbax reports it, is raised as SaveFailed, in one line."""
+  """The checkpoints of the run in `workdir` (`checkpoint_manager`, written as `config` says),
+  which `claim` holds (runs.Claim: renewed as saves are checked; None: a reader's). Any error
+  of a save, whenever Orbax reports it, is raised as SaveFailed, in one line."""
 
-  def __init__(self, workdir: str, config):
-    self.workdir, self.manager = workdir, checkpoint_manager(workdir, config)
+  def __init__(self, workdir: str, config, claim=None):
+    self.workdir, self.claim = workdir, claim
+    self.manager = checkpoint_manager(workdir, config)
     self.every = config.checkpoint_every_steps
 
   def restore_or_init(self, abstract, init):
@@ -53,15 +55,28 @@ class Checkpoints:
         sorted(self.manager.all_steps(), reverse=True),
         lambda s: restore_state(self.manager, s, abstract, workdir),
         lambda s, why: logging.warning("checkpoint %d in %s %s: kept in %s; resuming from an "
-                                       "older one", s, workdir, why,
-                                       put_aside(self.manager, s, workdir)),
+                                       "older one", s, workdir, why, self.put_aside(s, why)),
         functools.partial(changed_leaf, self.manager))
     if step is not None:
+      if not checksums_file(self.manager, step).exists():
+        logging.warning("checkpoint %d in %s holds no checksums (an older version saved it): "
+                        "restored unchecked", step, self.manager.directory)
       logging.info("Resumed from the checkpoint of step %d in %s", step, workdir)
       return step, state
     raise ConfigError(f"no checkpoint in {workdir!r} can be restored (each is in "
                       f"{os.path.join(workdir, DAMAGED)}, the log says why); start again in a new "
                       "--workdir.")
+
+  def put_aside(self, step: int, why: str) -> str:
+    """`damaged.put_aside`; where it cannot be (a read-only folder), a ConfigError naming both."""
+    try:
+      return put_aside(self.manager, step, self.workdir)
+    except OSError as e:
+      where = os.path.join(self.manager.directory, str(step))
+      raise ConfigError(
+          f"checkpoint {step} in {self.workdir} {why}, and it cannot be put aside "
+          f"({errors.one_line(e, 200)}): move {where} out of the checkpoints (or give write "
+          "access), then run the same command.") from None
 
   def save(self, step: int, state) -> None:
     """Starts saving `state` as checkpoint `step`, in the background. A save off the interval
@@ -76,6 +91,8 @@ class Checkpoints:
     """Raises SaveFailed if a save in the background has failed since the last call."""
     with saving(self.workdir):
       self.manager.check_for_errors()
+    if self.claim:
+      self.claim.renew()
 
   def close(self) -> None:
     """Waits for the last save, and closes."""
@@ -176,16 +193,28 @@ def _without(message: str):
     logger.removeFilter(keep)
 
 
+def checksums_file(checkpoints, step: int) -> epath.Path:
+  return epath.Path(checkpoints.directory) / str(step) / "checksums" / "metadata"  # (Orbax's)
+
+
 def changed_leaf(checkpoints, step: int, state) -> str | None:
-  """The first leaf of `state` (or of a part of it: those leaves alone) that is not what
-  checkpoint `step` saved by its checksums, or None (also for a checkpoint saved without them).
-  Every process computes the sums together; each reads the saved ones from the file itself."""
-  path = epath.Path(checkpoints.directory) / str(step) / "checksums" / "metadata"  # (Orbax's)
+  """Why checkpoint `step` is not what it saved, by its checksums: a leaf of `state` (or of a
+  part of it: those leaves alone) that differs, or its checksum file damaged; else None (also for
+  a checkpoint saved without checksums, by an older version: said, restored unchecked). Every
+  process computes the sums together; each reads the saved ones from the file itself."""
+  path = checksums_file(checkpoints, step)
   if not path.exists():
     return None
-  saved = json.loads(path.read_text())
-  return next((name for name, value in checksums(state).items() if saved.get(name) != value),
+  try:
+    saved = json.loads(path.read_text())
+  except (OSError, ValueError) as e:
+    saved = errors.one_line(e, 120)
+  if not isinstance(saved, dict):
+    return (f"has a damaged checksum file (checksums/metadata: "
+            f"{saved if isinstance(saved, str) else 'a ' + type(saved).__name__})")
+  leaf = next((name for name, value in checksums(state).items() if saved.get(name) != value),
               None)
+  return leaf and f"is not what was saved ({leaf.removesuffix('/value')} differs from its checksum)"
 
 
 class SaveFailed(Exception):

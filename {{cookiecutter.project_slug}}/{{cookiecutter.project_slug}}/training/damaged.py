@@ -66,8 +66,8 @@ ORBAX_RESTORE_BARRIER = "_Checkpointer:restore"
 
 def damage(restore, step: int, changed=None) -> tuple[object, str | None]:
   """`restore(step)`, and what is wrong with checkpoint `step` (None: nothing) on any process: it
-  cannot be read, it is not what was saved (`changed(step, state)`: a leaf whose checksum
-  differs), or it holds non-finite values. A model that does not fit raises, as before. Every
+  cannot be read, it is not what was saved (`changed(step, state)`: why, or None), or it holds
+  non-finite values. A model that does not fit raises, as before. Every
   process takes the same collectives: first whether each could read its part, then, all having
   read, the checksums and whether a value is non-finite."""
   state, why = None, None
@@ -89,8 +89,8 @@ def damage(restore, step: int, changed=None) -> tuple[object, str | None]:
   if jax.process_count() > 1:  # the same verdict everywhere: damaged if any process found it
     whys = multihost_utils.process_allgather(np.int32(why is not None)).tolist()
     why = why or (f"cannot be read on process {whys.index(1)}" if any(whys) else None)
-  if why is None and changed is not None and (leaf := changed(step, state)) is not None:
-    why = f"is not what was saved ({leaf.removesuffix('/value')} differs from its checksum)"
+  if why is None and changed is not None:
+    why = changed(step, state)
   if why is None and (leaf := nonfinite_leaf(state)) is not None:
     why = f"restores to non-finite values ({leaf.removesuffix('/value')})"
   return state, why

@@ -3,20 +3,27 @@ description), a copy of its model.py, its checkpoints (checkpoints.py: `Checkpoi
 started again in its workdir resumes it, and keeps its config but for what plan.FREE_ON_RESUME
 names. (Reading a trained run back: trained.py.)"""
 
+import atexit
 import contextlib
+import datetime
 import json
+import os
+import socket
 import sys
+import time
 
 import jax
 import ml_collections
 from absl import logging
 from etils import epath
 
-from .. import plan, rules
+from .. import errors, plan, rules
 from ..data import sources
 from ..plan import CONFIG_FILE, Plan
 from .checkpoints import Checkpoints, absolute, checkpoint_manager
 
+CLAIM_FILE = "claimed.json"  # the run that holds the workdir (`Claim`)
+STALE_AFTER_S = 900  # a claim not renewed for this long (a hung run, a host gone) is stale
 DATA_FILE = "data.json"
 MODEL_FILE = "model.py"  # the source of the run's model module (config.model.module), as trained
 
@@ -43,10 +50,102 @@ def start_or_resume(workdir: str, config, info: sources.DatasetInfo, abstract, i
     from .finetune import init_from
 
     init = init_from(config.init_from, abstract, init)
-  saved = Checkpoints(workdir, config)
-  first_step, state = saved.restore_or_init(abstract, init)
-  write_description(workdir, config, info)
+  claim = Claim(workdir)
+  try:
+    saved = Checkpoints(workdir, config, claim)
+    first_step, state = saved.restore_or_init(abstract, init)
+    write_description(workdir, config, info)
+  except BaseException:  # (a checkpoint refused, say: the workdir let go as it was)
+    claim.close()
+    raise
   return saved, first_step, state
+
+
+class Claim:
+  """This run's hold on its workdir, taken before anything is written there (by process 0, of a
+  local workdir): `CLAIM_FILE` names the holder's host, process id and start, renewed as the loop
+  checks its saves (`renew`) and removed however the run ends (`close`; at the latest as its
+  process exits). A run on a workdir held by
+  another stops in one line naming the holder; a claim whose process is gone (on this host), or
+  not renewed for `STALE_AFTER_S`, is stale: said, and taken over."""
+
+  def __init__(self, workdir: str):
+    self.path, self.renewed = os.path.join(workdir, CLAIM_FILE), 0.0
+    self.held = jax.process_index() == 0 and "://" not in workdir
+    if not self.held:
+      return
+    try:
+      os.makedirs(workdir, exist_ok=True)
+    except OSError as e:
+      raise errors.ConfigError(f"--workdir={workdir!r} cannot be made ({errors.one_line(e)}); "
+                               "give a directory that this user can write.") from None
+    holder = self.holder()
+    if holder and not (why := stale(holder)):
+      age = time.time() - holder.get("renewed", 0)
+      raise errors.ConfigError(
+          f"workdir {workdir!r} is in use by another run: process {holder.get('pid')} on "
+          f"{holder.get('host')}, since {holder.get('since')} (renewed {age:.0f} s ago); let it "
+          f"end or stop it, or use another --workdir (a claim not renewed for {STALE_AFTER_S} s "
+          "is taken over).")
+    if holder and holder.get("pid") != os.getpid():
+      logging.warning("workdir %s was held by process %s on %s since %s, %s: taken over", workdir,
+                      holder.get("pid"), holder.get("host"), holder.get("since"), why)
+    self.since = datetime.datetime.now().isoformat(timespec="seconds")
+    atexit.register(self.close)
+    try:
+      self.renew(force=True)
+    except OSError as e:
+      raise errors.ConfigError(f"--workdir={workdir!r} cannot be written ({errors.one_line(e)}); "
+                               "give a directory that this user can write.") from None
+
+  def holder(self) -> dict | None:
+    try:
+      with open(self.path) as f:
+        holder = json.load(f)
+    except FileNotFoundError:
+      return None
+    except (OSError, ValueError):
+      return {"pid": "?", "host": "?", "since": "?", "unreadable": True}
+    return holder if isinstance(holder, dict) else {"unreadable": True}
+
+  def renew(self, force: bool = False) -> None:
+    """Writes the claim anew, at most once a minute (`force`: now, raising OSError where it
+    cannot; later, a claim that cannot be written ages: the saves say why)."""
+    if not self.held or (not force and time.time() - self.renewed < 60):
+      return
+    self.renewed = time.time()
+    claim = dict(host=socket.gethostname(), pid=os.getpid(), since=self.since,
+                 renewed=self.renewed)
+    try:
+      with open(f"{self.path}.{os.getpid()}", "w") as f:
+        json.dump(claim, f)
+      os.replace(f"{self.path}.{os.getpid()}", self.path)
+    except OSError:
+      if force:
+        raise
+
+  def close(self) -> None:
+    """Lets the workdir go (the claim removed, if it is still this process's)."""
+    if self.held and (self.holder() or {}).get("pid") == os.getpid():
+      os.remove(self.path)
+    self.held = False
+
+
+def stale(holder: dict) -> str | None:
+  """Why a claim (`Claim.holder`) no longer holds its workdir, or None while it does."""
+  if holder.get("unreadable"):
+    return "in a claim that cannot be read"
+  if holder.get("host") == socket.gethostname():
+    if holder.get("pid") == os.getpid():
+      return "this process's own"
+    try:
+      os.kill(int(holder["pid"]), 0)
+    except ProcessLookupError:
+      return "which is no longer running"
+    except (PermissionError, KeyError, ValueError, TypeError):
+      pass
+  age = time.time() - float(holder.get("renewed", 0))
+  return f"not renewed for {age:.0f} s" if age > STALE_AFTER_S else None
 
 
 def write_description(workdir: str, config, info: sources.DatasetInfo) -> None:
