@@ -59,15 +59,18 @@ def final_accuracy(output: str) -> float:
 
 
 def write_photos(folder: Path):
-  """The reader's own folder of JPEG files, one subfolder per class: the digits, 0..255."""
+  """The reader's own folder of JPEG files, one subfolder per class, of several sizes as photos
+  come: the digits, 0..255, at 8x8, 12x12 and 16x16 (which the README's command fits to 8x8)."""
   from PIL import Image
   from sklearn.datasets import load_digits
 
   images, labels = load_digits(return_X_y=True)
   for i, (image, label) in enumerate(zip(images, labels, strict=True)):
     (folder / str(label)).mkdir(parents=True, exist_ok=True)
-    pixels = np.round(image.reshape(8, 8) * 255 / 16).astype(np.uint8)
-    Image.fromarray(pixels).save(folder / str(label) / f"{i:04d}.jpg", quality=95)
+    pixels = Image.fromarray(np.round(image.reshape(8, 8) * 255 / 16).astype(np.uint8))
+    side = (8, 12, 16)[i % 3]
+    pixels.resize((side, side), Image.Resampling.BICUBIC).save(
+        folder / str(label) / f"{i:04d}.jpg", quality=95)
 
 
 def write_mine_npz(path: Path):

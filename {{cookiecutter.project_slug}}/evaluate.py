@@ -54,8 +54,8 @@ def image_folder_source(folder: str, run: trained.Restored) -> sources.ArraySour
       raise rules.ConfigError(f"--image_folder: {entry.path} is no class of the run; its classes "
                              f"are {', '.join(info.class_names)}.")
     for path in image_files.find_images([entry.path]):
-      image = image_files.read_image(path, info.image_shape,
-                                        center_ratio=trained.center_ratio(run))
+      image = image_files.read_image(path, info.image_shape, center_ratio=trained.center_ratio(
+          run), max_pixels=FLAGS.max_image_pixels)
       if isinstance(image, str):
         print(f"skipped {path}: {image}", file=sys.stderr)
         continue
@@ -177,6 +177,8 @@ if __name__ == "__main__":  # flags defined here: the functions above can be imp
                     "model.py (WORKDIR/model.py) where it differs from yours: this EXECUTES that "
                     "file's code; use it only on a workdir you trust.")
   flags.DEFINE_string("data_dir", None, "Evaluate on this directory's eval split.")
+  flags.DEFINE_integer("max_image_pixels", image_files.MAX_PIXELS, "--image_folder: an image "
+                       "of more pixels is named and skipped, not decoded.")
   flags.DEFINE_string("image_folder", None, "Evaluate on these images: one "
                        "subfolder per class, named as the run's classes.")
   app.run(main)

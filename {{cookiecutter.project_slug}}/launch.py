@@ -8,19 +8,21 @@ on this machine, to try multi-process runs.
 
 Each process gets `--coordinator_address=127.0.0.1:PORT --num_processes=N --process_id=I`
 (JAX's distributed runtime, bound to the loopback interface only) and, with
---devices_per_process, that many virtual CPU devices. When a process fails, the others are
-stopped; every process is bounded by --timeout. SIGTERM, SIGINT or SIGHUP to launch.py (what
+--devices_per_process, that many virtual CPU devices. Each is one process (`python train.py`);
+launch.py watches its standard error (parallel/watch.py: when the job loses a process, one line
+instead of the survivors' stack dumps). When a process fails, the others are stopped; every
+process is bounded by --timeout. SIGTERM, SIGINT or SIGHUP to launch.py (what
 `timeout`, `kill`, Ctrl-C or a closed terminal send) is passed on to every process as SIGTERM:
 train.py saves at one step and exits 143, and so does launch.py. A SIGKILL of launch.py, which
 it cannot pass on, ends every process at once (Linux: the kernel kills them with it; the newest
-checkpoint saved before stays whole). On a real cluster use its launcher
-instead (see README.md): every entry point finds SLURM, Open MPI and Cloud TPU pods
-(distributed.py).
+checkpoint saved before stays whole). On a real cluster use its launcher instead, each process
+under clusters/watched.py (clusters/ and README.md): every entry point finds SLURM, Open MPI and
+Cloud TPU pods (distributed.py).
 """
 
-import ctypes
 import os
 import re
+import selectors
 import signal
 import subprocess
 import sys
@@ -28,6 +30,8 @@ import time
 
 import portpicker
 from absl import app, flags
+
+from {{cookiecutter.project_slug}}.parallel import watch
 
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "How many processes.")
 _DEVICES = flags.DEFINE_integer("devices_per_process", None, "Virtual CPU devices per process.")
@@ -43,27 +47,13 @@ GRACE_SECONDS = 10
 PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # to every process, as SIGTERM
 
 
-def ending_with(parent: int):
-  """What each process runs before its program (Linux): killed when `parent` (launch.py) dies
-  without passing a signal on (prctl's PR_SET_PDEATHSIG; a process of several ends its own
-  child with it: supervisor.py); ended at once if it already has."""
-  if sys.platform.startswith("linux"):
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-    if os.getppid() != parent:
-      os._exit(128 + signal.SIGKILL)
-
-
-def exit_status(returncode: int) -> int:
-  """A process's exit status as a shell gives it: 128 + N for one killed by signal N."""
-  return 128 - returncode if returncode < 0 else returncode
-
-
 def launch(train_args: list[str], num_processes: int, devices_per_process: int | None = None,
            timeout: float = 3600, script: str = "train.py") -> int:
-  """Starts the processes, waits for them; when one fails (or the timeout passes), stops the
-  others (SIGTERM, then SIGKILL after GRACE_SECONDS); a signal of `PASSED_ON` is passed on to
-  each as SIGTERM, and they are waited for (to the timeout). Returns the first failed process's
-  exit status (`exit_status`), 124 on the timeout, 143 after a signal passed on, or 0."""
+  """Starts the processes (each one process: `python SCRIPT`), waits for them, watching their
+  standard error (`wait`); when one fails (or the timeout passes), stops the others (SIGTERM,
+  then SIGKILL after GRACE_SECONDS); a signal of `PASSED_ON` is passed on to each as SIGTERM, and
+  they are waited for (to the timeout). Returns the first failed process's exit status
+  (`watch.exit_status`), 124 on the timeout, 143 after a signal passed on, or 0."""
   env = dict(os.environ)
   if devices_per_process:
     env["JAX_PLATFORMS"] = "cpu"
@@ -85,7 +75,7 @@ def launch(train_args: list[str], num_processes: int, devices_per_process: int |
   processes += [
       subprocess.Popen([sys.executable, script, *train_args, f"--coordinator_address={address}",
                         f"--num_processes={num_processes}", f"--process_id={i}"], env=env,
-                       preexec_fn=lambda: ending_with(parent))
+                       stderr=subprocess.PIPE, preexec_fn=lambda: watch.ending_with(parent))
       for i in range(num_processes)
   ]
   if received:  # (one that came while they started)
@@ -98,27 +88,51 @@ def launch(train_args: list[str], num_processes: int, devices_per_process: int |
 
 
 def wait(processes: list, timeout: float, received: list) -> int:
-  """`launch`'s wait for its `processes`; `received`: the signals passed on to them so far."""
-  deadline, status, stopping_since = time.monotonic() + timeout, 0, None
+  """`launch`'s wait for its `processes`, passing on their standard error (a `watch.Watch` each:
+  a survivor's dump after the job lost a process is one line); `received`: the signals passed on
+  to them so far."""
+  deadline, status, stopping_since, said = time.monotonic() + timeout, 0, None, False
+  watches = [watch.Watch(sys.stderr.buffer) for _ in processes]
+  selector = selectors.DefaultSelector()
+  for p, w in zip(processes, watches, strict=True):
+    selector.register(p.stderr, selectors.EVENT_READ, w)
   while running := [p for p in processes if p.poll() is None]:  # (polls every process)
     failed = [(i, p.returncode) for i, p in enumerate(processes) if p.returncode not in (None, 0)]
     if received:  # stopping on a signal: each saves and exits, within the timeout
       for p in running if time.monotonic() > deadline else ():
         p.kill()
     elif (failed or time.monotonic() > deadline) and stopping_since is None:
-      status = exit_status(failed[0][1]) if failed else 124
+      status = watch.exit_status(failed[0][1]) if failed else 124
       why = f"process {failed[0][0]} exited with status {status}" if failed else "timed out"
-      print(f"launch.py: {why}; stopping the others", file=sys.stderr)
+      print(f"launch.py: {why}; stopping the others", file=sys.stderr, flush=True)
+      said = bool(failed)
       for p in running:
         p.terminate()  # SIGTERM: train.py saves what it can and exits
       stopping_since = time.monotonic()
     elif stopping_since is not None and time.monotonic() > stopping_since + GRACE_SECONDS:
       for p in running:
         p.kill()
-    time.sleep(0.1)
+    read(selector, 0.1)
+  drained = time.monotonic() + 5  # (what is left in the pipes; a worker may hold one open)
+  while selector.get_map() and time.monotonic() < drained:
+    read(selector, 0.1)
+  for p, w in zip(processes, watches, strict=True):
+    if (lost := w.end(p.returncode)) and not said:  # the loss said once, by the first to see it
+      print(lost, file=sys.stderr, flush=True)
+      said = True
   if received and not status:
     return 128 + signal.SIGTERM
-  return status or next((exit_status(p.returncode) for p in processes if p.returncode), 0)
+  return status or next((watch.exit_status(p.returncode) for p in processes if p.returncode), 0)
+
+
+def read(selector, timeout: float) -> None:
+  """Feeds what the processes wrote within `timeout` to their watches; a stream that ended is
+  let go."""
+  for key, _ in selector.select(timeout):
+    if data := os.read(key.fileobj.fileno(), 1 << 16):
+      key.data.feed(data)
+    else:
+      selector.unregister(key.fileobj)
 
 
 def main(argv):

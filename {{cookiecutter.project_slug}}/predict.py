@@ -31,7 +31,8 @@ from {{cookiecutter.project_slug}}.training import steps, trained
 FLAGS = flags.FLAGS
 
 
-def predict(run: trained.Restored, paths: list[str], batch_size: int = 0):
+def predict(run: trained.Restored, paths: list[str], batch_size: int = 0,
+            max_pixels: int = image_files.MAX_PIXELS):
   """Yields (path, probabilities [classes] or why the file could not be read), in order. Each
   process reads its share of every batch (`batch_size` rows over all devices); every process
   gets every row's probabilities."""
@@ -45,7 +46,8 @@ def predict(run: trained.Restored, paths: list[str], batch_size: int = 0):
       static_argnums=0, out_shardings=NamedSharding(run.mesh, P()))  # every row, everywhere
   put = lambda x: jax.make_array_from_process_local_data(sharding, x)  # noqa: E731
   read = functools.partial(image_files.read_image, image_shape=run.info.image_shape,
-                           pixel_dtype=run.info.pixel_dtype, center_ratio=trained.center_ratio(run))
+                           pixel_dtype=run.info.pixel_dtype, center_ratio=trained.center_ratio(run),
+                           max_pixels=max_pixels)
   with concurrent.futures.ThreadPoolExecutor(batches.available_cpus()) as pool:
     for start in range(0, len(paths), batch_size):
       chunk = paths[start:start + batch_size]
@@ -61,6 +63,21 @@ def predict(run: trained.Restored, paths: list[str], batch_size: int = 0):
       by_row = {int(row): p for row, p, ok in zip(rows, probs, real, strict=True) if ok}
       for row, path in enumerate(chunk):  # unreadable: read again (here) for the reason
         yield path, by_row[row] if row in by_row else read(path)
+
+
+def say_fitted(path: str, image_shape) -> bool:
+  """Says how `path` was fitted to the run's `image_shape`, where it had another; returns whether
+  it did."""
+  with open(path, "rb") as f:
+    height, width, channels = image_files.encoded_shape(f.read())
+  if (height, width, channels) == tuple(image_shape):
+    return False
+  colour = {(3, 1): ", its colours made gray", (1, 3): ", its gray made RGB"}.get(
+      (channels, image_shape[2]), "")
+  print(f"predict.py: {path} is {height}x{width}x{channels}, the model's images "
+        f"{'x'.join(map(str, image_shape))}: each image of another size is scaled to cover it "
+        f"and centre-cropped{colour}, as the run's data was", file=sys.stderr)
+  return True
 
 
 def main(argv):
@@ -85,14 +102,16 @@ def main(argv):
     raise SystemExit(f"error: {e}") from None
   if process.is_first():
     print(run.summary, file=sys.stderr)
-  names, skipped = run.info.class_names, 0
-  for path, probs in predict(run, paths, FLAGS.batch_size):
+  names, skipped, fitted = run.info.class_names, 0, False
+  for path, probs in predict(run, paths, FLAGS.batch_size, FLAGS.max_image_pixels):
     if not process.is_first():  # process 0 prints
       continue
     if isinstance(probs, str):
       print(f"skipped {path}: {probs}", file=sys.stderr)
       skipped += 1
       continue
+    if not fitted and not path.lower().endswith(".npy"):  # said once: how images were fitted
+      fitted = say_fitted(path, run.info.image_shape)
     top = np.argsort(-probs, kind="stable")[:FLAGS.top_k]
     if FLAGS.json:
       print(json.dumps(dict(path=path, **{"class": names[top[0]]},
@@ -113,6 +132,8 @@ if __name__ == "__main__":  # flags defined here: the functions above can be imp
                     "model.py (WORKDIR/model.py) where it differs from yours: this EXECUTES that "
                     "file's code; use it only on a workdir you trust.")
   flags.DEFINE_integer("top_k", 1, "How many classes to report per image.")
+  flags.DEFINE_integer("max_image_pixels", image_files.MAX_PIXELS, "An image of more pixels is "
+                       "named and skipped, not decoded.")
   flags.DEFINE_bool("json", False, "One JSON object per line.")
   flags.DEFINE_integer("batch_size", 0, "Images per call (0: the run's batch size, "
                         "rounded up to a multiple of the devices).")

@@ -5,6 +5,11 @@
 The logic is in `train_and_evaluate(config, workdir)`; the absl entry point is at the bottom.
 """
 
+import sys
+
+if __name__ == "__main__" and sys.stderr.isatty():  # at once: the imports below take seconds
+  print("train.py: starting (importing JAX, Flax, Orbax, Grain)", file=sys.stderr, flush=True)
+
 import contextlib
 from typing import NamedTuple
 
@@ -48,10 +53,13 @@ def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   config = run_plan.config
   # The devices' layout; the data (this process's rows of each batch), read and described.
   mesh = sharding.make_mesh(config)
+  logging.info("reading the data: config.dataset=%r", config.dataset)  # (each phase: a line)
   data = input_pipeline.Input(config, sharding.process_rows(mesh, config.run.global_batch_size))
   info, num_train_steps = data.info, data.num_train_steps
+  logging.info("checking model.py on the data's images %s", list(info.image_shape))
   optim.check_model(run_plan, info)  # model.py on this data, abstractly: before any compile
   # The state: built, or restored (the workdir's latest checkpoint), and the steps that take it.
+  logging.info("building the model and optimizer state, or restoring it from %s", workdir)
   graphdef, abstract, init = optim.initial_state(run_plan, info, mesh, num_train_steps)
   saved, first_step, state = runs.start_or_resume(workdir, config, info, abstract, init)
   # What the run reports (process 0 writes): what it will do, its metrics, progress, a profile.
@@ -64,6 +72,7 @@ def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
                                              compiled.put_batch(data.eval_batches[0])))
   # The input: its workers start here; the eval step compiled on its first and last batches.
   data.start(first_step, compiled.put_batch)
+  logging.info("compiling the steps (or loading them from the compilation cache)")
   return Run(run_plan, workdir, data, first_step, state, compiled, saved, reporting,
              dispatch.compile_eval(compiled, state, data.eval_batches, run_plan.metrics.eval))
 
@@ -143,9 +152,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     run.report.end()
     logging.warning("%s", stopping.Stopped(stopped_by, step, num_train_steps, workdir))
     raise stopping.Stopped(stopped_by, step, num_train_steps, workdir)  # (no local: no cycle)
-  run.report.end(num_train_steps, config.run.global_batch_size)
   logging.info("Final eval: accuracy %.4f, loss %.4f, on %d examples", eval_metrics["accuracy"],
                eval_metrics["loss"], eval_metrics["examples"])
+  run.report.end(num_train_steps, config.run.global_batch_size)  # (then the commands for next)
   return eval_metrics
 
 

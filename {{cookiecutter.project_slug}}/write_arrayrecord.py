@@ -7,8 +7,11 @@
 --image_folder: one subfolder per class, named after it (labels 0, 1, ... follow the names'
 sorted order), holding JPEG or PNG files (in subfolders too). With `train/` and `val/` inside,
 those are the two splits; otherwise `--eval_fraction` of each class is held out (seeded).
-Images are decoded to uint8 and, with `--image_size=H[,W]` (needed when their sizes differ),
-scaled and center-cropped to it; they keep 1 channel if all are gray, else they are RGB.
+Images are decoded to uint8 (upright: their EXIF orientation applied) and, with
+`--image_size=H[,W]`, scaled and center-cropped to it; without, images of several sizes are
+fitted so to a square of side FIT_SIDE (224), or the shortest side among them if less (said in
+one line; and those a crop loses more than a quarter of: a panorama). They keep 1 channel if all
+are gray, else they are RGB.
 `--keep_encoded` stores each file's bytes as they are (smaller on disk): the Grain workers then
 decode, and resize, them while training. `--resize_shorter=S` (with `--image_size`, the size
 that training and evaluation crop to, e.g. 224 from 256) keeps each photo whole, with its
@@ -30,6 +33,7 @@ image shape, the number of classes (and their names) and the split sizes. Then t
 """
 
 import concurrent.futures
+import functools
 import glob
 import io
 import json
@@ -131,7 +135,8 @@ def write_dataset(out_dir: str, splits: dict[str, tuple[np.ndarray, np.ndarray]]
 def list_image_folder(folder: str, eval_fraction: float,
                       ) -> tuple[list[str], dict[str, list[tuple[str, int]]]]:
   """The class names and, for 'train' and 'eval', the (path, label) of every image file.
-  Raises ValueError, naming the folder, for a tree that holds no class or an empty class."""
+  Raises ValueError, naming the folder, for a tree that holds fewer than two classes or an
+  empty class."""
   def classes_in(directory: str) -> list[str]:
     return sorted(entry.name for entry in os.scandir(directory) if entry.is_dir())
 
@@ -144,6 +149,10 @@ def list_image_folder(folder: str, eval_fraction: float,
   if not classes:
     raise ValueError(f"{root} has no class folders: put each class's images (.jpg, .jpeg, .png) "
                      f"in {os.path.join(root, 'CLASS_NAME')}/.")
+  if len(classes) == 1:  # (a wrong layout: a classifier of one class learns nothing)
+    raise ValueError(f"{root} holds one class folder, {classes[0]!r}: a classifier needs two or "
+                     f"more; give the folder whose subfolders are the classes ({root}/cat/, "
+                     f"{root}/dog/, ...).")
   files = {name: image_files.images_under(os.path.join(root, name)) for name in classes}
   for name, paths in files.items():
     if not paths:
@@ -173,29 +182,36 @@ def list_image_folder(folder: str, eval_fraction: float,
   return classes, examples
 
 
-def read_header(path: str) -> tuple[tuple[int, int], str] | str:
-  """((width, height), mode) from the file's header, or why it could not be read."""
+def read_header(path: str, max_pixels: int = image_files.MAX_PIXELS
+                ) -> tuple[tuple[int, int], str] | str:
+  """((width, height), mode) from the file's header (as seen: its EXIF orientation applied), or
+  why it could not be read (more than `max_pixels` too)."""
   try:
-    with Image.open(path) as image:
-      return image.size, image.mode
+    with open(path, "rb") as f, image_files.open_image(f.read(), max_pixels) as image:
+      return image_files.upright_size(image), image.mode
   except Exception as e:  # noqa: BLE001  (any unreadable file is reported and skipped)
     return f"{type(e).__name__}: {e}"
 
 
-def shrink(path: str, shorter: int, channels: int) -> bytes | str:
-  """The file as encoded bytes, its shorter side at most `shorter` (a larger photo is scaled down
-  and stored as a JPEG of quality 95), or why it could not be read."""
+def shrink(path: str, shorter: int, channels: int, max_pixels: int = image_files.MAX_PIXELS
+           ) -> bytes | str:
+  """The file as encoded bytes, upright, its shorter side at most `shorter`: a larger photo is
+  scaled down, and a photo held sideways turned (its EXIF orientation), either stored as a JPEG
+  of quality 95. Or why it could not be read (more than `max_pixels` too)."""
+  mode = "L" if channels == 1 else "RGB"
   try:
     with open(path, "rb") as f:
       data = f.read()
-    with Image.open(io.BytesIO(data)) as image:
-      if min(image.size) <= shorter:
-        image.convert("L" if channels == 1 else "RGB")  # decodes: a broken file fails here
+    with image_files.open_image(data, max_pixels) as image:
+      turned = image.getexif().get(image_files.ORIENTATION, 1) != 1
+      if min(image.size) <= shorter and not turned:
+        image.convert(mode)  # decodes: a broken file fails here
         return data
-      size = tuple(max(round(s * shorter / min(image.size)), 1) for s in image.size)
-      image.draft("L" if channels == 1 else "RGB", size)  # a JPEG decodes at a smaller scale
-      image = image.convert("L" if channels == 1 else "RGB").resize(
-          size, Image.Resampling.BICUBIC)
+      if not turned:  # a JPEG decodes at a smaller scale
+        image.draft(mode, tuple(max(round(s * shorter / min(image.size)), 1) for s in image.size))
+      image = image_files.upright(image).convert(mode)
+      size = tuple(max(round(s * min(shorter / min(image.size), 1)), 1) for s in image.size)
+      image = image.resize(size, Image.Resampling.BICUBIC) if size != image.size else image
       out = io.BytesIO()
       image.save(out, "JPEG", quality=95)
       return out.getvalue()
@@ -206,9 +222,11 @@ def shrink(path: str, shorter: int, channels: int) -> bytes | str:
 def write_image_folder(out_dir: str, folder: str, image_size: tuple[int, int] | None = None,
                        keep_encoded: bool = False, eval_fraction: float = 0.2,
                        num_shards: int = 4, num_threads: int | None = None,
-                       resize_shorter: int = 0) -> list[str]:
-  """Writes the images of `folder` (see the module's docstring); returns the skipped paths.
-  Checks the whole tree (file names and image headers) before writing anything."""
+                       resize_shorter: int = 0, max_pixels: int = image_files.MAX_PIXELS
+                       ) -> list[str]:
+  """Writes the images of `folder` (see the module's docstring); returns the skipped paths (an
+  image over `max_pixels` among them). Checks the whole tree (file names and image headers)
+  before writing anything."""
   if resize_shorter and not image_size:
     raise ValueError("--resize_shorter needs --image_size: the size that training and evaluation "
                      "crop the photos to (e.g. --resize_shorter=256 --image_size=224).")
@@ -221,19 +239,24 @@ def write_image_folder(out_dir: str, folder: str, image_size: tuple[int, int] | 
   skipped = []
   with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:  # PIL releases the GIL
     for split, pairs in examples.items():
-      headers = list(pool.map(read_header, [path for path, _ in pairs], chunksize=64))
+      headers = list(pool.map(functools.partial(read_header, max_pixels=max_pixels),
+                              [path for path, _ in pairs], chunksize=64))
       skipped += [(path, h) for (path, _), h in zip(pairs, headers, strict=True)
                   if isinstance(h, str)]
       examples[split] = [(p, label, h) for (p, label), h in zip(pairs, headers, strict=True)
                          if not isinstance(h, str)]
     headers = [h for pairs in examples.values() for _, _, h in pairs]
-    if image_size is None:
-      sizes = sorted({size for size, _ in headers})
-      if len(sizes) > 1:
-        raise ValueError(f"the images have {len(sizes)} sizes ({sizes[0][1]}x{sizes[0][0]}, "
-                         f"{sizes[1][1]}x{sizes[1][0]}, ...); give --image_size=H,W to scale and "
-                         "crop them to one.")
+    sizes = sorted({size for size, _ in headers})
+    if image_size is None and len(sizes) == 1:
       image_size = sizes[0][::-1]
+    elif image_size is None:
+      side = min(FIT_SIDE, *(min(size) for size in sizes))
+      image_size = (side, side)
+      print(f"the images have {len(sizes)} sizes ({sizes[0][1]}x{sizes[0][0]}, {sizes[1][1]}x"
+            f"{sizes[1][0]}, ...): each is scaled to cover {side}x{side} and centre-cropped "
+            "(--image_size=H,W for another size; --resize_shorter=S with it keeps them whole)")
+    if not resize_shorter:
+      say_cropped(examples, image_size)
     channels = 1 if all(mode in image_files.GRAY_MODES for _, mode in headers) else 3
     image_shape = (*image_size, channels)
     os.makedirs(out_dir, exist_ok=True)
@@ -243,10 +266,11 @@ def write_image_folder(out_dir: str, folder: str, image_size: tuple[int, int] | 
         chunk = 1024  # decoded a chunk at a time, in order, by the threads
         for start in range(0, len(triples), chunk):
           part = triples[start:start + chunk]
-          images = (pool.map(shrink, [p for p, _, _ in part], [resize_shorter] * len(part),
-                             [channels] * len(part)) if resize_shorter else
-                    pool.map(image_files.read_image, [p for p, _, _ in part],
-                             [image_shape] * len(part), [keep_encoded] * len(part)))
+          images = pool.map(functools.partial(
+              shrink, shorter=resize_shorter, channels=channels, max_pixels=max_pixels)
+              if resize_shorter else functools.partial(
+              image_files.read_image, image_shape=image_shape, keep_encoded=keep_encoded,
+              max_pixels=max_pixels), [p for p, _, _ in part])
           for i, ((path, label, _), image) in enumerate(zip(part, images, strict=True)):
             if isinstance(image, str):
               skipped.append((path, image))
@@ -267,6 +291,22 @@ def write_image_folder(out_dir: str, folder: str, image_size: tuple[int, int] | 
                  encoded=keep_encoded or bool(resize_shorter), pixel_dtype="uint8",
                  **({"resize_shorter": resize_shorter} if resize_shorter else {}))
   return [path for path, _ in skipped]
+
+
+FIT_SIDE = 224  # the side of the square that images of several sizes are fitted to by default
+
+
+def say_cropped(examples: dict, image_size) -> None:
+  """Says, once, how many images the centre crop to `image_size` (height, width) loses more than
+  a quarter of (a panorama), naming the one it loses most of."""
+  kept = sorted((min(w * image_size[0] / (h * image_size[1]), h * image_size[1] /
+                     (w * image_size[0])), path, (w, h))
+                for triples in examples.values() for path, _, ((w, h), _) in triples)
+  if lost := [k for k in kept if k[0] < 0.75]:
+    share, path, (w, h) = lost[0]
+    print(f"images losing more than a quarter of their area to the centre crop to {image_size[0]}"
+          f"x{image_size[1]}: {len(lost)}; the most, {path} ({h}x{w}), keeps {share:.0%} "
+          "(--resize_shorter=S with --image_size keeps photos whole)")
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -293,6 +333,9 @@ _KEEP_ENCODED = flags.DEFINE_bool("keep_encoded", False, "Store the image files'
 _EVAL_FRACTION = flags.DEFINE_float("eval_fraction", 0.2, "--image_folder without train/ and "
                                     "val/: the share of each class held out.")
 _NUM_SHARDS = flags.DEFINE_integer("num_shards", 4, "Files per split.")
+_MAX_PIXELS = flags.DEFINE_integer(
+    "max_image_pixels", image_files.MAX_PIXELS, "An image of more pixels (width x height) is "
+    "named and skipped, not decoded (PIL's decompression-bomb bound by default).")
 
 
 def main(argv):
@@ -308,7 +351,8 @@ def main(argv):
       size = _IMAGE_SIZE.value and parse_size(_IMAGE_SIZE.value)
       skipped = write_image_folder(out_dir, _IMAGE_FOLDER.value, size or None,
                                    _KEEP_ENCODED.value, _EVAL_FRACTION.value, _NUM_SHARDS.value,
-                                   resize_shorter=_RESIZE_SHORTER.value)
+                                   resize_shorter=_RESIZE_SHORTER.value,
+                                   max_pixels=_MAX_PIXELS.value)
       with open(os.path.join(out_dir, "metadata.json")) as f:
         meta = json.load(f)
       print(f"wrote {', '.join(f'{s}: {n}' for s, n in meta['num_examples'].items())} images "

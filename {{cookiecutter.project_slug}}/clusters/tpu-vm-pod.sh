@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 # What train.py needs: the entry points, model.py, the configs and the package (not .venv, data
 # or workdirs). Add what else your model.py imports.
 gcloud compute tpus tpu-vm scp --zone="$zone" --worker=all --recurse \
-  pyproject.toml README.md LICENSE *.py configs {{cookiecutter.project_slug}} "$name":nnx-dp
+  pyproject.toml README.md LICENSE *.py configs clusters {{cookiecutter.project_slug}} "$name":nnx-dp
 gcloud compute tpus tpu-vm ssh "$name" --zone="$zone" --worker=all --command="cd nnx-dp && \
 python3 -m venv .venv && .venv/bin/pip install -q -e '.[tpu,gcs]' && \
-.venv/bin/python train.py $(printf '%q ' "$@")"
+.venv/bin/python clusters/watched.py train.py $(printf '%q ' "$@")"

@@ -128,11 +128,13 @@ def test_the_tpu_pod_script_runs_train_py_on_every_host_with_the_arguments(tmp_p
   assert imported.returncode == 0, imported.stderr[-3000:]
   assert imported.stdout.strip().startswith(str(tmp_path / "host" / "nnx-dp")), imported.stdout
   assert copy.startswith("compute tpus tpu-vm scp --zone=us-west4-a --worker=all --recurse")
-  assert "train.py" in copy.split() and "model.py" in copy.split() and copy.endswith("pod:nnx-dp")
+  assert {"train.py", "model.py", "clusters"} <= set(copy.split()) and copy.endswith("pod:nnx-dp")
+  assert (tmp_path / "host" / "nnx-dp" / "clusters" / "watched.py").is_file()
   assert ssh.startswith("compute tpus tpu-vm ssh pod --zone=us-west4-a --worker=all --command=")
   command = ssh.split("--command=", 1)[1]
   assert shlex.split(command.split("&&")[-1]) == [
-      ".venv/bin/python", "train.py", "--workdir=gs://b/run x", "--config=configs/imagenet.py"]
+      ".venv/bin/python", "clusters/watched.py", "train.py", "--workdir=gs://b/run x",
+      "--config=configs/imagenet.py"]
   usage = subprocess.run(["bash", f"{CLUSTERS}/tpu-vm-pod.sh", "pod"], capture_output=True,
                          text=True, timeout=30)
   assert usage.returncode == 2 and usage.stderr.startswith("usage: ")
@@ -242,14 +244,15 @@ def test_the_sbatch_script_trains_as_one_process_and_requeues_when_signalled(
 def test_the_gpu_jobset_environment_trains_as_one_process(tmp_path, one_process):
   """Each pod's command and environment from the JobSet (its index for JOB_COMPLETION_INDEX, the
   coordinator's name replaced by 127.0.0.1, the run's config and workdir by the test's): 2
-  processes that JAX joins from JAX_COORDINATOR_ADDRESS, training as 1 process does."""
+  processes (each train.py under clusters/watched.py) that JAX joins from
+  JAX_COORDINATOR_ADDRESS, training as 1 process does."""
   _, container = jobset("gke-gpu-jobset.yaml")
   port = portpicker.pick_unused_port()
   env = {e["name"]: e["value"] for e in container["env"]}
   env["JAX_COORDINATOR_ADDRESS"] = f"127.0.0.1:{port}"
   args = [a for a in container["args"] if not a.startswith(("--config=", "--workdir="))]
   processes = [subprocess.Popen(
-      [sys.executable, container["command"][1], *RUN, f"--workdir={tmp_path}",
+      [sys.executable, *container["command"][1:], *RUN, f"--workdir={tmp_path}",
        *[a.replace("$(JOB_COMPLETION_INDEX)", str(i)) for a in args]],
       cwd=PROJECT, env=four_devices(**env, JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}"),
       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]

@@ -2,6 +2,7 @@
 launchers set (SLURM's, Open MPI's, Kubernetes', Cloud TPU's), never from JAX's private modules."""
 
 import glob
+import io
 import os
 import signal
 import socket
@@ -11,7 +12,7 @@ import time
 
 import pytest
 
-from {{cookiecutter.project_slug}}.parallel import distributed
+from {{cookiecutter.project_slug}}.parallel import distributed, watch
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER_VARIABLES = ("SLURM_", "OMPI_", "TPU_", "MEGASCALE_", "KUBERNETES_", "JAX_COORDINATOR",
@@ -202,13 +203,11 @@ def test_the_project_uses_no_private_jax_module():
   assert not offenders
 
 
-# A child of the supervisor (parallel/supervisor.py) that writes a log line and `sys.argv[1]` to
-# its standard error, then ends as `sys.argv[2]` says: abort (as JAX's distributed service ends
-# a survivor), exit 3, or wait for a signal (SIGTERM: exit 143).
+# A process under clusters/watched.py that writes a log line and `sys.argv[1]` to its standard
+# error, then ends as `sys.argv[2]` says: abort (as JAX's distributed service ends a survivor),
+# exit 3, or wait for a signal (SIGTERM: exit 143).
 CHILD = """
 import os, signal, sys, time
-from {{cookiecutter.project_slug}}.parallel import supervisor
-supervisor.supervise()
 sys.stderr.write(f"I1128 00:00:00.000000 {os.getpid()} train.py:1] step 10/100\\n")
 sys.stderr.write(sys.argv[1])
 sys.stderr.flush()
@@ -220,7 +219,7 @@ if sys.argv[2] == "wait":
 sys.exit(3)
 """
 # The last words of process 0 of 2 when process 1 was SIGKILLed (JAX 0.12, CPU, the default
-# heartbeat), from the first line the supervisor holds back (its stack dumps shortened).
+# heartbeat), from the first line the watcher holds back (its stack dumps shortened).
 LOST_PROCESS_1 = (
     "E1128 03:08:44.132272    4677 coordination_service.cc:1518] [16124307152456746073] Use "
     "error polling to propagate the following error to all tasks: UNAVAILABLE: The following "
@@ -243,11 +242,11 @@ LOST_PROCESS_1 = (
 
 
 def supervised(*args: str) -> subprocess.Popen:
-  return subprocess.Popen([sys.executable, "-c", CHILD, *args], cwd=PROJECT,
-                          stderr=subprocess.PIPE, text=True)
+  return subprocess.Popen([sys.executable, "clusters/watched.py", "-c", CHILD, *args],
+                          cwd=PROJECT, stderr=subprocess.PIPE, text=True)
 
 
-def test_a_lost_process_is_one_line_from_the_survivors_supervisor():
+def test_a_lost_process_is_one_line_from_the_survivors_watcher():
   """The survivor's abort (JAX's distributed service: another task stopped sending heartbeats)
   is one `error:` line naming the lost process, exit 1, the log before it passed on as it was;
   any other end is passed on whole, with the child's status (an abort: 134)."""
@@ -270,9 +269,9 @@ def test_a_lost_process_is_one_line_from_the_survivors_supervisor():
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
-def test_the_supervisor_passes_signals_on_and_its_child_ends_with_it(how):
-  """SIGTERM to the supervisor reaches the child (which exits 143, and so does the supervisor);
-  a SIGKILL of the supervisor ends the child within seconds (Linux: PR_SET_PDEATHSIG)."""
+def test_the_watcher_passes_signals_on_and_its_process_ends_with_it(how):
+  """SIGTERM to clusters/watched.py reaches its process (which exits 143, and so does the
+  watcher); a SIGKILL of the watcher ends its process within seconds (Linux: PR_SET_PDEATHSIG)."""
   child = supervised("", "wait")
   first = child.stderr.readline()  # (the child's: it runs)
   pid = int(first.split()[2])
@@ -281,5 +280,35 @@ def test_the_supervisor_passes_signals_on_and_its_child_ends_with_it(how):
   assert child.wait(timeout=30) == (143 if how == "SIGTERM" else -signal.SIGKILL)
   deadline = time.monotonic() + 10
   while os.path.exists(f"/proc/{pid}") and "zombie" not in open(f"/proc/{pid}/status").read():
-    assert time.monotonic() < deadline, f"the supervisor's child {pid} outlived it"
+    assert time.monotonic() < deadline, f"the watcher's process {pid} outlived it"
     time.sleep(0.1)
+
+
+def test_a_held_back_dump_is_bounded_and_passed_on_whole():
+  """A watch holds at most `HOLD_MAX_BYTES` of what looks like a survivor's last words: a longer
+  stream from such a line is passed on as it came (nothing lost), and its end is not taken for a
+  lost process."""
+  out = io.BytesIO()
+  watching = watch.Watch(out)
+  stream = b"F1128 00:00:00 x.cc:1] boom\n" + b"x" * 100 + b"\n"
+  stream += b"".join(b"line %d\n" % i for i in range(3 * watch.HOLD_MAX_BYTES // 8))
+  for start in range(0, len(stream), 4096):  # (as a pipe gives it: cut anywhere)
+    watching.feed(stream[start:start + 4096])
+    assert watching.held_bytes <= watch.HOLD_MAX_BYTES + 200
+  assert watching.end(134) is None and out.getvalue() == stream
+
+
+@pytest.mark.parametrize("environ", [
+    {"SLURM_STEP_NODELIST": "node[001,007-015],host2", "SLURM_JOB_ID": "123456"},
+    {"SLURM_STEP_NODELIST": "gpu17", "SLURM_JOB_ID": "7"},
+    {"OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://10.96.0.1,10.148.0.1:34911"},
+], ids=["slurm_ranges", "slurm_one_node", "open_mpi"])
+def test_the_join_timeout_names_the_address_jax_derives(environ, monkeypatch):
+  """The address the join timeout's line names is the one JAX's own cluster detection derives
+  (its private classes, read here only to compare)."""
+  from jax._src.clusters import ompi_cluster, slurm_cluster
+
+  for name, value in environ.items():
+    monkeypatch.setenv(name, value)
+  found = (slurm_cluster.SlurmCluster if "SLURM_JOB_ID" in environ else ompi_cluster.OmpiCluster)
+  assert distributed.coordinator(environ) == found.get_coordinator_address(None, None)

@@ -26,7 +26,7 @@ import train
 import write_arrayrecord
 from configs import default
 
-from {{cookiecutter.project_slug}} import plan, rules
+from {{cookiecutter.project_slug}} import errors, plan, rules
 from {{cookiecutter.project_slug}}.data import (
     arrayrecord,
     augment,
@@ -432,7 +432,7 @@ def test_unreadable_files_and_an_empty_class_are_reported_by_path(tmp_path):
   assert sum(len(read_all(str(tmp_path / "data"), s)["label"]) for s in ("train", "eval")) == 15
 
 
-def test_the_held_out_split_and_the_tree_checks(tmp_path):
+def test_the_held_out_split_and_the_tree_checks(tmp_path, capsys):
   rng = np.random.default_rng(0)
   for name, count in (("a", 10), ("b", 5)):
     (tmp_path / "two" / name).mkdir(parents=True)
@@ -446,9 +446,15 @@ def test_the_held_out_split_and_the_tree_checks(tmp_path):
   assert not {p for p, _ in examples["eval"]} & {p for p, _ in examples["train"]}
 
   Image.fromarray(np.zeros((7, 6), np.uint8)).save(tmp_path / "two" / "b" / "tall.png")
-  with pytest.raises(ValueError, match=r"2 sizes \(6x6, 7x6, ...\); give --image_size=H,W"):
-    write_arrayrecord.write_image_folder(str(tmp_path / "out"), str(tmp_path / "two"))
-  assert not (tmp_path / "out").exists()
+  Image.fromarray(np.zeros((6, 30), np.uint8)).save(tmp_path / "two" / "b" / "wide.png")
+  write_arrayrecord.write_image_folder(str(tmp_path / "out"), str(tmp_path / "two"))
+  assert capsys.readouterr().out.splitlines() == [
+      "the images have 3 sizes (6x6, 7x6, ...): each is scaled to cover 6x6 and centre-cropped "
+      "(--image_size=H,W for another size; --resize_shorter=S with it keeps them whole)",
+      "images losing more than a quarter of their area to the centre crop to 6x6: 1; the most, "
+      f"{tmp_path / 'two' / 'b' / 'wide.png'} (6x30), keeps 20% (--resize_shorter=S with "
+      "--image_size keeps photos whole)"]
+  assert json.loads((tmp_path / "out" / "metadata.json").read_text())["image_shape"] == [6, 6, 1]
   (tmp_path / "none").mkdir()
   with pytest.raises(ValueError, match="has no class folders"):
     write_arrayrecord.list_image_folder(str(tmp_path / "none"), 0.2)
@@ -663,3 +669,91 @@ def test_a_small_shared_memory_is_one_line_or_a_run_that_ends(tmp_path, size):
   else:
     assert out.returncode == 0 and "Final eval" in out.stderr, out.stderr[-3000:]
     assert "/dev/shm is full (" in out.stderr, out.stderr[-3000:]
+
+
+def sideways(seen: np.ndarray, fmt: str) -> bytes:
+  """`seen` (the photo as seen) stored as a phone stores it held upright: its pixels turned a
+  quarter to the left, EXIF orientation 6 (turn them a quarter right to show it)."""
+  exif = Image.Exif()
+  exif[image_files.ORIENTATION] = 6
+  out = io.BytesIO()
+  Image.fromarray(seen).transpose(Image.Transpose.ROTATE_90).save(out, fmt, exif=exif,
+                                                                 **({"quality": 100} if fmt ==
+                                                                    "JPEG" else {}))
+  return out.getvalue()
+
+
+def test_a_photo_held_sideways_is_read_upright(tmp_path):
+  """A photo of EXIF orientation 6 (stored 30 high, 20 wide; seen 20 high, 30 wide) is read as
+  seen wherever images are decoded: its shape from the header, the decoders (records kept
+  encoded, predict's and evaluate's files), the crops of photos stored whole (PIL's and
+  simplejpeg's paths), and the writer's photos stored whole (turned, then stored)."""
+  y, x = np.mgrid[0:20, 0:30]
+  seen = np.stack([y * 12, x * 8, np.full_like(y, 128)], -1).astype(np.uint8)  # smooth, no symmetry
+  png, jpeg = sideways(seen, "PNG"), sideways(seen, "JPEG")
+  assert np.asarray(Image.open(io.BytesIO(png))).shape == (30, 20, 3)  # as stored
+  for data in (png, jpeg):
+    assert image_files.encoded_shape(data) == (20, 30, 3)
+  np.testing.assert_array_equal(image_files.decode_image(png, (20, 30, 3)), seen)
+  np.testing.assert_array_equal(image_files.Crops(center_ratio=1.0)(png, (20, 30, 3), 0), seen)
+  for decoded in (image_files.decode_image(jpeg, (20, 30, 3)),
+                  image_files.Crops(center_ratio=1.0)(jpeg, (20, 30, 3), 0)):
+    assert np.abs(decoded.astype(int) - seen).max() <= 8  # (JPEG's loss only)
+  os.makedirs(tmp_path / "photos" / "a")
+  os.makedirs(tmp_path / "photos" / "b")
+  (tmp_path / "photos" / "a" / "sideways.png").write_bytes(png)
+  for i in range(4):
+    Image.fromarray(seen).save(tmp_path / "photos" / "b" / f"{i}.png")
+  Image.fromarray(seen).save(tmp_path / "photos" / "a" / "upright.png")
+  done = convert(f"--out_dir={tmp_path / 'data'}", f"--image_folder={tmp_path / 'photos'}",
+                 "--resize_shorter=20", "--image_size=20", "--eval_fraction=0.5")
+  assert done.returncode == 0, done.stderr
+  for split in ("train", "eval"):
+    stored = arrayrecord.RecordSource(arrayrecord.arrayrecord_paths(str(tmp_path / "data"),
+                                                                    split), (20, 20, 3))
+    for record in stored.read(list(range(len(stored)))):  # (the bytes stored: upright)
+      assert np.asarray(Image.open(io.BytesIO(record["image"]))).shape == (20, 30, 3)
+
+
+def test_an_image_of_too_many_pixels_is_named_and_skipped_undecoded(tmp_path):
+  """A 12000x12000 PNG (144 megapixels, a 20 KB file) is named and skipped from its header by
+  the writer, predict's and evaluate's reader and the decoders, over PIL's bound by default or
+  --max_image_pixels; an image within the limit is read."""
+  write_photos(tmp_path / "photos", per_class=2)  # (cat, dog, emu)
+  Image.new("1", (12000, 12000)).save(bomb := tmp_path / "photos" / "emu" / "bomb.png")
+  assert bomb.stat().st_size < 1_000_000
+  done = convert(f"--out_dir={tmp_path / 'data'}", f"--image_folder={tmp_path / 'photos'}",
+                 "--image_size=24", "--eval_fraction=0.5")
+  assert done.returncode == 0, done.stderr
+  said = [line for line in done.stderr.splitlines() if "bomb.png" in line]
+  assert said == [f"skipped {bomb}: ValueError: 12000x12000 is 144 megapixels, over the limit "
+                  "of 89 (--max_image_pixels)"], done.stderr
+  why = image_files.read_image(str(bomb), (24, 24, 3))
+  assert isinstance(why, str) and "144 megapixels" in why
+  photo = tmp_path / "photos" / "cat" / "0.png"
+  assert not isinstance(image_files.read_image(str(photo), (24, 24, 3)), str)
+  assert "over the limit of 0" in image_files.read_image(str(photo), (24, 24, 3),
+                                                         max_pixels=100)
+  with pytest.raises(ValueError, match="over the limit"):
+    image_files.decode_image(photo.read_bytes(), (24, 24, 3), max_pixels=100)
+
+
+def test_data_of_one_class_is_refused_by_the_writer_and_by_training(tmp_path):
+  """A folder of one class folder (a wrong layout: the photos' folder one level too deep) is
+  refused by the writer in one line, writing nothing; data of one class that was written
+  (ArrayRecord of labels all 0) is refused by training before anything compiles, naming it."""
+  write_photos(tmp_path / "photos", sizes=((24, 24),), per_class=3)
+  done = convert(f"--out_dir={tmp_path / 'data'}", f"--image_folder={tmp_path}", process=True)
+  root = tmp_path
+  assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+      f"error: {root} holds one class folder, 'photos': a classifier needs two or more; give "
+      f"the folder whose subfolders are the classes ({root}/cat/, {root}/dog/, ...)."]
+  assert not (tmp_path / "data").exists()
+  images = np.zeros((10, 8, 8, 1), np.uint8)
+  write_arrayrecord.write_dataset(str(tmp_path / "one"), {
+      split: (images, np.zeros(10, np.int64)) for split in ("train", "eval")}, 1)
+  config = owned(default.get_config())
+  config.dataset, config.data_dir = "arrayrecord", str(tmp_path / "one")
+  with pytest.raises(errors.BadData, match=r"holds 1 class: a classifier needs two or more"):
+    train.train_and_evaluate(config, str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists() or not os.listdir(tmp_path / "run" / "checkpoints")

@@ -265,12 +265,16 @@ def test_what_the_devices_hold_keeps_its_file_and_what_they_let_go_is_written_ag
 
 # A run that holds its lock (shm.hold_run_lock) and makes one unit, then waits to be killed.
 RUN_THAT_MAKES_A_UNIT = """
-import os, sys, time
+import mmap, os, sys, time
 from {{cookiecutter.project_slug}}.data import shm
 shm.DIRECTORY = sys.argv[1]
 prefix = shm.iterator_prefix()
 with open(os.path.join(shm.DIRECTORY, prefix + "-1-0"), "wb") as f:
   f.write(bytes(2**20))
+with open(os.path.join(shm.DIRECTORY, f"sem.mp-{shm.RUN}"), "wb+") as f:  # (as sem_open's)
+  f.write(bytes(32))
+  f.flush()
+  semaphore = mmap.mmap(f.fileno(), 32)
 print(shm.RUN, flush=True)
 time.sleep(120)
 """
@@ -278,8 +282,9 @@ time.sleep(120)
 
 def test_what_a_killed_run_left_is_removed_by_the_next_run_and_a_live_runs_kept(
     tmp_path, monkeypatch, caplog):
-  """Two runs (real processes) hold their locks and make a unit each; one is SIGKILLed: the next
-  run removes that one's unit and lock, says so in one line, and keeps the live run's."""
+  """Two runs (real processes) hold their locks and make a unit and a semaphore each (mapped, as
+  multiprocessing's); one is SIGKILLed: the next run removes that one's unit, semaphore and
+  lock, says so in one line, and keeps the live run's."""
   monkeypatch.setattr(shm, "DIRECTORY", str(tmp_path))
   runs = [subprocess.Popen([sys.executable, "-c", RUN_THAT_MAKES_A_UNIT, str(tmp_path)],
                            stdout=subprocess.PIPE, text=True) for _ in range(2)]
@@ -291,13 +296,36 @@ def test_what_a_killed_run_left_is_removed_by_the_next_run_and_a_live_runs_kept(
     shm.remove_leftovers.cache_clear()
     shm.remove_leftovers()
     assert [r.getMessage() for r in caplog.records] == [
-        f"removed 1 unit (1 MiB) that 1 run no longer running left in {tmp_path}"]
+        f"removed 1 unit (1 MiB) and 1 semaphore that 1 run no longer running left in {tmp_path}"]
     assert not glob.glob(f"{tmp_path}/{shm.PREFIX}-{killed}*")
+    assert not os.path.exists(f"{tmp_path}/sem.mp-{killed}")
     assert len(glob.glob(f"{tmp_path}/{shm.PREFIX}-{alive}*")) == 2  # its lock and its unit
+    assert os.path.exists(f"{tmp_path}/sem.mp-{alive}")
   finally:
     for run in runs:
       run.kill()
       run.wait(timeout=60)
+
+
+@pytest.mark.parametrize("fraction", [0.2, 0.37])
+def test_the_digits_are_scikit_learns_held_out_as_its_train_test_split_does(tiny_config,
+                                                                           fraction):
+  """The digits the package ships, without scikit-learn: its images and labels, held out as
+  `train_test_split(..., test_size, random_state=0, stratify=labels)` holds them out, in its
+  order (scikit-learn: the test extras' alone)."""
+  from sklearn.datasets import load_digits
+  from sklearn.model_selection import train_test_split
+
+  digits = load_digits()
+  images = np.round(digits.images * (255 / 16)).astype(np.uint8)[..., None]
+  train_x, eval_x, train_y, eval_y = train_test_split(
+      images, digits.target.astype(np.int32), test_size=fraction, random_state=0,
+      stratify=digits.target)
+  tiny_config.eval_fraction = fraction
+  splits, _ = sources.get_datasets(tiny_config)
+  for split, (x, y) in (("train", (train_x, train_y)), ("eval", (eval_x, eval_y))):
+    np.testing.assert_array_equal(splits[split].images, x)
+    np.testing.assert_array_equal(splits[split].labels, y)
 
 
 def test_digits_split(tiny_config):

@@ -4,6 +4,7 @@ import pytest
 from flax import nnx
 from shipped_model import create_model
 
+from {{cookiecutter.project_slug}} import layers
 from {{cookiecutter.project_slug}}.training import flops, optim
 
 
@@ -63,9 +64,10 @@ def test_each_resnet_block_starts_as_the_identity(tiny_config):
 
 @pytest.mark.slow  # (eager)
 def test_a_resnet_leaves_the_padding_out_of_its_batch_statistics(tiny_config):
-  """Padded examples (mask False) change neither the real examples' logits nor the statistics."""
+  """Padded examples (mask False) change neither the real examples' logits nor the statistics
+  (model.py's nnx.BatchNorm masked as the runs mask it: `layers.masked`)."""
   tiny_config.model.update(name="resnet18", width=8)
-  model = create_model(tiny_config, (16, 16, 3), 10, nnx.Rngs(0))
+  model = layers.masked(create_model(tiny_config, (16, 16, 3), 10, nnx.Rngs(0)))
   images = jax.random.uniform(jax.random.key(0), (6, 16, 16, 3))
   padded = jnp.concatenate([images, 100 * jnp.ones((2, 16, 16, 3))])
   mask = jnp.arange(8) < 6

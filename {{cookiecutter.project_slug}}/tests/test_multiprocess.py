@@ -182,16 +182,18 @@ def four_devices(**env) -> dict[str, str]:
           "JAX_PLATFORMS": "cpu", **env}
 
 
-def start_pair(workdir, heartbeat: int | None = 10, **env):
+def start_pair(workdir, heartbeat: int | None = 10, watched: bool = False, **env):
   """Two train.py processes of 4 CPU devices, training long enough to be interrupted
-  (`heartbeat`: their --heartbeat_timeout_seconds; None: the default)."""
+  (`heartbeat`: their --heartbeat_timeout_seconds; None: the default); `watched`: each under
+  clusters/watched.py, as the clusters' files run them."""
   env = four_devices(**env)
   beat = [f"--heartbeat_timeout_seconds={heartbeat}"] if heartbeat else []
   address = f"127.0.0.1:{portpicker.pick_unused_port()}"
+  watcher = ["clusters/watched.py"] if watched else []
   processes = [subprocess.Popen(
-      [sys.executable, "train.py", "--config=configs/tiny.py", *OWN, f"--workdir={workdir}",
-       "--config.num_epochs=500", f"--coordinator_address={address}", "--num_processes=2",
-       f"--process_id={i}", *beat],
+      [sys.executable, *watcher, "train.py", "--config=configs/tiny.py", *OWN,
+       f"--workdir={workdir}", "--config.num_epochs=500", f"--coordinator_address={address}",
+       "--num_processes=2", f"--process_id={i}", *beat],
       cwd=PROJECT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
       for i in range(2)]
   deadline = time.monotonic() + 300
@@ -210,8 +212,9 @@ def stop_all(processes):
 @pytest.mark.slow
 def test_launch_stops_everything_soon_after_any_process_dies(tmp_path):
   """launch.py's process 1 SIGKILLed while training: launch.py stops process 0 (SIGTERM, then
-  SIGKILL) and exits with the dead process's status (128 + 9) within 15 s, saying which died;
-  no process of the run is left."""
+  SIGKILL) and exits with the dead process's status (128 + 9) within 15 s, saying which died in
+  one line, no survivor's abort dump and no second line of the loss (launch.py watches each
+  process's standard error); no process of the run is left."""
   children = []
   launcher = subprocess.Popen(
       [sys.executable, "launch.py", "--num_processes=2", "--devices_per_process=4",
@@ -238,6 +241,10 @@ def test_launch_stops_everything_soon_after_any_process_dies(tmp_path):
         os.kill(pid, signal.SIGKILL)
   assert launcher.returncode == 128 + signal.SIGKILL, stderr[-3000:]
   assert "launch.py: process 1 exited with status 137; stopping the others" in stderr
+  errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) <= 1, stderr[-3000:]  # (process 0's own, if its stop could not save)
+  for dump in ("Fatal Python error", "Check failure stack trace", "Terminating process"):
+    assert dump not in stderr, stderr[-3000:]
   assert elapsed <= 15, elapsed
   assert not [pid for pid in children if alive(pid)]
   print(f"launch.py exited {elapsed:.1f} s after process 1 was killed")
@@ -270,8 +277,9 @@ def launched_and_training(tmp_path) -> tuple[subprocess.Popen, list[int]]:
 def test_a_signal_to_launch_reaches_every_process_which_saves_and_stops(tmp_path, signum):
   """SIGTERM or SIGHUP to launch.py (what `timeout`, `kill` or a closed terminal sends): passed
   on to both processes, which stop at one step and save it; each exits 143, and launch.py too;
-  no process is left."""
+  no process is left. A rank is one process: launch.py has 2 below it, not 4."""
   launcher, below = launched_and_training(tmp_path)
+  assert len(below) == 2, [open(f"/proc/{pid}/cmdline").read() for pid in below]
   try:
     launcher.send_signal(signum)
     _, stderr = launcher.communicate(timeout=120)
@@ -354,12 +362,13 @@ def test_ctrl_c_on_two_processes_saves_as_sigterm_does(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("victim, heartbeat, within", [(0, 10, 60), (1, 10, 60), (1, None, 120)])
 def test_when_a_process_dies_the_other_stops_in_one_line(tmp_path, victim, heartbeat, within):
-  """SIGKILL to one process (a host lost; its supervisor and so the process under it): the
-  survivor ends with one `error:` line saying that the job lost a process (naming it where JAX's
-  distributed service does), exit 1, no abort dump, within the heartbeat's bound (10 s; JAX's
-  default, 100 s). (Its supervisor holds the dump back: JAX's service aborts the survivor, gloo
-  may abort it at once, a save under way fails.)"""
-  processes = start_pair(tmp_path, heartbeat)
+  """Two processes as the clusters' files run them (each under clusters/watched.py); SIGKILL to
+  one (a host lost: its watcher and so the process under it): the survivor ends with one
+  `error:` line saying that the job lost a process (naming it where JAX's distributed service
+  does), exit 1, no abort dump, within the heartbeat's bound (10 s; JAX's default, 100 s). (Its
+  watcher holds the dump back: JAX's service aborts the survivor, gloo may abort it at once, a
+  save under way fails.)"""
+  processes = start_pair(tmp_path, heartbeat, watched=True)
   try:
     processes[victim].kill()
     killed_at = time.monotonic()

@@ -6,6 +6,7 @@ import json
 import os
 import pty
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -532,7 +533,19 @@ def test_the_log_is_quiet_one_short_line_per_interval(tmp_path, data):
   assert steps_logged == [5, 10, 15, 20, 23]
   assert any("23 steps of 64 examples, 1 per call" in line for line in lines)  # k=1 on the CPU
   assert re.search(r"first calls \(.*\): train \d+\.\d\d s, eval \d+\.\d\d s", out.stderr)
-  assert len(lines) <= 8 + 5 + 3 + 1, out.stderr  # start, intervals, evals, final
+  assert len(lines) <= 4 + 8 + 5 + 3 + 1 + 5, out.stderr  # set-up (its phases, what it is),
+  # intervals, evaluations, final, next
+  phases = ["reading the data", "checking model.py", "building the model and optimizer state",
+            "jax ", "compiling the steps", "first calls"]
+  at = [next(i for i, line in enumerate(lines) if f"] {phase}" in line) for phase in phases]
+  assert at == sorted(at), lines  # each set-up phase begins with a line, in the order they run
+  run = shlex.quote(str(tmp_path / "run"))
+  assert lines[-5].endswith("Next: evaluate the run, classify images, export the model, see the "
+                            "curves:") and "Final eval: accuracy" in lines[-6], out.stderr
+  assert lines[-4:] == [f"  python evaluate.py --workdir={run}",
+                        f"  python predict.py --workdir={run} IMAGE_OR_FOLDER ...",
+                        f"  python export.py --workdir={run} --out=model.npz",
+                        f"  tensorboard --logdir={run}"]
 
 
 @pytest.mark.slow
@@ -577,6 +590,8 @@ def test_a_progress_bar_on_a_terminal(tmp_path):
       output += chunk
   os.close(parent)
   assert process.wait(timeout=300) == 0, output[-3000:]
+  # On a terminal, a line at once, before the imports' seconds.
+  assert output.startswith(b"train.py: starting (importing JAX, Flax, Orbax, Grain)\r\n")
   bars = re.findall(rb"\r\[[= ]{30}\] (\d+)/23 ETA", output)
   assert bars and all(int(step) <= 23 for step in bars), output[-3000:]
   assert b"Final eval" in output
@@ -745,6 +760,20 @@ BROKEN_MODELS = [
      "{path}: the model returned [64, 10] float32 for a batch of 64 images; expected logits "
      "[64, 3] of a floating dtype; the data has 3 classes: build the head with create_model's "
      "num_classes, not 10."),
+    ("a_mode_as_an_argument", "  def __call__(self, images_BHWC):",
+     "  def __call__(self, images_BHWC, train: bool):", (),
+     "{path}:{line}: the model failed on a batch of images [64, 8, 8, 1] float32: TypeError: "
+     "MLP.__call__() missing 1 required positional argument: 'train': the steps call "
+     "model(images) (and example_mask= where __call__ takes it); NNX models take their mode from "
+     "model.train() / model.eval(), which the steps call (nnx.Dropout's deterministic and "
+     "nnx.BatchNorm's use_running_average follow it), not from an argument: drop 'train' or "
+     "give it a default"),
+    ("channels_first", "    return self.out(nnx.relu(self.hidden(x)))",
+     "    return self.out(nnx.relu(self.hidden(x.reshape(-1, 1, 8, 8).reshape(-1, 8))))", (),
+     "{path}:{line}: the model failed on a batch of images [64, 8, 8, 1] float32: TypeError: "
+     "dot_general requires contracting dimensions to have the same shape, got (8,) and (64,). "
+     "(images arrive as [B, H, W, C] float32, uint8 pixels scaled to [0, 1]; H, W, C = "
+     "image_shape = (8, 8, 1))"),
     ("integer_logits", "    return self.out(nnx.relu(self.hidden(x)))",
      "    return self.out(nnx.relu(self.hidden(x))).argsort(axis=-1)", (),
      "{path}: the model returned [64, 10] int32 for a batch of 64 images; expected logits "

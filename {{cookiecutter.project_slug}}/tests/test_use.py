@@ -312,15 +312,20 @@ def script(*args) -> subprocess.CompletedProcess:
 def test_the_commands(folder_run, tmp_path):
   """predict.py, evaluate.py and export.py as a user runs them; their errors, one line each."""
   root, workdir, metrics, _ = folder_run
+  photo = tmp_path / "photo.png"  # a colour photo of another size: its fit said once
+  Image.fromarray(np.full((24, 16, 3), 200, np.uint8)).save(photo)
   done = script("predict.py", f"--workdir={workdir}", "--json", "--top_k=2",
-                str(root / "pngs" / "val"))
+                str(root / "pngs" / "val"), str(photo), str(photo))
   assert done.returncode == 0, done.stderr
   lines = [json.loads(line) for line in done.stdout.splitlines()]
-  assert len(lines) == 144 and all(len(line["top_k"]) == 2 for line in lines)
+  assert len(lines) == 146 and all(len(line["top_k"]) == 2 for line in lines)
   assert sum(line["class"] == os.path.basename(os.path.dirname(line["path"]))
-             for line in lines) == round(metrics["accuracy"] * 144)
+             for line in lines[:144]) == round(metrics["accuracy"] * 144)
+  assert [line for line in done.stderr.splitlines() if line.startswith("predict.py:")] == [
+      f"predict.py: {photo} is 24x16x3, the model's images 8x8x1: each image of another size is "
+      "scaled to cover it and centre-cropped, its colours made gray, as the run's data was"]
   assert done.stderr.strip().splitlines()[-1] == (
-      "classified 144 images with the checkpoint of step 54; skipped 0 unreadable files")
+      "classified 146 images with the checkpoint of step 54; skipped 0 unreadable files")
 
   done = script("evaluate.py", f"--workdir={workdir}")
   assert done.returncode == 0, done.stderr

@@ -19,7 +19,8 @@ class ConfigError(ValueError):
 
 
 class BadData(ValueError):
-  """Too many records of a dataset could not be read; the message names the first and the fix."""
+  """Data that cannot train (too many records unreadable, one class); the message names the
+  first problem and the fix."""
 
 
 def where(error: BaseException, path: str) -> str:

@@ -29,11 +29,18 @@ def forms(flat_norms: bool = True) -> list:
   """(module, name, form) for each stock function whose place this module's form takes while a
   GPU's step is traced (`dispatch.substituted`); the norms' (`flat_norms`) not where the state's
   leaves are split over the devices (fsdp: never gathered)."""
-  swaps = [(nnx, "max_pool", max_pool), (layers, "sums", sums)]
+  swaps = [(nnx, "max_pool", max_pool), (layers, "sums", sums), (steps, "update_if", update_if)]
   if flat_norms:
     swaps += [(steps, "sum_of_squares", sum_of_squares),
               (steps, "state_sums_of_squares", state_sums_of_squares)]
   return swaps
+
+
+def update_if(applied, update, current, old):
+  """steps.update_if, the norms those `update` read from the state it made (before the select:
+  with the flat norms behind their barrier, the state is read once)."""
+  updated, norms = update(current)
+  return jax.tree.map(lambda new, old: jnp.where(applied, new, old), updated, old), norms
 
 
 def sums(arrays):

@@ -44,31 +44,15 @@ def run(main) -> None:
 
 
 def start(config) -> None:
-  """A run's process, before anything is compiled: its log kept to progress and metrics; handed
-  to a supervising parent when it is one of several (supervisor.py: a lost process said in one
-  line); JAX's compilation cache in `config.compilation_cache_dir`; the job joined."""
+  """A run's process, before anything is compiled: its log kept to progress and metrics; JAX's
+  compilation cache in `config.compilation_cache_dir`; the job joined (one of several)."""
   logging.get_absl_handler().addFilter(_QuietLibraries())
-  if several():
-    from .parallel import supervisor
-
-    supervisor.supervise()
   if config.compilation_cache_dir and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     jax.config.update("jax_compilation_cache_dir",
                       os.path.expanduser(config.compilation_cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs",
                       config.compilation_cache_min_seconds)
   initialize()
-
-
-def several() -> bool:
-  """Whether this process is one of a job of several (False where its launcher is one that
-  `initialize` refuses: it says why)."""
-  from .parallel import distributed
-
-  try:
-    return bool(_COORDINATOR.value) or distributed.cluster() is not None
-  except ValueError:
-    return False
 
 
 def initialize() -> None:
@@ -87,7 +71,7 @@ def initialize() -> None:
       raise SystemExit(f"error: {e}") from None
     if joining is None:
       return
-    address = os.environ.get("JAX_COORDINATOR_ADDRESS", "the address JAX reads from the launcher")
+    address = distributed.coordinator()
   from .parallel import joined
 
   joined.join(address, joining, _PROCESS_ID.value, _NUM_PROCESSES.value, _JOIN_TIMEOUT.value,

@@ -46,12 +46,46 @@ def check_hub(config, package: str, extra: str, probe, more=lambda config: None)
   return None
 
 
-def decode_image(data: bytes, image_shape: tuple[int, int, int]) -> np.ndarray:
-  """An encoded image (JPEG, PNG, ...) as uint8 [H, W, C] of `image_shape`: gray (C = 1) or
-  RGB (C = 3), scaled until it covers H x W and center-cropped (unchanged if already H x W)."""
+# The pixels an image may have (width x height) to be decoded: PIL's own decompression-bomb bound
+# (Image.MAX_IMAGE_PIXELS); write_arrayrecord.py's, evaluate.py's and predict.py's
+# --max_image_pixels.
+MAX_PIXELS = 89_478_485
+Image.MAX_IMAGE_PIXELS = None  # (PIL's own check, a warning then an error: this limit replaces it)
+ORIENTATION = 0x0112  # the EXIF tag: 1 upright; 3, 6, 8 turned; 2, 4, 5, 7 mirrored
+
+
+def open_image(data: bytes, max_pixels: int = MAX_PIXELS):
+  """PIL's image of `data`, its header read (not its pixels). Raises ValueError, naming its size
+  and the limit, for an image of more than `max_pixels` pixels."""
+  image = Image.open(io.BytesIO(data))
+  if image.width * image.height > max_pixels:
+    image.close()
+    raise ValueError(f"{image.width}x{image.height} is {image.width * image.height / 1e6:.0f} "
+                     f"megapixels, over the limit of {max_pixels / 1e6:.0f} "
+                     "(--max_image_pixels)")
+  return image
+
+
+def upright_size(image) -> tuple[int, int]:
+  """(width, height) of PIL's `image` as seen, its EXIF orientation applied."""
+  turned = image.getexif().get(ORIENTATION, 1) in (5, 6, 7, 8)
+  return (image.height, image.width) if turned else image.size
+
+
+def upright(image):
+  """PIL's `image` turned as its EXIF orientation says (a phone's photo held sideways: its pixels
+  as it is seen), else itself."""
+  return ImageOps.exif_transpose(image) if image.getexif().get(ORIENTATION, 1) != 1 else image
+
+
+def decode_image(data: bytes, image_shape: tuple[int, int, int],
+                 max_pixels: int = MAX_PIXELS) -> np.ndarray:
+  """An encoded image (JPEG, PNG, ...) as uint8 [H, W, C] of `image_shape`: upright (its EXIF
+  orientation applied), gray (C = 1) or RGB (C = 3), scaled until it covers H x W and
+  center-cropped (unchanged if already H x W). Raises ValueError over `max_pixels`."""
   height, width, channels = image_shape
-  with Image.open(io.BytesIO(data)) as image:
-    image = image.convert("L" if channels == 1 else "RGB")
+  with open_image(data, max_pixels) as image:
+    image = upright(image).convert("L" if channels == 1 else "RGB")
     if image.size != (width, height):
       image = ImageOps.fit(image, (width, height), Image.Resampling.BILINEAR)
     return np.asarray(image).reshape(height, width, channels)
@@ -122,9 +156,11 @@ def why(error: Exception) -> str:
 
 
 def encoded_shape(data: bytes) -> tuple[int, int, int]:
-  """(height, width, channels) that an encoded image decodes to here: 1 channel if gray, else 3."""
+  """(height, width, channels) that an encoded image decodes to here (upright): 1 channel if gray,
+  else 3."""
   with Image.open(io.BytesIO(data)) as image:
-    return image.size[1], image.size[0], 1 if image.mode in GRAY_MODES else 3
+    width, height = upright_size(image)
+    return height, width, 1 if image.mode in GRAY_MODES else 3
 
 
 def first_shape(encoded, num_images: int, name: str, look: int = 64) -> tuple[int, int, int]:
@@ -154,11 +190,12 @@ def images_under(directory: str, suffixes: tuple[str, ...] = IMAGE_SUFFIXES) -> 
 
 
 def read_image(path: str, image_shape, keep_encoded: bool = False,
-               pixel_dtype: str = "uint8", center_ratio: float = 1.0) -> np.ndarray | bytes | str:
+               pixel_dtype: str = "uint8", center_ratio: float = 1.0,
+               max_pixels: int = MAX_PIXELS) -> np.ndarray | bytes | str:
   """The file decoded to `image_shape` (`decode_image`; with `center_ratio` < 1, evaluation's
   crop of a photo stored whole: `Crops`; with keep_encoded, the file's bytes once they decode),
   or a .npy file's array, as stored (of `image_shape` and `pixel_dtype`), or why it could not
-  be read."""
+  be read (an image over `max_pixels` too)."""
   try:
     if path.lower().endswith(".npy"):
       image = np.load(path, allow_pickle=False)
@@ -168,8 +205,8 @@ def read_image(path: str, image_shape, keep_encoded: bool = False,
       return image
     with open(path, "rb") as f:
       data = f.read()
-    image = (Crops(center_ratio=center_ratio)(data, image_shape, 0) if center_ratio < 1 else
-             decode_image(data, image_shape))
+    image = (Crops(center_ratio=center_ratio, max_pixels=max_pixels)(data, image_shape, 0)
+             if center_ratio < 1 else decode_image(data, image_shape, max_pixels))
     return data if keep_encoded else image
   except Exception as e:  # noqa: BLE001  (any unreadable file is reported and skipped)
     return f"{type(e).__name__}: {e}"
@@ -189,6 +226,7 @@ class Crops:
   ratio: tuple[float, float] = (3 / 4, 4 / 3)
   center_ratio: float = 0.875
   canvas: tuple[int, int] | None = None  # (height, width) that `cut`'s crops are sent in
+  max_pixels: int = MAX_PIXELS  # a larger image is refused (`open_image`)
 
   def box(self, width: int, height: int, out_hw, position: int):
     """(left, top, right, bottom) in the stored image's pixels."""
@@ -231,12 +269,14 @@ class Crops:
 
   def decoded(self, data: bytes, image_shape, position: int):
     """The photo decoded (a JPEG at the smallest DCT scale that keeps the box's pixels: an array
-    by simplejpeg, else PIL's image) and its box (left, top, right, bottom) in those pixels."""
+    by simplejpeg, else PIL's image; upright, its EXIF orientation applied) and its box (left,
+    top, right, bottom) in those pixels."""
     height, width, channels = image_shape
     mode = "L" if channels == 1 else "RGB"
-    full = jpeg_size(data)
-    opened = None if full else Image.open(io.BytesIO(data))  # (its header read, not its pixels)
-    full = full or opened.size
+    full = jpeg_size(data, self.max_pixels)
+    opened = None if full else open_image(data, self.max_pixels)  # (its header, not its pixels)
+    turned = opened is not None and opened.getexif().get(ORIENTATION, 1) != 1
+    full = full or upright_size(opened)
     left, top, right, bottom = self.box(*full, (height, width), position)
     wanted = (math.ceil(full[0] * width / (right - left)),
               math.ceil(full[1] * height / (bottom - top)))
@@ -248,8 +288,9 @@ class Crops:
       size = image.shape[1], image.shape[0]
     else:
       with opened:
-        opened.draft(mode, wanted)  # (a JPEG only)
-        image = opened.convert(mode)
+        if not turned:  # (a photo held sideways: decoded whole, then turned)
+          opened.draft(mode, wanted)  # (a JPEG only)
+        image = upright(opened).convert(mode)
       size = image.size
     sx, sy = size[0] / full[0], size[1] / full[1]  # 1 unless a JPEG decoded scaled
     return image, (left * sx, top * sy, right * sx, bottom * sy)
@@ -265,16 +306,22 @@ def resized(image, box, image_shape) -> np.ndarray:
   return np.asarray(image).reshape(height, width, channels)
 
 
-def jpeg_size(data: bytes) -> tuple[int, int] | None:
-  """(width, height) of a JPEG that simplejpeg decodes (YCbCr or gray: PIL's pixels), else None:
-  for PIL to decode (no simplejpeg, another format or colour space)."""
+def jpeg_size(data: bytes, max_pixels: int = MAX_PIXELS) -> tuple[int, int] | None:
+  """(width, height) of a JPEG that simplejpeg decodes (YCbCr or gray: PIL's pixels; upright;
+  at most `max_pixels`), else None: for PIL to decode (no simplejpeg, another format or colour
+  space, an EXIF orientation that turns it, or more pixels: refused there)."""
   if simplejpeg is None or not data.startswith(b"\xff\xd8"):
     return None
+  if b"Exif\0" in data[:1 << 16]:  # (a camera's: its orientation read from the header)
+    with Image.open(io.BytesIO(data)) as image:
+      if image.getexif().get(ORIENTATION, 1) != 1:
+        return None
   try:
     height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
   except ValueError:
     return None
-  return (width, height) if colorspace in ("YCbCr", "Gray") else None
+  fits = colorspace in ("YCbCr", "Gray") and width * height <= max_pixels
+  return (width, height) if fits else None
 
 
 def draft_scale(full: tuple[int, int], wanted: tuple[int, int]) -> int:

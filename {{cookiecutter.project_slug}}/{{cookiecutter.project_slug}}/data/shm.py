@@ -251,7 +251,9 @@ def remove_unreceived(prefix: str) -> int:
 def remove_leftovers() -> None:
   """Removes what runs that are certainly dead left in /dev/shm: the units of each run whose
   lock nobody holds (the kernel frees a lock when its process dies, whatever killed it), and the
-  lock; says so in one line."""
+  lock; and where there was one, the semaphores of multiprocessing (`sem.mp-*`: Grain's queues',
+  which a run killed whole leaves, its resource tracker killed with it) of this user that no
+  process maps. Says so in one line."""
   runs, units, size = 0, 0, 0
   for lock in glob.glob(os.path.join(DIRECTORY, f"{PREFIX}-*.lock")):
     run = os.path.basename(lock)[len(PREFIX) + 1:-len(".lock")]
@@ -273,5 +275,25 @@ def remove_leftovers() -> None:
     finally:
       os.close(fd)
   if runs:
-    logging.warning("removed %d unit%s (%.3g MiB) that %d run%s no longer running left in %s",
-                    units, "s" * (units != 1), size / 2**20, runs, "s" * (runs != 1), DIRECTORY)
+    semaphores = remove_unmapped_semaphores()
+    logging.warning("removed %d unit%s (%.3g MiB)%s that %d run%s no longer running left in %s",
+                    units, "s" * (units != 1), size / 2**20,
+                    f" and {semaphores} semaphore{'s' * (semaphores != 1)}" if semaphores else "",
+                    runs, "s" * (runs != 1), DIRECTORY)
+
+
+def remove_unmapped_semaphores() -> int:
+  """Unlinks this user's `sem.mp-*` files of /dev/shm that no process maps (a live one's are
+  mapped by every process using it from before its name appears: glibc's sem_open); returns
+  how many."""
+  mapped = set()
+  for maps in glob.glob("/proc/[0-9]*/maps"):
+    with contextlib.suppress(OSError), open(maps) as f:  # (another user's: unreadable, kept)
+      mapped.update(line.split(None, 5)[-1].strip() for line in f if "/sem.mp-" in line)
+  removed = 0
+  for path in glob.glob(os.path.join(DIRECTORY, "sem.mp-*")):
+    with contextlib.suppress(OSError):
+      if path not in mapped and os.stat(path).st_uid == os.getuid():
+        os.unlink(path)
+        removed += 1
+  return removed

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 
+from ..errors import BadData
+
 if TYPE_CHECKING:  # (image_files is imported where images are decoded or cropped)
   from .image_files import Crops
 
@@ -136,6 +138,11 @@ def canvas(config, resize_shorter: int, image_shape) -> tuple[int, int] | None:
 def get_datasets(config) -> tuple[dict, DatasetInfo]:
   """The 'train' and 'eval' sources of `config.dataset`, and what the model needs to know."""
   loaded = source(config.dataset).load(config)
+  if int(loaded.num_classes) < 2:  # (a wrong layout, or a filter: it would train "perfectly")
+    where = f" (config.data_dir={config.data_dir!r})" if config.get("data_dir") else ""
+    raise BadData(f"config.dataset={config.dataset!r}{where} holds {int(loaded.num_classes)} "
+                  f"class{'es' * (int(loaded.num_classes) != 1)}: a classifier needs two or "
+                  "more; check the data's layout (a folder a class when it was written).")
   train = loaded.sources["train"]
   first = train.take(np.zeros(1, np.int64))["image"] if len(train) else None
   info = DatasetInfo(tuple(loaded.image_shape), int(loaded.num_classes),

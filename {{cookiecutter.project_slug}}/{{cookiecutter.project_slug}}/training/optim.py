@@ -2,6 +2,7 @@
 the moving average of its parameters; built under jit, each shard where it lives."""
 
 import inspect
+import re
 
 import jax
 import jax.numpy as jnp
@@ -65,12 +66,8 @@ def check_model(run_plan, info) -> None:
   except ConfigError:  # (create_model's own: said as it is)
     raise
   except Exception as e:
-    axis = str(e).rsplit(":", 1)[-1].strip() if "unbound axis name" in str(e) else None
-    fix = (f": a layer names the axis {axis!r}, which config.parallelism="
-           f"{config.parallelism!r} does not have (pmap's alone names one): drop its axis_name= "
-           "(spmd and fsdp take the global batch's statistics without it) or train with "
-           "--config.parallelism=pmap" if axis else f": {errors.one_line(e)}")
-    raise ConfigError(f"{errors.where(e, module.__file__)}: {failed[0]}{fix}") from None
+    where, fix = model_fix(e, config, info.image_shape, module)
+    raise ConfigError(f"{where}: {failed[0]}{fix}") from None
   shape = getattr(logits, "shape", None)
   if shape == (batch, classes) and jnp.issubdtype(logits.dtype, jnp.floating):
     return
@@ -86,6 +83,34 @@ def check_model(run_plan, info) -> None:
     hint = "; reduce the other axes (pool, or take the class token) before the head"
   raise ConfigError(f"{shown}: the model returned {got} for a batch of {batch} images; expected "
                     f"logits [{batch}, {classes}] of a floating dtype{hint}.")
+
+
+def model_fix(error: Exception, config, image_shape, module) -> tuple[str, str]:
+  """Where in model.py `check_model` says the model's `error` was, and what it says of it, with
+  NNX's convention where one was missed: an axis that the path does not have, a mode given as
+  an argument, the images' layout."""
+  where, said = errors.where(error, module.__file__), errors.one_line(error)
+  if "unbound axis name" in said:
+    return where, (
+        f": a layer names the axis {said.rsplit(':', 1)[-1].strip()!r}, which config.parallelism="
+        f"{config.parallelism!r} does not have (pmap's alone names one): drop its axis_name= "
+        "(spmd and fsdp take the global batch's statistics without it) or train with "
+        "--config.parallelism=pmap")
+  missing = re.search(r"(\w+)\.__call__\(\) missing \d+ required (?:positional|keyword-only) "
+                      r"arguments?: (.+)", said)
+  if isinstance(error, TypeError) and missing:
+    if inspect.isclass(model_class := getattr(module, missing.group(1), None)):  # its line
+      line = inspect.getsourcelines(model_class.__call__)[1]
+      where = f"{errors.shown(module.__file__)}:{line}"
+    return where, (
+        f": {said}: the steps call model(images) (and example_mask= where __call__ takes it); "
+        "NNX models take their mode from model.train() / model.eval(), which the steps call "
+        "(nnx.Dropout's deterministic and nnx.BatchNorm's use_running_average follow it), not "
+        f"from an argument: drop {missing.group(2)} or give it a default")
+  if any(word in said for word in ("shape", "dimension", " != ", "ncompatible")):
+    return where, (f": {said} (images arrive as [B, H, W, C] float32, uint8 pixels scaled to "
+                   f"[0, 1]; H, W, C = image_shape = {tuple(image_shape)})")
+  return where, f": {said}"
 
 
 def build_state(run_plan, image_shape, num_classes, num_train_steps: int) -> tuple:

@@ -4,6 +4,7 @@ to do (`log_run`, `log_state`) and each log interval's rates (`train_summary`)."
 
 import contextlib
 import platform
+import shlex
 import sys
 import time
 from typing import NamedTuple
@@ -40,6 +41,7 @@ class Report:
     self.progress = Progress(num_train_steps, self.writer, self.clock, show=is_main,
                              metrics=tuple(run_plan.recipe.METRICS))
     self.profiler = Profiler(config, workdir)
+    self.workdir, self.is_main = workdir, is_main
 
   def train(self, step: int, since: int, summary: dict[str, float]) -> None:
     """Writes and logs the metrics of training steps `since`..`step` (`dispatch.summarize`'s), with
@@ -56,10 +58,16 @@ class Report:
 
   def end(self, last_step: int | None = None, batch_size: int = 0) -> None:
     """Closes the writers; with the `last_step` of a finished run, first writes the whole loop's
-    rates (`Clock.whole_loop`)."""
+    rates (`Clock.whole_loop`), and after, logs the commands to run next on its workdir."""
     if last_step is not None and (loop := self.clock.whole_loop(last_step, batch_size)):
       self.writer.write_scalars(last_step, loop)
     self.writer.close()
+    if last_step is not None and self.is_main:
+      w = shlex.quote(self.workdir)
+      logging.info("Next: evaluate the run, classify images, export the model, see the curves:"
+                   "\n  python evaluate.py --workdir=%s\n  "
+                   "python predict.py --workdir=%s IMAGE_OR_FOLDER ...\n  python export.py "
+                   "--workdir=%s --out=model.npz\n  tensorboard --logdir=%s", w, w, w, w)
 
 
 class Lap(NamedTuple):

@@ -125,10 +125,13 @@ def state_sums_of_squares(updates, params) -> tuple:
 
 
 def update_if(applied, update, current, old):
-  """`update(current)` -> (state, norms) where `applied`, else `old` (norms 0): by selecting each
-  leaf, no conditional for the device to wait on (cpu.py's: under lax.cond)."""
-  updated, norms = update(current)
-  return jax.tree.map(lambda new, old: jnp.where(applied, new, old), updated, old), norms
+  """`update(current)` -> (state, norms) where `applied`, else `old`: by selecting each leaf, no
+  conditional for the device to wait on (cpu.py's: under lax.cond); the parameters' norm read
+  from the state kept (a TPU's program is smallest so, aot.py: 2,475 kernels a v5e:2x4 ResNet-50
+  step, against 2,552 from the update's state; gpu.py reads the update's)."""
+  updated, (updates_squared, _) = update(current)
+  kept = jax.tree.map(lambda new, old: jnp.where(applied, new, old), updated, old)
+  return kept, (updates_squared, sum_of_squares(nnx.filter_state(kept[0], nnx.Param)))
 
 
 # What the moving average of the parameters averages: every Param, and BatchNorm's statistics.
