@@ -305,7 +305,7 @@ def say_cropped(examples: dict, image_size) -> None:
   if lost := [k for k in kept if k[0] < 0.75]:
     share, path, (w, h) = lost[0]
     print(f"images losing more than a quarter of their area to the centre crop to {image_size[0]}"
-          f"x{image_size[1]}: {len(lost)}; the most, {path} ({h}x{w}), keeps {share:.0%} "
+          f"x{image_size[1]}: {len(lost)}; the most, {path} ({h}x{w}), keeps {100 * share:.0f}% "
           "(--resize_shorter=S with --image_size keeps photos whole)")
 
 

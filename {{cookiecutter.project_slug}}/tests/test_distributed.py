@@ -302,7 +302,8 @@ def test_a_held_back_dump_is_bounded_and_passed_on_whole():
     {"SLURM_STEP_NODELIST": "node[001,007-015],host2", "SLURM_JOB_ID": "123456"},
     {"SLURM_STEP_NODELIST": "gpu17", "SLURM_JOB_ID": "7"},
     {"OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://10.96.0.1,10.148.0.1:34911"},
-], ids=["slurm_ranges", "slurm_one_node", "open_mpi"])
+    {"SLURM_STEP_NODELIST": "gpu17", "SLURM_JOB_ID": "7", "JAX_COORDINATOR_PORT": "4321"},
+], ids=["slurm_ranges", "slurm_one_node", "open_mpi", "a_port_given"])
 def test_the_join_timeout_names_the_address_jax_derives(environ, monkeypatch):
   """The address the join timeout's line names is the one JAX's own cluster detection derives
   (its private classes, read here only to compare)."""
@@ -311,4 +312,5 @@ def test_the_join_timeout_names_the_address_jax_derives(environ, monkeypatch):
   for name, value in environ.items():
     monkeypatch.setenv(name, value)
   found = (slurm_cluster.SlurmCluster if "SLURM_JOB_ID" in environ else ompi_cluster.OmpiCluster)
-  assert distributed.coordinator(environ) == found.get_coordinator_address(None, None)
+  assert distributed.coordinator(environ) == found.get_coordinator_address(
+      None, environ.get("JAX_COORDINATOR_PORT"))

@@ -121,17 +121,20 @@ def cluster(environ=os.environ) -> dict | None:
 
 def coordinator(environ=os.environ) -> str:
   """The address of the job's coordinator (process 0) as JAX derives it for the job `cluster`
-  found (its rules: SLURM's first node, or Open MPI's launcher host, at a port in 61440-65535
-  from the job's id; a TPU slice's worker 0 at 8482), for the join timeout's line."""
+  found (its rules: SLURM's first node, or Open MPI's launcher host, at JAX_COORDINATOR_PORT or a
+  port in 61440-65535 from the job's id; a TPU slice's worker 0 at 8482), for the join
+  timeout's line."""
   if "JAX_COORDINATOR_ADDRESS" in environ:
     return environ["JAX_COORDINATOR_ADDRESS"]
+  port = environ.get("JAX_COORDINATOR_PORT")
   if "SLURM_STEP_NODELIST" in environ:
     first = re.match(r"([^,\[]*)(?:\[([^,\-\]]*))?", environ["SLURM_STEP_NODELIST"])
-    return f"{first.group(1)}{first.group(2) or ''}:{int(environ['SLURM_JOB_ID']) % 4096 + 61440}"
+    port = port or int(environ["SLURM_JOB_ID"]) % 4096 + 61440
+    return f"{first.group(1)}{first.group(2) or ''}:{port}"
   if uri := environ.get("OMPI_MCA_orte_hnp_uri"):
     host = re.search(r"tcp://(.+?)[,:]|tcp6://\[(.+?)[,\]]", uri)
-    port = int(uri.split(".", 1)[0]) // 4096 % 4096 + 61440
+    port = port or int(uri.split(".", 1)[0]) // 4096 % 4096 + 61440
     return f"{next(h for h in host.groups() if h) if host else '?'}:{port}"
   hosts = (environ.get("MEGASCALE_COORDINATOR_ADDRESS") or environ.get("TPU_WORKER_HOSTNAMES")
            or "TPU worker 0 (its address from the VM's metadata server)")
-  return f"{hosts.split(',')[0].split(':')[0]}:8482"
+  return f"{hosts.split(',')[0].split(':')[0]}:{port or 8482}"
