@@ -64,7 +64,7 @@ from tensorboard.backend.event_processing import event_accumulator
 
 from configs import default, imagenet, tiny
 
-from {{cookiecutter.project_slug}} import errors, plan
+from {{cookiecutter.project_slug}} import errors, plan, process
 from {{cookiecutter.project_slug}}.data import batches, sources
 from {{cookiecutter.project_slug}}.tools import (
   benchmark_data,
@@ -345,6 +345,7 @@ def write_markdown(path: str, text: str | None = None, section: str | None = Non
 
 def main(argv):
   del argv
+  process.cpu_where_no_accelerator()
   if _RESNET.value:
     comparison = compare_resnet()
     section = benchmark_report.resnet_section(comparison)

@@ -314,3 +314,30 @@ def test_the_join_timeout_names_the_address_jax_derives(environ, monkeypatch):
   found = (slurm_cluster.SlurmCluster if "SLURM_JOB_ID" in environ else ompi_cluster.OmpiCluster)
   assert distributed.coordinator(environ) == found.get_coordinator_address(
       None, environ.get("JAX_COORDINATOR_PORT"))
+
+
+@pytest.mark.slow  # (JAX alone: the TPU plugin's start waits for a metadata server, ~60 s here)
+def test_a_cpu_machine_with_the_accelerators_compilers_starts_without_their_tracebacks():
+  """On a machine without a GPU's or TPU's device file, JAX_PLATFORMS unset (as a user's shell
+  leaves it), an entry point's start (`process.initialize`) takes the CPU alone: the plugins of
+  the cuda12 and tpu extras (aot.py's compilers, installed beside training) print nothing, where
+  JAX alone lets each print its failure. Skipped, with the reason, where neither is installed
+  or the host has an accelerator."""
+  import importlib.util
+
+  from {{cookiecutter.project_slug}} import process
+
+  if not any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "libtpu")):
+    pytest.skip("neither the GPU's nor the TPU's compiler is installed here: nothing to quiet")
+  if any(glob.glob(pattern) for pattern in process.ACCELERATOR_FILES):
+    pytest.skip("this host has an accelerator's device file")
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  backend = "import jax; print(jax.default_backend())"
+  bare = subprocess.run([sys.executable, "-c", backend], cwd=PROJECT, env=env,
+                        capture_output=True, text=True, timeout=120)
+  assert bare.stdout.strip() == "cpu" and bare.stderr, bare.stderr  # what JAX alone prints
+  started = subprocess.run(
+      [sys.executable, "-c", "from {{cookiecutter.project_slug}} import process; "
+       f"process.cpu_where_no_accelerator(); {backend}"], cwd=PROJECT, env=env,
+      capture_output=True, text=True, timeout=120)
+  assert started.stdout.strip() == "cpu" and started.stderr == "", started.stderr[-3000:]

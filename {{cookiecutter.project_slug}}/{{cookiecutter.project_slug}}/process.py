@@ -12,6 +12,7 @@ does it on process 0 alone (`is_first`).
 """
 
 import contextlib
+import glob
 import os
 import sys
 import threading
@@ -55,9 +56,25 @@ def start(config) -> None:
   initialize()
 
 
+# Where a GPU's or TPU's device files are (NVIDIA; WSL's; AMD's; Cloud TPU's).
+ACCELERATOR_FILES = ("/dev/nvidia[0-9]*", "/dev/dxg", "/dev/kfd", "/dev/accel[0-9]*",
+                     "/dev/vfio/[0-9]*")
+
+
+def cpu_where_no_accelerator() -> None:
+  """JAX's CPU backend alone on a Linux machine without a GPU's or TPU's device file, unless
+  JAX_PLATFORMS says otherwise: there the GPU and TPU plugins (the cuda12 and tpu extras: aot.py's
+  compilers) would each print a traceback at every start before JAX fell back to the CPU."""
+  if sys.platform.startswith("linux") and not os.environ.get("JAX_PLATFORMS") and not any(
+      glob.glob(pattern) for pattern in ACCELERATOR_FILES):
+    jax.config.update("jax_platforms", "cpu")
+
+
 def initialize() -> None:
   """Joins JAX's distributed runtime when this is one of several processes (joined.py); else does
-  nothing. A launcher that JAX does not find ends the process in one line naming the fix."""
+  nothing. A launcher that JAX does not find ends the process in one line naming the fix. First,
+  the CPU alone where there is no accelerator (`cpu_where_no_accelerator`)."""
+  cpu_where_no_accelerator()
   if address := _COORDINATOR.value:
     host = address.rsplit(":", 1)[0]
     bind = address if host in ("127.0.0.1", "localhost") else None  # loopback only
