@@ -203,7 +203,7 @@ def shrink(path: str, shorter: int, channels: int, max_pixels: int = image_files
     with open(path, "rb") as f:
       data = f.read()
     with image_files.open_image(data, max_pixels) as image:
-      turned = image.getexif().get(image_files.ORIENTATION, 1) != 1
+      turned = image_files.orientation(image) != 1
       if min(image.size) <= shorter and not turned:
         image.convert(mode)  # decodes: a broken file fails here
         return data

@@ -694,6 +694,13 @@ def test_a_photo_held_sideways_is_read_upright(tmp_path):
   assert np.asarray(Image.open(io.BytesIO(png))).shape == (30, 20, 3)  # as stored
   for data in (png, jpeg):
     assert image_files.encoded_shape(data) == (20, 30, 3)
+  upright, exif = io.BytesIO(), Image.Exif()  # a camera's upright JPEG: simplejpeg's to decode
+  exif[image_files.ORIENTATION] = 1
+  Image.fromarray(seen).save(upright, "JPEG", exif=exif)
+  assert image_files.jpeg_orientation(jpeg) == 6 and image_files.jpeg_orientation(
+      upright.getvalue()) == 1
+  assert image_files.jpeg_size(jpeg) is None and image_files.jpeg_size(upright.getvalue()) == (
+      (30, 20) if image_files.simplejpeg else None)
   np.testing.assert_array_equal(image_files.decode_image(png, (20, 30, 3)), seen)
   np.testing.assert_array_equal(image_files.Crops(center_ratio=1.0)(png, (20, 30, 3), 0), seen)
   for decoded in (image_files.decode_image(jpeg, (20, 30, 3)),
