@@ -322,7 +322,7 @@ def test_a_cpu_machine_with_the_accelerators_compilers_starts_without_their_trac
   leaves it), an entry point's start (`process.initialize`) takes the CPU alone: the plugins of
   the cuda12 and tpu extras (aot.py's compilers, installed beside training) print nothing, where
   JAX alone lets each print its failure. Skipped, with the reason, where neither is installed
-  or the host has an accelerator."""
+  or the host has an accelerator, and after the check where JAX alone prints nothing either."""
   import importlib.util
 
   from {{cookiecutter.project_slug}} import process
@@ -333,11 +333,13 @@ def test_a_cpu_machine_with_the_accelerators_compilers_starts_without_their_trac
     pytest.skip("this host has an accelerator's device file")
   env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
   backend = "import jax; print(jax.default_backend())"
-  bare = subprocess.run([sys.executable, "-c", backend], cwd=PROJECT, env=env,
-                        capture_output=True, text=True, timeout=120)
-  assert bare.stdout.strip() == "cpu" and bare.stderr, bare.stderr  # what JAX alone prints
   started = subprocess.run(
       [sys.executable, "-c", "from {{cookiecutter.project_slug}} import process; "
        f"process.cpu_where_no_accelerator(); {backend}"], cwd=PROJECT, env=env,
       capture_output=True, text=True, timeout=120)
   assert started.stdout.strip() == "cpu" and started.stderr == "", started.stderr[-3000:]
+  bare = subprocess.run([sys.executable, "-c", backend], cwd=PROJECT, env=env,
+                        capture_output=True, text=True, timeout=120)
+  assert bare.stdout.strip() == "cpu", bare.stderr[-3000:]
+  if not bare.stderr:  # some machines' plugins fail quietly (no driver library at all)
+    pytest.skip("JAX alone printed nothing here either: the start was quiet, the contrast not shown")
