@@ -129,7 +129,8 @@ def write_dataset(out_dir: str, splits: dict[str, tuple[np.ndarray, np.ndarray]]
   write_metadata(out_dir, splits["train"][0].shape[1:],
                  max(labels.max() for _, labels in splits.values()) + 1,
                  {split: len(labels) for split, (_, labels) in splits.items()},
-                 pixel_dtype=splits["train"][0].dtype.name)
+                 pixel_dtype=splits["train"][0].dtype.name,
+                 train_class_counts=np.bincount(splits["train"][1]).tolist())
 
 
 def list_image_folder(folder: str, eval_fraction: float,
@@ -260,7 +261,7 @@ def write_image_folder(out_dir: str, folder: str, image_size: tuple[int, int] | 
     channels = 1 if all(mode in image_files.GRAY_MODES for _, mode in headers) else 3
     image_shape = (*image_size, channels)
     os.makedirs(out_dir, exist_ok=True)
-    num_examples = {}
+    num_examples, train_class_counts = {}, [0] * len(classes)
     for split, triples in examples.items():
       def records(split=split, triples=triples):
         chunk = 1024  # decoded a chunk at a time, in order, by the threads
@@ -275,6 +276,7 @@ def write_image_folder(out_dir: str, folder: str, image_size: tuple[int, int] | 
             if isinstance(image, str):
               skipped.append((path, image))
               continue
+            train_class_counts[label] += split == "train"
             yield start + i, encode(image, label)
             if sys.stderr.isatty() and (start + i) % 64 == 0:
               report.draw_bar(start + i + 1, len(triples), split)
@@ -288,7 +290,7 @@ def write_image_folder(out_dir: str, folder: str, image_size: tuple[int, int] | 
     if not count:
       raise ValueError(f"no {split} image of {folder} could be read.")
   write_metadata(out_dir, image_shape, len(classes), num_examples, class_names=classes,
-                 encoded=keep_encoded or bool(resize_shorter), pixel_dtype="uint8",
+                 train_class_counts=train_class_counts, encoded=keep_encoded or bool(resize_shorter), pixel_dtype="uint8",
                  **({"resize_shorter": resize_shorter} if resize_shorter else {}))
   return [path for path, _ in skipped]
 

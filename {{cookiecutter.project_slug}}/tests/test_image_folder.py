@@ -764,3 +764,31 @@ def test_data_of_one_class_is_refused_by_the_writer_and_by_training(tmp_path):
   with pytest.raises(errors.BadData, match=r"holds 1 class: a classifier needs two or more"):
     train.train_and_evaluate(config, str(tmp_path / "run"))
   assert not (tmp_path / "run").exists() or not os.listdir(tmp_path / "run" / "checkpoints")
+
+
+def test_a_class_with_fewer_images_than_its_share_of_a_batch_is_said_once(tmp_path, caplog):
+  """The writer stores the train split's images a class (a folder's and arrays'); a class with
+  fewer than its share of the global batch (the batch over the classes) is named, with its count,
+  in one warning as the data is read, and the others are not."""
+  images = np.zeros((22, 8, 8, 1), np.uint8)
+  labels = np.array([0] * 20 + [1] * 2)
+  write_arrayrecord.write_dataset(str(tmp_path / "data"), {
+      split: (images, labels) for split in ("train", "eval")}, 1)
+  with open(tmp_path / "data" / "metadata.json") as f:
+    assert json.load(f)["train_class_counts"] == [20, 2]
+  config = owned(default.get_config())
+  config.dataset, config.data_dir, config.batch_size = "arrayrecord", str(tmp_path / "data"), 16
+  with caplog.at_level("WARNING"):
+    sources.get_datasets(config)
+  said = [r.getMessage() for r in caplog.records if "share of a batch" in r.getMessage()]
+  assert said == ["1 of 2 classes hold fewer training images than their share of a batch of 16 "
+                  "(8.0): '1' (2); they are missing from most batches: add images, or weigh "
+                  "their loss (recipe.loss)"], said
+  write_photos(tmp_path / "photos", sizes=((24, 24),), per_class=4)
+  done = convert(f"--out_dir={tmp_path / 'folder'}", f"--image_folder={tmp_path / 'photos'}",
+                 "--eval_fraction=0.5")
+  assert done.returncode == 0, done.stderr
+  with open(tmp_path / "folder" / "metadata.json") as f:
+    meta = json.load(f)
+  assert sum(meta["train_class_counts"]) == meta["num_examples"]["train"]
+  assert len(meta["train_class_counts"]) == len(meta["class_names"])

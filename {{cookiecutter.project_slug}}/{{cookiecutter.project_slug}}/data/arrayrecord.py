@@ -106,7 +106,8 @@ def load(config) -> Loaded:
                                  meta.get("pixel_dtype", "uint8"), meta["num_classes"])
              for split in ("train", "eval")}
   return Loaded(sources, tuple(meta["image_shape"]), meta["num_classes"],
-                tuple(meta.get("class_names", ())), crops_on_host, crop_canvas)
+                tuple(meta.get("class_names", ())), crops_on_host, crop_canvas,
+                tuple(meta.get("train_class_counts", ())))
 
 
 def crops_of(config, meta: dict) -> tuple[bool, tuple[int, int] | None]:

@@ -12,6 +12,7 @@ import math
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
+from absl import logging
 
 from ..errors import BadData
 
@@ -88,6 +89,7 @@ class Loaded(NamedTuple):
   class_names: tuple[str, ...] = ()
   crops_on_host: bool = False  # photos kept whole, cropped to image_shape by the reading workers
   canvas: tuple[int, int] | None = None  # DatasetInfo's
+  class_counts: tuple[int, ...] = ()  # the train split's images a class, where known cheaply
 
 
 def model_input(pixel_dtype: str) -> str:
@@ -144,12 +146,32 @@ def get_datasets(config) -> tuple[dict, DatasetInfo]:
                   f"class{'es' * (int(loaded.num_classes) != 1)}: a classifier needs two or "
                   "more; check the data's layout (a folder a class when it was written).")
   train = loaded.sources["train"]
+  counts = loaded.class_counts or (tuple(np.bincount(train.labels, minlength=loaded.num_classes))
+                                   if isinstance(train, ArraySource) else ())
+  if config.dataset != "synthetic":  # (random labels, not for learning)
+    say_scarce(counts, loaded.class_names, config)
   first = train.take(np.zeros(1, np.int64))["image"] if len(train) else None
   info = DatasetInfo(tuple(loaded.image_shape), int(loaded.num_classes),
                      {split: len(data) for split, data in loaded.sources.items()},
                      tuple(loaded.class_names), "uint8" if first is None else first.dtype.name,
                      loaded.crops_on_host, loaded.canvas)
   return loaded.sources, info
+
+
+def say_scarce(counts, names, config) -> None:
+  """Says once, as a warning, which classes hold fewer training images than their share of a
+  batch (the global batch over the classes): such a class is missing from most batches."""
+  batch = config.run.global_batch_size if "run" in config else config.batch_size
+  share = batch / max(len(counts), 1)
+  scarce = sorted((int(n), names[k] if k < len(names) else str(k))
+                  for k, n in enumerate(counts) if n < share)
+  if scarce:
+    listed = ", ".join(f"{name!r} ({n})" for n, name in scarce[:3])
+    logging.warning(
+        "%d of %d classes hold fewer training images than their share of a batch of %d (%.1f): "
+        "%s%s; they are missing from most batches: add images, or weigh their loss "
+        "(recipe.loss)", len(scarce), len(counts), batch, share, listed,
+        ", ..." if len(scarce) > 3 else "")
 
 
 def describe(config) -> DatasetInfo:
