@@ -290,7 +290,8 @@ def write_image_folder(out_dir: str, folder: str, image_size: tuple[int, int] | 
     if not count:
       raise ValueError(f"no {split} image of {folder} could be read.")
   write_metadata(out_dir, image_shape, len(classes), num_examples, class_names=classes,
-                 train_class_counts=train_class_counts, encoded=keep_encoded or bool(resize_shorter), pixel_dtype="uint8",
+                 train_class_counts=train_class_counts,
+                 encoded=keep_encoded or bool(resize_shorter), pixel_dtype="uint8",
                  **({"resize_shorter": resize_shorter} if resize_shorter else {}))
   return [path for path, _ in skipped]
 

@@ -47,10 +47,16 @@ def get_config() -> ml_collections.ConfigDict:
   # name: model.py's 'cnn' (of one convolution per entry of `features`), 'resnet18' or
   # 'resnet50' (of `width` channels in its first stage). dtype: the computation's; param_dtype:
   # the parameters' (bfloat16 compute with float32 parameters: mixed precision). dropout: the
-  # cnn's Dropout rate before its classifier (0: none).
+  # cnn's Dropout rate before its classifier (0: none). module='vit' (vit.py, configs/vit.py):
+  # name 'vit_ti', 'vit_s' or 'vit_b', of `patch` x `patch` patches, `depth` blocks (0: the
+  # name's), run under nnx.scan (`scan`) or unrolled, `dropout` after its blocks' layers.
   config.model = ml_collections.ConfigDict(
       dict(module="model", name="cnn", features=(32, 64), width=64, dtype="float32",
-           param_dtype="float32", dropout=0.0))
+           param_dtype="float32", dropout=0.0, patch=16, depth=0, scan=True))
+  # Activations recomputed in the backward pass, for models too large for the memory (vit.py's
+  # blocks; a model of yours: nnx.remat, as vit.py uses it): 'none', 'block' (each block keeps
+  # its input alone) or a jax.checkpoint_policies name, e.g. 'dots_with_no_batch_dims_saveable'.
+  config.remat = "none"
   # The recipe (recipe.py: the loss, augmentation, metrics, optimizer and schedule): its module.
   # The keys below are its options; a key you add is read there as config.KEY.
   config.recipe = "recipe"
@@ -65,7 +71,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.schedule = "cosine"  # after the warmup, to the end: 'cosine' or 'linear' to 0, 'constant'
   config.momentum = 0.9  # sgd's momentum (0: none); adam's and adamw's b1
   config.nesterov = False  # Nesterov's momentum (sgd); NAdam (adam, adamw)
-  # On the weights (arrays of 2 or more dimensions) only. adamw: decoupled, lr x this x w taken
+  # The optimizer's first moment (adam's and adamw's mu, sgd's momentum): '' in the parameters'
+  # dtype; 'bfloat16' halves it (the second moment stays float32: recipe.optimizer).
+  config.mu_dtype = ""
+  # On the weights (the arrays named `kernel`) only. adamw: decoupled, lr x this x w taken
   # off w each step (optax multiplies it by the learning rate; 0.05-0.1 is usual); adam, sgd:
   # L2, this x w added to the gradient (PyTorch's weight_decay).
   config.weight_decay = 0.0

@@ -342,4 +342,5 @@ def test_a_cpu_machine_with_the_accelerators_compilers_starts_without_their_trac
                         capture_output=True, text=True, timeout=120)
   assert bare.stdout.strip() == "cpu", bare.stderr[-3000:]
   if not bare.stderr:  # some machines' plugins fail quietly (no driver library at all)
-    pytest.skip("JAX alone printed nothing here either: the start was quiet, the contrast not shown")
+    pytest.skip("JAX alone printed nothing here either: the start was quiet, the contrast "
+                "not shown")

@@ -618,6 +618,12 @@ BAD_CONFIGS = [
     ("--config.model.param_dtype=int8", "config.model.param_dtype='int8' is not a floating-point"),
     ("--config.model.features=(8,0)", "config.model.features=(8, 0) must be a tuple of positive "
                                       "integers"),
+    ("--config.remat=everything", "config.remat='everything' is unknown; use 'none', 'block' or "
+                                  "a jax.checkpoint_policies name"),
+    ("--config.mu_dtype=int8", "config.mu_dtype='int8' is not a floating-point dtype; use '' "
+                               "(the parameters') or bfloat16."),
+    ("--config.model.module=vit --config.model.name=vit_ti --config.model.patch=3",
+     "images 8x8 are not cut into whole 3x3 patches: set config.model.patch to a divisor of both"),
     ("--config.augment_max_shift=-1", "config.augment_max_shift=-1 must be an integer >= 0."),
     ("--config.prefetch_to_device=-1", "config.prefetch_to_device=-1 must be an integer >= 0."),
     ("--config.synthetic.num_train=0 --config.dataset=synthetic",
@@ -827,7 +833,8 @@ def test_a_config_file_that_is_not_there_is_one_line(tmp_path, monkeypatch):
   workdir = tmp_path / "run"
   error = run_in_process("--config=configs/defualt.py", f"--workdir={workdir}")
   assert error == ("error: --config='configs/defualt.py' is not a file; use one of "
-                   "configs/default.py, configs/imagenet.py, configs/tiny.py."), error
+                   "configs/default.py, configs/imagenet.py, configs/tiny.py, "
+                   "configs/vit.py."), error
   assert not workdir.exists()
 
 

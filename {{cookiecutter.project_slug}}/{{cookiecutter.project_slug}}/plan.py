@@ -142,6 +142,7 @@ FREE_ON_RESUME = (
     "peak_flops_per_device", "profile_first_step", "profile_num_steps", "wandb_project",
     "log_every_steps", "eval_every_steps", "checkpoint_every_steps", "max_checkpoints_to_keep",
     "skip_nonfinite_steps", "cpu_sync_every_steps", "per_device_batch_size", "resume_may_change",
+    "remat", "model.scan",  # (the same parameters either way)
     "run")  # (what the config comes to on the devices: its global batch is kept above)
 
 

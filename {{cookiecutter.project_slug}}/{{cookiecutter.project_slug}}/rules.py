@@ -72,6 +72,12 @@ VALUE_RULES = (
     (("model.dtype", "model.param_dtype"), lambda v: jnp.dtype(v) != jnp.float16,
      "needs loss scaling, which the steps do not do (small gradients underflow to 0); use "
      "bfloat16, which has float32's range."),
+    (("mu_dtype",), lambda v: v == "" or _floating(v),
+     "is not a floating-point dtype; use '' (the parameters') or bfloat16."),
+    (("remat",), lambda v: v in ("none", "block") or callable(
+        getattr(jax.checkpoint_policies, str(v), None)),
+     "is unknown; use 'none', 'block' or a jax.checkpoint_policies name, e.g. "
+     "'dots_with_no_batch_dims_saveable'."),
     (("model.features",), lambda v: isinstance(v, (tuple, list)) and len(v) > 0 and all(
         map(_int(1), v)), "must be a tuple of positive integers (one width per convolution), "
      "e.g. --config.model.features='(32,64)'."),

@@ -161,7 +161,9 @@ def get_datasets(config) -> tuple[dict, DatasetInfo]:
 def say_scarce(counts, names, config) -> None:
   """Says once, as a warning, which classes hold fewer training images than their share of a
   batch (the global batch over the classes): such a class is missing from most batches."""
-  batch = config.run.global_batch_size if "run" in config else config.batch_size
+  batch = config.run.global_batch_size if "run" in config else config.get("batch_size", 0)
+  if not batch:  # (write_arrayrecord.py's check: no batch yet)
+    return
   share = batch / max(len(counts), 1)
   scarce = sorted((int(n), names[k] if k < len(names) else str(k))
                   for k, n in enumerate(counts) if n < share)

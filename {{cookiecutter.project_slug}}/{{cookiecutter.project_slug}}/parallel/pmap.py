@@ -93,12 +93,15 @@ def pmap_batch(local_batch):
 
 def fold_in_device_index(model, axis_name):
   """pmap gives every device the same RNG keys: fold in the device index so that dropout differs
-  between devices. Returns a function that puts the shared keys back (keeping the state
-  replicated; the streams' counters advance identically everywhere)."""
+  between devices (each key of a stream's stack alike). Returns a function that puts the shared
+  keys back (keeping the state replicated; the streams' counters advance identically
+  everywhere)."""
   streams = [s for _, s in nnx.iter_graph(model) if isinstance(s, nnx.RngStream)]
   keys = [stream.key[...] for stream in streams]
-  for stream in streams:
-    stream.key[...] = jax.random.fold_in(stream.key[...], jax.lax.axis_index(axis_name))
+  fold_in = lambda key: jax.random.fold_in(key, jax.lax.axis_index(axis_name))  # noqa: E731
+  for stream in streams:  # (a stream of stacked layers holds a key a layer: nnx.vmap's)
+    key = stream.key[...]
+    stream.key[...] = jax.vmap(fold_in)(key.reshape(-1)).reshape(key.shape)
 
   def restore():
     for stream, key in zip(streams, keys, strict=True):
