@@ -12,8 +12,9 @@ DeiT-B's 81.8% top-1 (this recipe has not been run to the end here).
 
 Large models, one line each: --config.parallelism=fsdp (the parameters and AdamW's moments split
 over the devices); --config.remat=block (or a jax.checkpoint_policies name); --config.mu_dtype=
-bfloat16 (AdamW's first moment in half the bytes); --config.model.scan=False (the blocks unrolled:
-longer compiles). ViT-S/16 and Ti/16: --config.model.name=vit_s or vit_ti.
+bfloat16 (AdamW's first moment in half the bytes); --config.model.scan=True (the blocks under
+nnx.scan: one compiled, less memory, more copies; unrolled here: BENCHMARKS.md). ViT-S/16 and
+Ti/16: --config.model.name=vit_s or vit_ti.
 """
 
 import ml_collections
@@ -24,10 +25,12 @@ from configs import imagenet
 def get_config():
   config = imagenet.get_config()  # ImageNet's data, crops and intervals
   config.model = ml_collections.ConfigDict(dict(
-      module="vit", name="vit_b", patch=16, depth=0, dropout=0.0, scan=True, dtype="bfloat16",
+      module="vit", name="vit_b", patch=16, depth=0, dropout=0.0, scan=False, dtype="bfloat16",
       param_dtype="float32"))
   config.batch_norm_devices = 0  # (no BatchNorm)
-  config.remat = "none"  # h100:8 fits at 512 a GPU without it; v5e:2x4 needs 'block'
+  # Fits h100:8 (34.6 GiB a GPU); v5e chips (16 GiB): --config.remat=block --config.model.scan=True
+  # (9.79 GiB; BENCHMARKS.md)
+  config.remat = "dots_with_no_batch_dims_saveable"
   config.optimizer = "adamw"
   config.momentum = 0.9
   config.nesterov = False
