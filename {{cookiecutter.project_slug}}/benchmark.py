@@ -6,7 +6,7 @@ Prints its tables and writes them to --out (JSON) and --markdown (BENCHMARKS.md)
   python benchmark.py --resnet  # on a GPU: ResNet-50 against timm's, eager and torch.compile
   python benchmark.py --kernels  # on a GPU: where the ResNet-50 step's time goes, by kernel
   python benchmark.py --data_dir=DIR --out=data.json [--config=configs/imagenet.py
-      --config.KEY=VALUE ... --images_per_second=2500 --seconds=20 --pil_image_folder=DIR]
+      --config.KEY=VALUE ... --images_per_second=2500 --batches=20 --pil_image_folder=DIR]
 
 - Train step, for two models (the config's CNN on the digits; a wider CNN on synthetic 64x64x3
   images, see get_config) and each path (`single`: device 0): the compile time (ahead of time,
@@ -89,7 +89,8 @@ _MARKDOWN = flags.DEFINE_string("markdown", "BENCHMARKS.md", "Where the tables g
                                 "with the machine, versions and date; '': nowhere.")
 _TINY = flags.DEFINE_bool("tiny", False, "A smoke run of every code path in seconds (CI).")
 _DATA_DIR = flags.DEFINE_string("data_dir", None, "Time the input pipeline alone on this data.")
-_SECONDS = flags.DEFINE_float("seconds", 20.0, "--data_dir: how long to read.")
+_BATCHES = flags.DEFINE_integer("batches", 20, "--data_dir: how many training batches to read "
+                                "(each way; half as many again with the staging copy).")
 _PIL_FOLDER = flags.DEFINE_string("pil_image_folder", None, "--data_dir: the plain PIL loop reads "
                                   "these image files (default: the stored images).")
 _RATE = flags.DEFINE_float("images_per_second", 2500.0, "--data_dir: the rate that one "
@@ -367,7 +368,7 @@ def main(argv):
                 indent=2)
     return
   if _DATA_DIR.value:
-    result = benchmark_data.main(_CONFIG.value, _DATA_DIR.value, _SECONDS.value, _RATE.value,
+    result = benchmark_data.main(_CONFIG.value, _DATA_DIR.value, _BATCHES.value, _RATE.value,
                                  _PIL_FOLDER.value, _OUT.value)
     if _MARKDOWN.value:
       write_markdown(_MARKDOWN.value, section=benchmark_report.photos_section(result))

@@ -144,15 +144,16 @@ class Staged:
     return ring[-1]
 
 
-def deliver(iterator, seconds: float, sampler: PeakMemory | None = None) -> dict:
-  """Elements from `iterator` (placed on the devices, each waited for) for `seconds`: the images
-  and bytes delivered, the wall time, and the CPU time of the main process (all its threads:
-  receiving, placing) and of its process tree (its workers too), `sampler`'s own left out."""
+def deliver(iterator, elements: int, sampler: PeakMemory | None = None) -> dict:
+  """`elements` elements from `iterator` (placed on the devices, each waited for), after a first
+  one: the images and bytes delivered, the wall time, and the CPU time of the main process (all
+  its threads: receiving, placing) and of its process tree (its workers too), `sampler`'s own
+  left out. A count, not a window of time: a large batch's figures hold as a small one's."""
   jax.block_until_ready(next(iterator))  # workers started, first element read
   start, main, tree = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF), cpu_seconds()
   sampled = sampler.cpu if sampler else 0.0
   images = slots = nbytes = 0
-  while time.perf_counter() - start < seconds:
+  for _ in range(elements):
     element = jax.block_until_ready(next(iterator))
     mask = np.asarray(element["mask"])  # (a transfer of a few bytes)
     images, slots = images + int(mask.sum()), slots + mask.size
@@ -172,10 +173,11 @@ def main_process_cost(delivered: dict) -> dict:
               main_process_ceiling_images_per_second=1e9 / (per_gb * delivered["bytes_per_image"]))
 
 
-def measure_workers(config, is_tiny: bool, seconds: float = 5.0) -> dict:
+def measure_workers(config, is_tiny: bool, elements: int = 6) -> dict:
   """WORKERS' uint8 arrays in ArrayRecord files, read by `config`'s worker processes (at least
   one) as training reads them and placed on the devices (spmd): images/s, and the main
-  process's cost per GB delivered (`main_process_cost`); the same with the shares pickled (where
+  process's cost per GB delivered (`main_process_cost`), over `elements` elements of k = 4
+  batches; the same with the shares pickled (where
   there is no /dev/shm; before shared memory, the only way)."""
   config = config.copy_and_resolve_references()
   config.dataset, config.num_epochs, config.parallelism = "arrayrecord", 10**6, "spmd"
@@ -195,7 +197,7 @@ def measure_workers(config, is_tiny: bool, seconds: float = 5.0) -> dict:
       iterator = input_pipeline.as_iterator(
           batches.train_batches(splits["train"], plan.resolved(config)), config,
           put=placer(config), shared_memory=shared_memory)
-      delivered = deliver(iterator, 0.5 if is_tiny else seconds)
+      delivered = deliver(iterator, 1 if is_tiny else elements)
       iterator.close()
       result[f"{name}images_per_sec"] = delivered["images"] / delivered["seconds"]
       result.update({name + key: value for key, value in main_process_cost(delivered).items()})
@@ -237,36 +239,41 @@ def pil_loop(encoded, image_shape, seconds: float) -> float:
   return done / (time.process_time() - start)
 
 
-def measure_input(config, splits, info, seconds: float, rate: float) -> dict:
-  """`measure_data`'s figures of one way of reading the data (`config`'s)."""
+def measure_input(config, splits, info, num_batches: int, rate: float) -> dict:
+  """`measure_data`'s figures of one way of reading the data (`config`'s), over `num_batches`
+  batches (in elements of k), and half as many again with the staging copy."""
   memory = PeakMemory()
   memory.start()
   put = Staged(placer(config))
   iterator = input_pipeline.as_iterator(batches.train_batches(splits["train"], config),
                                         config, put=put)
-  delivered = deliver(iterator, seconds, memory)
+  elements = -(-num_batches // config.run.steps_per_dispatch)
+  delivered = deliver(iterator, elements, memory)
   put.on = True  # the same again, with a GPU's staging copy: the main process's cost alone
   staged = {f"{key}_with_staging_copy": value for key, value in main_process_cost(
-      deliver(iterator, max(seconds / 2, 1.0))).items()}
+      deliver(iterator, max(elements // 2, 1))).items()}
   peak = memory.stop()
   iterator.close()
   images, wall, cpu = delivered["images"], delivered["seconds"], delivered["tree_cpu_seconds"]
-  return dict(images=images, seconds=wall, images_per_second=images / wall,
+  return dict(batches=elements * config.run.steps_per_dispatch, images=images, seconds=wall,
+              images_per_second=images / wall,
               images_per_cpu_second=images / cpu,
               **({"images_per_worker_cpu_second": images / (
                   cpu - delivered["main_cpu_seconds"])} if config.num_workers else {}),
               bytes_per_image=delivered["bytes_per_image"],
               **main_process_cost(delivered), **staged,
               target_images_per_second=rate, cores_per_accelerator=rate * cpu / images,
-              peak_memory_mib=peak / 2**20, expected_memory_mib=input_pipeline.host_memory(
+              peak_memory_mib=peak / 2**20,
+              # (its buffers alone: each process's own, Python, JAX, Grain, is not in it)
+              expected_buffer_memory_mib=input_pipeline.host_memory(
                   config, info, iterators=1).bytes / 2**20)
 
 
-def measure_data(config, seconds: float, rate: float, image_folder: str | None = None) -> dict:
-  """The training batches of `config.data_dir` for `seconds`, placed on the devices: images per
+def measure_data(config, num_batches: int, rate: float, image_folder: str | None = None) -> dict:
+  """`num_batches` training batches of `config.data_dir`, placed on the devices: images per
   second and per CPU-second (this process and its Grain workers), the main process's cost per
   GB (`main_process_cost`), the cores that feed `rate` images/s, the peak resident memory of
-  the process tree (and `input_pipeline.host_memory`'s expectation), and the plain PIL loop
+  the process tree (and `input_pipeline.host_memory`'s expectation of the buffers), the PIL loop
   over `image_folder`'s files (or the stored images, when encoded). Photos whose crops the
   devices resize: the same again with the host resizing them (`host_resize_...`), in this run."""
   config = plan.resolved(config)
@@ -277,12 +284,12 @@ def measure_data(config, seconds: float, rate: float, image_folder: str | None =
                 canvas=info.canvas and list(info.canvas),
                 decoder="simplejpeg" if image_files.simplejpeg else "PIL",
                 workers=batches.default_workers(config),
-                **measure_input(config, splits, info, seconds, rate))
+                **measure_input(config, splits, info, num_batches, rate))
   if info.canvas:  # today's other path, in the same run
     config.resize_on_device = False
     splits, info = sources.get_datasets(config)
     result.update({f"host_resize_{key}": value for key, value in measure_input(
-        config, splits, info, seconds, rate).items()})
+        config, splits, info, num_batches, rate).items()})
     result["over_host_resize"] = (result["images_per_cpu_second"]
                                   / result["host_resize_images_per_cpu_second"])
   source, encoded = splits["train"], None
@@ -296,13 +303,14 @@ def measure_data(config, seconds: float, rate: float, image_folder: str | None =
   if encoded is not None:
     result["pil_loop_of"] = image_folder or "the stored images"
     result["pil_loop_images_per_cpu_second"] = pil_loop(encoded, info.image_shape,
-                                                        min(seconds, 10.0))
+                                                        10.0)
     result["pipeline_over_pil_loop"] = (result["images_per_cpu_second"]
                                         / result["pil_loop_images_per_cpu_second"])
   return result
 
 
-def main(config, data_dir: str, seconds: float, rate: float, image_folder: str | None, out: str):
+def main(config, data_dir: str, num_batches: int, rate: float, image_folder: str | None,
+         out: str):
   """`benchmark.py --data_dir`: `measure_data` on `data_dir` read as `config.dataset` reads it
   ('arrayrecord' for the digits' and synthetic configs), printed and written to `out` (JSON)."""
   config.data_dir = data_dir
@@ -312,7 +320,7 @@ def main(config, data_dir: str, seconds: float, rate: float, image_folder: str |
     rules.validate_config(config)
   except rules.ConfigError as e:
     raise SystemExit(f"error: {e}") from None
-  result = measure_data(config, seconds, rate, image_folder)
+  result = measure_data(config, num_batches, rate, image_folder)
   print("\n".join(f"{key}: {value:,.4g}" if isinstance(value, float) else f"{key}: {value}"
                   for key, value in result.items()))
   with open(out, "w") as f:

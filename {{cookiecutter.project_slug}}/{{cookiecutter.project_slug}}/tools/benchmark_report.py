@@ -203,9 +203,10 @@ def photos_section(r: dict) -> str:
            f"`python benchmark.py --data_dir=DIR` ({machine()}, {date}): the training batches of "
            f"DIR ({r['dataset']}, {shape}, crops on the host: {r['crops_on_host']}{canvas}), "
            f"decoded by {r['decoder']} in {r['workers']} worker process(es) and placed on the "
-           f"devices, without a step, for {r['seconds']:.0f} s"
-           + (" each way, in one run" if both else "") + ". Cores a device: at the rate given "
-           "(`--images_per_second`), if a GPU host's cores were this machine's (a guess).", "",
+           f"devices, without a step: {r['batches']} batches of {r['images'] // r['batches']} "
+           f"({r['seconds']:.0f} s)" + (" each way, in one run" if both else "")
+           + ". Cores a device: at the rate given (`--images_per_second`), if a GPU host's cores "
+           "were this machine's (a guess).", "",
            *header, *rows]
   return "\n".join(lines) + "\n"
 
