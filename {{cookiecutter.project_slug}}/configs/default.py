@@ -89,7 +89,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.grad_accum_steps = 1  # split each batch into this many sequential micro-batches
   # BatchNorm's batch statistics in training (layers.BatchNorm): those of the real examples of
   # each group of this many devices (1: a device's own share, as PyTorch without SyncBatchNorm;
-  # 0: the global batch, whatever the devices). README: ResNet-50 on ImageNet.
+  # 0: the global batch, whatever the devices). README: ResNet-50 and ViT-B/16 on ImageNet.
   config.batch_norm_devices = 0
   # Optimizer steps per compiled call (lax.scan over as many stacked batches): the host's
   # per-call work is paid once per k steps. The log, eval and checkpoint intervals must be
