@@ -782,8 +782,8 @@ def test_a_class_with_fewer_images_than_its_share_of_a_batch_is_said_once(tmp_pa
     sources.get_datasets(config)
   said = [r.getMessage() for r in caplog.records if "share of a batch" in r.getMessage()]
   assert said == ["1 of 2 classes hold fewer training images than their share of a batch of 16 "
-                  "(8.0): '1' (2); they are missing from most batches: add images, or weigh "
-                  "their loss (recipe.loss)"], said
+                  "(8.0): '1' (2); each epoch shows them less than the others: add images, or "
+                  "weigh their loss (recipe.loss)"], said
   write_photos(tmp_path / "photos", sizes=((24, 24),), per_class=4)
   done = convert(f"--out_dir={tmp_path / 'folder'}", f"--image_folder={tmp_path / 'photos'}",
                  "--eval_fraction=0.5")

@@ -160,7 +160,7 @@ def get_datasets(config) -> tuple[dict, DatasetInfo]:
 
 def say_scarce(counts, names, config) -> None:
   """Says once, as a warning, which classes hold fewer training images than their share of a
-  batch (the global batch over the classes): such a class is missing from most batches."""
+  batch (the global batch over the classes): each epoch shows such a class less than the others."""
   batch = config.run.global_batch_size if "run" in config else config.get("batch_size", 0)
   if not batch:  # (write_arrayrecord.py's check: no batch yet)
     return
@@ -171,7 +171,7 @@ def say_scarce(counts, names, config) -> None:
     listed = ", ".join(f"{name!r} ({n})" for n, name in scarce[:3])
     logging.warning(
         "%d of %d classes hold fewer training images than their share of a batch of %d (%.1f): "
-        "%s%s; they are missing from most batches: add images, or weigh their loss "
+        "%s%s; each epoch shows them less than the others: add images, or weigh their loss "
         "(recipe.loss)", len(scarce), len(counts), batch, share, listed,
         ", ..." if len(scarce) > 3 else "")
 
