@@ -274,8 +274,8 @@ def remove_leftovers() -> None:
       pass
     finally:
       os.close(fd)
-  if runs:
-    semaphores = remove_unmapped_semaphores()
+  semaphores = remove_unmapped_semaphores() if runs else 0
+  if units or semaphores:  # (a run killed before it made any leaves its lock alone: no news)
     logging.warning("removed %d unit%s (%.3g MiB)%s that %d run%s no longer running left in %s",
                     units, "s" * (units != 1), size / 2**20,
                     f" and {semaphores} semaphore{'s' * (semaphores != 1)}" if semaphores else "",
