@@ -1137,10 +1137,12 @@ RECIPE_CHANGES = (
                top5_accuracy=metrics.Average.from_fun(lambda logits, labels, **_: (
                    jax.lax.top_k(logits, 5)[1] == labels[:, None]).any(-1).astype(jnp.float32)))
 '''),
-    ('''      "sgd": lambda: [*l2, optax.sgd(rate, momentum=momentum or None, nesterov=nesterov)]}
-''', '''      "sgd": lambda: [*l2, optax.sgd(rate, momentum=momentum or None, nesterov=nesterov)],
+    ('''      "sgd": lambda: [*l2, optax.sgd(rate, momentum=momentum or None, nesterov=nesterov,
+                                     accumulator_dtype=mu)]}
+''', '''      "sgd": lambda: [*l2, optax.sgd(rate, momentum=momentum or None, nesterov=nesterov,
+                                     accumulator_dtype=mu)],
       "lion": lambda: [optax.lion(rate, b1=momentum, weight_decay=config.weight_decay,
-                                  mask=weights)]}
+                                  mask=weights, mu_dtype=mu)]}
 '''),
 )
 
