@@ -235,7 +235,8 @@ def log_run(config, info, recipe, memory, num_train_steps: int, workdir: str) ->
                info.num_examples["train"], info.num_examples["eval"],
                "x".join(map(str, info.image_shape)), info.num_classes, names and f" ({names})")
   logging.info("input: %d worker%s a process (and as many for evaluation), ~%.3g GiB of host "
-               "memory in its buffers", memory.workers, "s" * (memory.workers != 1), memory.bytes / 2**30)
+               "memory in its buffers", memory.workers, "s" * (memory.workers != 1),
+               memory.bytes / 2**30)
   logging.info("global batch %d%s; peak learning rate %.4g%s, %d warmup steps, %s decay",
                config.run.global_batch_size, f" ({config.run.per_device_batch_size} x {devices} "
                "devices)" if config.per_device_batch_size else "",
