@@ -53,18 +53,25 @@ class DoesNotFit(Exception):
 
 def abstract_batches(config, info, num_devices: int, mesh, pmap: bool):
   """k stacked global batches as train.py feeds them (`input_pipeline`: uint8 pixels), abstract:
-  split over the mesh (spmd, fsdp), or `[devices, k, batch / devices, ...]` (pmap)."""
+  split over the mesh (spmd, fsdp), or `[devices, k, batch / devices, ...]` (pmap). Photos'
+  crops resized on the devices: each device's crops in one row of bytes (`batches.pack`)."""
   k, batch = config.run.steps_per_dispatch, config.run.global_batch_size
-  height_width = info.canvas or info.image_shape[:2]  # (photos' crops resized on the devices)
-  shapes = {"image": ((*height_width, info.image_shape[2]), info.pixel_dtype),
-            "label": ((), jnp.int32), "mask": ((), jnp.bool_), "position": ((), jnp.uint32),
-            **({"box": ((6,), jnp.float32)} if info.canvas else {})}
+  shapes = {"label": ((), jnp.int32), "mask": ((), jnp.bool_), "position": ((), jnp.uint32)}
+  if info.canvas:
+    shapes |= {"box": ((6,), jnp.float32), "offset": ((), jnp.int32)}
+  else:
+    shapes["image"] = (info.image_shape, info.pixel_dtype)
+  row = k * batch // num_devices * math.prod(info.canvas or ()) * info.image_shape[2]
   if pmap:
-    return {name: jax.ShapeDtypeStruct((num_devices, k, batch // num_devices, *shape), dtype)
-            for name, (shape, dtype) in shapes.items()}
-  where = sharding.data_sharded(mesh)
-  return {name: jax.ShapeDtypeStruct((k, batch, *shape), dtype, sharding=where)
-          for name, (shape, dtype) in shapes.items()}
+    batches = {name: jax.ShapeDtypeStruct((num_devices, k, batch // num_devices, *shape), dtype)
+               for name, (shape, dtype) in shapes.items()}
+    packed = jax.ShapeDtypeStruct((num_devices, 1, 1, row), jnp.uint8)
+  else:
+    where = sharding.data_sharded(mesh)
+    batches = {name: jax.ShapeDtypeStruct((k, batch, *shape), dtype, sharding=where)
+               for name, (shape, dtype) in shapes.items()}
+    packed = jax.ShapeDtypeStruct((1, num_devices, row), jnp.uint8, sharding=where)
+  return batches | ({"image": packed} if info.canvas else {})
 
 
 def abstract(tree, sharding=None, leading: int | None = None):

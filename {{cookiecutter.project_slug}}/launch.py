@@ -8,7 +8,10 @@ on this machine, to try multi-process runs.
 
 Each process gets `--coordinator_address=127.0.0.1:PORT --num_processes=N --process_id=I`
 (JAX's distributed runtime, bound to the loopback interface only) and, with
---devices_per_process, that many virtual CPU devices. Each is one process (`python train.py`);
+--devices_per_process, that many virtual CPU devices; with --gpus_per_process, that many of this
+machine's GPUs (CUDA_VISIBLE_DEVICES) and an even share of the cores it may run on (its input's
+workers among them): an 8-GPU host as one process a GPU, each main process feeding its own
+(README.md, "Eight GPUs on one host"). Each is one process (`python train.py`);
 launch.py watches its standard error (parallel/watch.py: when the job loses a process, one line
 instead of the survivors' stack dumps). When a process fails, the others are stopped; every
 process is bounded by --timeout. SIGTERM, SIGINT or SIGHUP to launch.py (what
@@ -31,10 +34,12 @@ import time
 import portpicker
 from absl import app, flags
 
-from {{cookiecutter.project_slug}}.parallel import watch
+from {{cookiecutter.project_slug}}.parallel import distributed, watch
 
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "How many processes.")
 _DEVICES = flags.DEFINE_integer("devices_per_process", None, "Virtual CPU devices per process.")
+_GPUS = flags.DEFINE_integer("gpus_per_process", None, "GPUs per process (CUDA_VISIBLE_DEVICES), "
+                             "each with an even share of the cores.")
 _TIMEOUT = flags.DEFINE_integer("timeout", 3600, "Seconds before every process is stopped.")
 _SCRIPT = flags.DEFINE_string("script", "train.py", "The program each process runs.")
 
@@ -48,13 +53,15 @@ PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # to every process, 
 
 
 def launch(train_args: list[str], num_processes: int, devices_per_process: int | None = None,
-           timeout: float = 3600, script: str = "train.py") -> int:
+           timeout: float = 3600, script: str = "train.py", gpus_per_process: int | None = None
+           ) -> int:
   """Starts the processes (each one process: `python SCRIPT`), waits for them, watching their
   standard error (`wait`); when one fails (or the timeout passes), stops the others (SIGTERM,
   then SIGKILL after GRACE_SECONDS); a signal of `PASSED_ON` is passed on to each as SIGTERM, and
   they are waited for (to the timeout). Returns the first failed process's exit status
   (`watch.exit_status`), 124 on the timeout, 143 after a signal passed on, or 0."""
   env = dict(os.environ)
+  shares = gpu_shares(num_processes, gpus_per_process) if gpus_per_process else None
   if devices_per_process:
     env["JAX_PLATFORMS"] = "cpu"
     others = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
@@ -72,12 +79,22 @@ def launch(train_args: list[str], num_processes: int, devices_per_process: int |
         p.terminate()
 
   previous, parent = {signum: signal.signal(signum, pass_on) for signum in PASSED_ON}, os.getpid()
-  processes += [
-      subprocess.Popen([sys.executable, script, *train_args, f"--coordinator_address={address}",
-                        f"--num_processes={num_processes}", f"--process_id={i}"], env=env,
-                       stderr=subprocess.PIPE, preexec_fn=lambda: watch.ending_with(parent))
-      for i in range(num_processes)
-  ]
+
+  def start(i: int):
+    own = dict(env, CUDA_VISIBLE_DEVICES=shares[i][0]) if shares else env
+    cores = shares[i][1] if shares else None
+
+    def in_child():
+      watch.ending_with(parent)
+      if cores:
+        os.sched_setaffinity(0, cores)
+
+    return subprocess.Popen([sys.executable, script, *train_args,
+                             f"--coordinator_address={address}",
+                             f"--num_processes={num_processes}", f"--process_id={i}"], env=own,
+                            stderr=subprocess.PIPE, preexec_fn=in_child)
+
+  processes += [start(i) for i in range(num_processes)]
   if received:  # (one that came while they started)
     pass_on(received[0], None)
   try:
@@ -85,6 +102,24 @@ def launch(train_args: list[str], num_processes: int, devices_per_process: int |
   finally:
     for signum, handler in previous.items():
       signal.signal(signum, handler)
+
+
+def gpu_shares(num_processes: int, gpus_per_process: int) -> list[tuple[str, list[int]]]:
+  """Each process's GPUs (a CUDA_VISIBLE_DEVICES value: `gpus_per_process` of those this
+  machine's lists, else of 0, 1, ...) and cores (an even share of those this process may run
+  on). Raises SystemExit, in one line, for more GPUs than the machine lists."""
+  listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+  gpus = ([g.strip() for g in listed.split(",") if g.strip()] if listed is not None else
+          [str(g) for g in range(distributed.visible_gpus(os.environ))])
+  if len(gpus) < num_processes * gpus_per_process:
+    raise SystemExit(f"error: {num_processes} processes of {gpus_per_process} GPUs need "
+                     f"{num_processes * gpus_per_process}; this machine shows {len(gpus)} "
+                     "(CUDA_VISIBLE_DEVICES, else /dev/nvidia*): give fewer --num_processes or "
+                     "--gpus_per_process.")
+  cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+  per = max(len(cores) // num_processes, 1)
+  return [(",".join(gpus[i * gpus_per_process:(i + 1) * gpus_per_process]),
+           cores[i * per:(i + 1) * per] or cores) for i in range(num_processes)]
 
 
 def wait(processes: list, timeout: float, received: list) -> int:
@@ -136,7 +171,8 @@ def read(selector, timeout: float) -> None:
 
 
 def main(argv):
-  sys.exit(launch(argv[1:], _NUM_PROCESSES.value, _DEVICES.value, _TIMEOUT.value, _SCRIPT.value))
+  sys.exit(launch(argv[1:], _NUM_PROCESSES.value, _DEVICES.value, _TIMEOUT.value, _SCRIPT.value,
+                  _GPUS.value))
 
 
 if __name__ == "__main__":

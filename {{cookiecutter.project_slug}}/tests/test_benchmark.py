@@ -168,7 +168,9 @@ def test_the_input_pipeline_alone_on_your_own_data(tmp_path):
   canvas = sources.canvas(imagenet.get_config(), 73, (64, 64, 3))
   assert result["canvas"] == list(canvas) and result["over_host_resize"] == pytest.approx(
       result["images_per_cpu_second"] / result["host_resize_images_per_cpu_second"], rel=1e-9)
-  assert result["bytes_per_image"] == math.prod(canvas) * 3 + 6 * 4 + 9
+  # Each crop sent as its own pixels (`batches.pack`): about what it holds, not the largest's room
+  # (a crop holds 0.08-1 of the photo's 73 x 97 pixels, with the few its resize reads around it).
+  assert 9 + 6 * 4 + 4 < result["bytes_per_image"] < 0.75 * math.prod(canvas) * 3
   assert result["host_resize_bytes_per_image"] == 64 * 64 * 3 + 9
   assert result["decoder"] == "simplejpeg"
   assert result["images_per_worker_cpu_second"] > result["images_per_cpu_second"]

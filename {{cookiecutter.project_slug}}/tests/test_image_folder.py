@@ -3,6 +3,7 @@ encoded and decoded by the Grain workers while training; unreadable files skippe
 
 import contextlib
 import dataclasses
+import functools
 import glob
 import io
 import json
@@ -18,7 +19,7 @@ import grain
 import jax
 import numpy as np
 import pytest
-from conftest import alive, held_while_more_go_through, own_mount_namespace, owned, run_main
+from conftest import held_while_more_go_through, own_mount_namespace, owned, run_main
 from flax import serialization
 from PIL import Image
 
@@ -198,7 +199,7 @@ def test_photos_kept_whole_are_cropped_from_all_of_them(tmp_path, resize_on_devi
   of the stored photo (red 64-191), drawn from the seed and the stream position alone: the same
   batches again, and from a resumed position; evaluation keeps the centre 0.875 of the photo
   scaled to cover 32 / 0.875 (red about 72-183), and the device crops nothing more. Resized on
-  the devices (the crops sent in a canvas, with their boxes) or on the host."""
+  the devices (each crop sent as its own pixels, with its box) or on the host."""
   write_wide_photos(tmp_path / "photos")
   done = convert(f"--out_dir={tmp_path / 'data'}", f"--image_folder={tmp_path / 'photos'}",
                  "--image_size=32", "--resize_shorter=60", "--eval_fraction=0.25")
@@ -232,25 +233,29 @@ def cropped_from_the_whole_photo(config, eval_examples: int):
   splits, info = sources.get_datasets(config)
   assert info.image_shape == (32, 32, 3) and info.crops_on_host
   elements = batches.train_batches(splits["train"], plan.resolved(config))
-  red = np.concatenate([pixels(elements[i])[elements[i]["mask"]][..., 0] for i in range(
-      len(elements))])
+  red = np.concatenate([pixels(elements[i], info.canvas)[elements[i]["mask"]][..., 0]
+                        for i in range(len(elements))])
   assert red.shape[1:] == (32, 32)
   assert red.min() < 30 and red.max() > 225  # beyond the central square's 64-191
   assert len({image.tobytes() for image in red}) > 0.9 * len(red)  # every crop its own
   evaluated = batches.eval_batches(splits["eval"], plan.resolved(config))
-  eval_red = np.concatenate([pixels(e)[e["mask"]][..., 0] for e in evaluated])
+  eval_red = np.concatenate([pixels(e, info.canvas)[e["mask"]][..., 0] for e in evaluated])
   assert len(eval_red) == eval_examples and 60 < eval_red.min() and eval_red.max() < 195
   assert abs(float(eval_red.mean()) - 127.5) < 3
   return splits, elements
 
 
-def pixels(element, shape=(32, 32)) -> np.ndarray:
-  """An element's images as the model sees them, before / 255: crops sent in a canvas resized
-  as the devices resize them (`augment.resize_crops`)."""
+def pixels(element, canvas=None, shape=(32, 32)) -> np.ndarray:
+  """An element's images as the model sees them, before / 255: crops packed end to end unpacked
+  and resized as the devices do it (`augment.unpacked`, `augment.resize_crops`)."""
   if "box" not in element:
     return element["image"]
-  resize = jax.jit(augment.resize_crops, static_argnums=2)
-  return np.asarray(jax.vmap(resize, (0, 0, None))(element["image"], element["box"], shape))
+
+  def resized(offset_B, box_B6):
+    crops_BHWC = augment.unpacked(element["image"][0], offset_B, box_B6, (*canvas, 3))
+    return augment.resize_crops(crops_BHWC.astype(np.float32), box_B6, shape)
+
+  return np.asarray(jax.jit(jax.vmap(resized))(element["offset"], element["box"]))
 
 
 def smooth_photos() -> list[bytes]:
@@ -292,16 +297,23 @@ def test_simplejpeg_cuts_the_crops_that_pil_cuts(monkeypatch):
 
 @pytest.mark.parametrize("shape", [(224, 224, 3), (24, 32, 1)])
 def test_the_devices_resize_the_crops_as_the_host_does(shape):
-  """Crops cut on the host and resized on the devices (`Crops.cut`, `augment.resize_crops`) are
+  """Crops cut on the host, packed end to end a device each (two here) and unpacked and resized
+  on the devices (`Crops.cut`, `batches.pack`, `augment.unpacked`, `augment.resize_crops`) are
   the host's PIL resize of the same boxes within one level of 255 at every pixel: training's
-  random crops (every DCT scale) and evaluation's centre, RGB and gray; in the canvas that
-  `sources.canvas` gives photos stored at shorter side 256 none is resized on the host,
-  and in one too small for some (2 pixels larger than the image) those are resized there, as
-  before. A padding example (zeros, its box zeros) gives zeros."""
+  random crops (every DCT scale) and evaluation's centre, RGB and gray; the bytes sent are the
+  crops' own, fewer than the room for the largest. Under the largest crop that `sources.canvas`
+  gives photos stored at shorter side 256 none is resized on the host, and under one too small
+  for some (2 pixels larger than the image) those are resized there, as before. A padding
+  example (no pixels, its box zeros) gives zeros."""
   photos = smooth_photos()
   config = default.get_config()
   config.update(augment_crop=True, resize_on_device=True)
-  resize = jax.jit(augment.resize_crops, static_argnums=2)
+
+  @functools.partial(jax.jit, static_argnums=(3, 4))
+  def resized(packed_GN, offset_B, box_B6, canvas_HWC, out_hw):
+    crops_BHWC = augment.unpacked(packed_GN, offset_B, box_B6, canvas_HWC)
+    return augment.resize_crops(crops_BHWC.astype(np.float32), box_B6, out_hw)
+
   for canvas, small in ((sources.canvas(config, 384, shape), False),
                         ((shape[0] + 2, shape[1] + 2), True)):
     for crops in (image_files.Crops(seed=1, scale=(0.08, 1.0)), image_files.Crops()):
@@ -310,49 +322,58 @@ def test_the_devices_resize_the_crops_as_the_host_does(shape):
       host, failed = image_files.decode_batch(encoded, shape, crops, positions)
       cut, failed_cut = image_files.decode_batch(
           encoded, shape, dataclasses.replace(crops, canvas=canvas), positions)
-      assert not failed and not failed_cut and cut["image"].shape[1:3] == canvas
-      resized = np.asarray(resize(cut["image"], cut["box"], shape[:2]))
-      assert np.abs(resized - host["image"]).max() <= 1 + 1e-4, (canvas, crops)
+      n = len(encoded)
+      packed = batches.pack(cut["image"], np.arange(n), (1, n, *canvas, shape[2]), 2)
+      assert not failed and not failed_cut and packed["filled"].sum() == sum(
+          crop.size for crop in cut["image"]) < packed["image"].size
+      got = resized(packed["image"][0], packed["offset"][0], cut["box"], (*canvas, shape[2]),
+                    shape[:2])
+      assert np.abs(np.asarray(got) - host["image"]).max() <= 1 + 1e-4, (canvas, crops)
       on_host = (cut["box"][:, 4:] == shape[:2]).all(1) & (cut["box"][:, :2] == 0).all(1)
       assert on_host.any() == small
-  padding = resize(np.zeros((1, 8, 8, 1), np.uint8), np.zeros((1, 6), np.float32), (4, 4))
+  padding = resized(np.zeros((1, 4), np.uint8), np.zeros(1, np.int32),
+                    np.zeros((1, 6), np.float32), (8, 8, 1), (4, 4))
   np.testing.assert_array_equal(padding, 0)
 
 
-def test_a_worker_decodes_into_the_file_given_back_and_sends_it_as_it_is():
-  """Photos' crops decoded into a file that the main process gave back (`shm.Outbox.empty`),
-  which holds the last unit's pixels: the batch is the one decoded into zeros, bit for bit (the
-  canvas around each crop, where the last crops were, and an unreadable image zeroed), sent in
-  that file as it is, no other made; with no file given back, `empty` gives zeros, sent as any
-  array. The last unit: all 255s (its boxes unknown), then the crops of other positions."""
-  from {{cookiecutter.project_slug}}.data import shm
+def test_a_worker_packs_into_the_file_given_back_and_sends_it_as_it_is():
+  """Photos' crops packed (`batches.pack`) into a file that the main process gave back
+  (`shm.Outbox.empty`), which holds the last unit's bytes (all 255s): the bytes the crops fill
+  and their offsets are those packed into zeros, bit for bit (an unreadable image left out), and
+  the unit is sent in that file as it is, no other made; with no file given back, `empty` gives
+  zeros, sent as any array."""
+  from nnx_data_parallel.data import shm
 
   shape, config = (224, 224, 3), default.get_config()
   config.update(augment_crop=True, resize_on_device=True)
   crops = image_files.Crops(seed=1, scale=(0.08, 1.0), canvas=sources.canvas(config, 384, shape))
   photos = smooth_photos()
-  encoded = [*photos[:2], "unreadable", *photos[2:]]
+  encoded, used = [*photos[:2], "unreadable", *photos[2:]], np.array([0, 1, 3, 4])
+  rows = (1, 5, *crops.canvas, 3)
   outbox = shm.Outbox(prefix := shm.iterator_prefix())
   try:
-    last, held = outbox.empty((5, *crops.canvas, 3), np.uint8)
-    assert not last.any() and held is None and not outbox.lent  # none given back: new zeros
+    last = outbox.empty((1, 1, math.prod(rows[1:])), np.uint8)
+    assert not last.any() and not outbox.lent  # none given back: new zeros
     last[:] = 255
-    received = shm.receive(outbox({"image": last}))["image"]
+    received = shm.receive(outbox({"image": last}))
     (path,) = glob.glob(f"{shm.DIRECTORY}/{prefix}-*")
     inode = os.stat(path).st_ino
     for positions in (np.arange(5), np.arange(5, 10), np.arange(3, 8)):
-      want, failed = image_files.decode_batch(encoded, shape, crops, positions)
-      assert list(failed) == [2] and (want["box"][:, 4:] < crops.canvas).any()  # (room around)
+      cut, failed = image_files.decode_batch(encoded, shape, crops, positions)
+      assert list(failed) == [2] and cut["image"][2].size == 0
+      want = batches.pack(cut["image"][used], used, rows, 1)
       del received  # given back
-      got, failed = image_files.decode_batch(encoded, shape, crops, positions, outbox.empty)
-      assert list(failed) == [2] and len(outbox.lent) == 1
-      sent = outbox(got, held=got["box"])
+      got = batches.pack(cut["image"][used], used, rows, 1, outbox.empty)
+      assert len(outbox.lent) == 1
+      sent = outbox(got)
       assert not outbox.lent
       (path,) = glob.glob(f"{shm.DIRECTORY}/{prefix}-*")
       assert os.path.basename(path) == sent["image"].name and os.stat(path).st_ino == inode
       received = shm.receive(sent)
-      for key in ("image", "box"):
-        np.testing.assert_array_equal(received[key], want[key])
+      n = int(want["filled"][0, 0])
+      assert n == sum(cut["image"][i].size for i in used) < math.prod(rows[1:])
+      np.testing.assert_array_equal(received["image"][..., :n], want["image"][..., :n])
+      np.testing.assert_array_equal(received["offset"], want["offset"])
   finally:
     shm.remove_unreceived(prefix)
 
@@ -360,9 +381,9 @@ def test_a_worker_decodes_into_the_file_given_back_and_sends_it_as_it_is():
 @pytest.mark.slow  # (a worker process: the unit's own test above is the fast tier's)
 def test_photos_decoded_by_a_worker_into_files_given_back_are_those_read_here(tmp_path,
                                                                              monkeypatch):
-  """Photos stored whole, their crops sent in a canvas by a worker: 3 elements placed on the
-  devices and held while 9 more go through, each equal to the same element read in this
-  process, bit for bit (images, boxes, labels, masks), its images decoded into the files the
+  """Photos stored whole, their crops packed by a worker: 3 elements placed on the devices and
+  held while 9 more go through, each equal to the same element read in this process, bit for
+  bit (the bytes the crops fill, boxes, offsets, labels, masks), packed into the files the
   devices let go (fewer files than units)."""
   write_wide_photos(tmp_path / "photos", per_class=8)
   done = convert(f"--out_dir={tmp_path / 'data'}", f"--image_folder={tmp_path / 'photos'}",
@@ -376,8 +397,8 @@ def test_photos_decoded_by_a_worker_into_files_given_back_are_those_read_here(tm
   elements = batches.train_batches(splits["train"], resolved := plan.resolved(config))
   assert info.canvas and len(elements) == 12 and elements.shares == 8  # 2 crops a unit
   files = held_while_more_go_through(elements, resolved, monkeypatch,
-                                     ("image", "box", "label", "mask"))
-  assert 24 <= files < 12 * 8, files  # the held 3 elements' 24 at least; reused
+                                     ("image", "box", "offset", "label", "mask"))
+  assert files < 12 * 8, files  # reused (the devices hold their own copies, padded: `padded`)
 
 
 def test_decode_image_scales_to_cover_and_crops_the_center():
@@ -559,7 +580,9 @@ def children_of(pid: int) -> list[int]:
 def test_a_killed_run_leaves_no_worker_and_the_next_run_removes_what_it_left(tmp_path):
   """train.py reading photos with 2 Grain workers, SIGKILLed after its first checkpoint: within
   10 s none of its worker processes is alive; the next command (evaluate.py on its workdir,
-  workers reading) removes what it left in /dev/shm (its lock, any unit in flight), in one line."""
+  workers reading) removes what it left in /dev/shm (its lock, any unit in flight), in one line.
+  Both in a /dev/shm of their own (`own_mount_namespace`)."""
+  own_mount_namespace()
   from {{cookiecutter.project_slug}}.data import shm
   from {{cookiecutter.project_slug}}.tools.benchmark_data import write_jpeg_folder
 
@@ -567,35 +590,58 @@ def test_a_killed_run_leaves_no_worker_and_the_next_run_removes_what_it_left(tmp
   done = convert(f"--out_dir={tmp_path / 'data'}", f"--image_folder={tmp_path / 'photos'}",
                  "--keep_encoded", "--eval_fraction=0.5")
   assert done.returncode == 0, done.stderr
-  workdir = tmp_path / "run"
-  process = subprocess.Popen([
-      sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={workdir}",
-      "--config.model.module=shipped_model", "--config.dataset=arrayrecord",
-      f"--config.data_dir={tmp_path / 'data'}", "--config.num_workers=2",
-      "--config.batch_size=64", "--config.num_epochs=50"], cwd=PROJECT,
-      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  try:
-    deadline = time.monotonic() + 300
-    while not (workdir / "checkpoints" / "10").is_dir():
-      assert process.poll() is None and time.monotonic() < deadline, "no checkpoint"
-      time.sleep(0.1)
-    workers = children_of(process.pid)
-    left = glob.glob(os.path.join(shm.DIRECTORY, f"{shm.PREFIX}-{process.pid}.*"))
-    assert len(workers) >= 4 and left, (workers, left)  # 2 a reader (training, evaluation)
-    process.kill()
-    process.wait(timeout=60)
-    killed = time.monotonic()
-    while [pid for pid in workers if alive(pid)] and time.monotonic() < killed + 10:
-      time.sleep(0.1)
-    assert not [pid for pid in workers if alive(pid)], "workers outlived their run"
-  finally:
-    process.kill()
-  evaluated = subprocess.run([sys.executable, "evaluate.py", f"--workdir={workdir}"],
-                             cwd=PROJECT, capture_output=True, text=True, timeout=300)
-  assert evaluated.returncode == 0, evaluated.stderr[-3000:]
-  assert re.search(r"removed \d+ units? \(\S+ MiB\) that 1 run no longer running left in "
-                   f"{shm.DIRECTORY}", evaluated.stderr), evaluated.stderr[-3000:]
-  assert not glob.glob(os.path.join(shm.DIRECTORY, f"{shm.PREFIX}-{process.pid}.*"))
+  # In a /dev/shm of its own (unshare -m, as root): no other test's run, started meanwhile,
+  # removes what the killed run left before evaluate.py can.
+  (tmp_path / "kill.py").write_text(KILLED_RUN.replace("WORKDIR", str(tmp_path / "run")).replace(
+      "DATA", str(tmp_path / "data")))
+  out = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=2g tmpfs /dev/shm && "
+                        f"exec {sys.executable} {tmp_path / 'kill.py'}"], cwd=PROJECT,
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  seen = json.loads(out.stdout.strip().splitlines()[-1])
+  assert len(seen["workers"]) >= 4 and seen["left"], seen  # 2 a reader (training, evaluation)
+  assert not seen["outlived"], "workers outlived their run"
+  assert seen["evaluated"] == 0, seen["stderr"]
+  assert re.search(r"removed \d+ units? \(\S+ MiB\)( and \d+ semaphores?)? that 1 run no longer "
+                   f"running left in {shm.DIRECTORY}", seen["stderr"]), seen["stderr"]
+  assert not seen["left_after"], seen
+
+
+# test_a_killed_run_...'s run, in its own /dev/shm: train.py SIGKILLed after its first checkpoint,
+# its workers watched for 10 s, then evaluate.py; what it saw, as JSON.
+KILLED_RUN = """
+import glob, json, os, subprocess, sys, time
+sys.path[:0] = [".", "tests"]
+from conftest import alive
+from test_image_folder import children_of
+from {{cookiecutter.project_slug}}.data import shm
+
+process = subprocess.Popen([
+    sys.executable, "train.py", "--config=configs/tiny.py", "--workdir=WORKDIR",
+    "--config.model.module=shipped_model", "--config.dataset=arrayrecord",
+    "--config.data_dir=DATA", "--config.num_workers=2", "--config.batch_size=64",
+    "--config.num_epochs=50"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+try:
+  deadline = time.monotonic() + 300
+  while not os.path.isdir("WORKDIR/checkpoints/10"):
+    assert process.poll() is None and time.monotonic() < deadline, "no checkpoint"
+    time.sleep(0.1)
+  workers = children_of(process.pid)
+  mine = os.path.join(shm.DIRECTORY, f"{shm.PREFIX}-{process.pid}.*")
+  left = glob.glob(mine)
+  process.kill()
+  process.wait(timeout=60)
+  killed = time.monotonic()
+  while [pid for pid in workers if alive(pid)] and time.monotonic() < killed + 10:
+    time.sleep(0.1)
+  outlived = [pid for pid in workers if alive(pid)]
+finally:
+  process.kill()
+evaluated = subprocess.run([sys.executable, "evaluate.py", "--workdir=WORKDIR"],
+                           capture_output=True, text=True, timeout=300)
+print(json.dumps(dict(workers=workers, left=left, outlived=outlived, left_after=glob.glob(mine),
+                      evaluated=evaluated.returncode, stderr=evaluated.stderr[-3000:])))
+"""
 
 
 @pytest.mark.parametrize("layout", ["class_folders", "train_and_val"])

@@ -648,3 +648,28 @@ def test_a_process_35_s_late_at_its_first_collective_is_waited_for(tmp_path):
   (tmp_path / "late.py").write_text(LATE_PROCESS)
   done = run_script(2, str(tmp_path / "late.py"))
   assert done.stdout.count("sum 8.0") == 2, done.stdout + done.stderr[-3000:]
+
+
+def test_launch_gives_each_process_its_gpus_and_a_share_of_the_cores(tmp_path):
+  """launch.py --gpus_per_process=2 on a machine listing 4 GPUs (CUDA_VISIBLE_DEVICES=4,5,6,7):
+  process 0 is given GPUs 4,5 and process 1 GPUs 6,7, each half the cores (README's 8-GPU host:
+  one process a GPU); 3 processes of 2: one line, and nothing started."""
+  probe = tmp_path / "probe.py"
+  probe.write_text("import os, sys\nprint('probe', os.environ['CUDA_VISIBLE_DEVICES'], "
+                   "sorted(os.sched_getaffinity(0)), sys.argv[-1], file=sys.stderr)\n")
+  env = dict(os.environ, CUDA_VISIBLE_DEVICES="4,5,6,7")
+  launch = [sys.executable, "launch.py", "--gpus_per_process=2", f"--script={probe}"]
+  done = subprocess.run([*launch, "--num_processes=2"], cwd=PROJECT, env=env,
+                        capture_output=True, text=True, timeout=120)
+  assert done.returncode == 0, done.stderr[-3000:]
+  cores = sorted(os.sched_getaffinity(0))
+  half = len(cores) // 2
+  assert sorted(line for line in done.stderr.splitlines() if line.startswith("probe")) == [
+      f"probe 4,5 {cores[:half] or cores} --process_id=0",
+      f"probe 6,7 {cores[half:2 * half] or cores} --process_id=1"], done.stderr
+  refused = subprocess.run([*launch, "--num_processes=3"], cwd=PROJECT, env=env,
+                           capture_output=True, text=True, timeout=120)
+  assert refused.returncode == 1 and "probe" not in refused.stderr
+  assert refused.stderr.strip().splitlines()[-1] == (
+      "error: 3 processes of 2 GPUs need 6; this machine shows 4 (CUDA_VISIBLE_DEVICES, else "
+      "/dev/nvidia*): give fewer --num_processes or --gpus_per_process."), refused.stderr

@@ -51,7 +51,7 @@ class RecordSource:
         examples.append(why(e))
     return examples
 
-  def take(self, indices: np.ndarray, positions: np.ndarray | None = None, empty=None
+  def take(self, indices: np.ndarray, positions: np.ndarray | None = None
            ) -> dict[str, np.ndarray]:
     from .image_files import decode_batch
 
@@ -62,7 +62,7 @@ class RecordSource:
              "label": 0}  # masked later
     examples = [blank if i in unread else ex for i, ex in enumerate(examples)]
     decoded, failed = decode_batch([ex["image"] for ex in examples], self.image_shape,
-                                  self.crops, positions, empty)
+                                  self.crops, positions)
     return {**decoded, "label": np.array([ex["label"] for ex in examples], np.int32),
             "failed": failed | unread}
 

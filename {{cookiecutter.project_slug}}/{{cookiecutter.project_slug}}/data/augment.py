@@ -1,6 +1,6 @@
 """Augmentations that the recipe (recipe.py) calls on the devices, each drawn from one example's
 key (training/steps.py makes it from the example's place in the data stream alone), and the
-resize of photos' crops that the host cut (`resize_crops`: steps.forward calls it)."""
+resize of photos' crops that the host cut (`unpacked`, `resize_crops`: dispatch.on_resized)."""
 
 import math
 
@@ -27,6 +27,27 @@ def random_resized_crop(key, image_HWC, scale, ratio) -> jax.Array:
   zoom_2 = jnp.array([height, width]) / size_2
   return jax.image.scale_and_translate(image_HWC, image_HWC.shape, (0, 1), zoom_2,
                                        -corner_2 * zoom_2, method="linear")
+
+
+def unpacked(packed_GN, offset_B, boxes_B6, canvas_HWC) -> jax.Array:
+  """Crops sent end to end (`batches.pack`: the B crops of G devices, B // G a row of bytes,
+  each row-major [h, w, C] from its `offset_B`, its h and w in `boxes_B6[:, 4:]`) each in a
+  canvas of `canvas_HWC` (uint8, zeros around it), for `resize_crops`. A gather from each row."""
+  height, width, channels = canvas_HWC
+  h_H11, w_1W1, c_C = (jnp.arange(height)[:, None, None], jnp.arange(width)[None, :, None],
+                       jnp.arange(channels))
+
+  def unpack(row_N, offset, box_6):
+    filled_h, filled_w = box_6[4].astype(jnp.int32), box_6[5].astype(jnp.int32)
+    inside_HW1 = (h_H11 < filled_h) & (w_1W1 < filled_w)
+    index_HWC = jnp.where(inside_HW1, offset + (h_H11 * filled_w + w_1W1) * channels + c_C, 0)
+    return jnp.where(inside_HW1, row_N[index_HWC], 0).astype(jnp.uint8)
+
+  groups = packed_GN.shape[0]
+  per_row = jax.vmap(jax.vmap(unpack, (None, 0, 0)))
+  crops_GBHWC = per_row(packed_GN, offset_B.reshape(groups, -1),
+                        boxes_B6.reshape(groups, -1, 6))
+  return crops_GBHWC.reshape(-1, *canvas_HWC)
 
 
 def resize_crops(crops_BHWC, boxes_B6, out_hw) -> jax.Array:

@@ -2,11 +2,12 @@
 
 Each element is k = `config.run.steps_per_dispatch` batches stacked, each this process's share of a
 global batch (NumPy): image [k, B, H, W, C] as stored, label, mask (False on padding), position
-(the example's place in the stream), and box [k, B, 6] where the image is a photo's crop in a
-canvas, for the devices to resize (`DatasetInfo.canvas`). Every process cuts a split into
-ceil(examples / global_batch) batches, so no example is dropped or counted twice. Batch b holds
-stream positions [b * global_batch, (b + 1) * global_batch) (`num_epochs` seeded permutations),
-position b * global_batch + r in row r: a process reads the rows its devices hold
+(the example's place in the stream); where the images are photos' crops for the devices to resize
+(`DatasetInfo.canvas`), image is [1, devices, bytes]: each device's crops of the k batches, end to
+end, each as its own pixels (`pack`), with box [k, B, 6] and offset [k, B]. Every process cuts a
+split into ceil(examples / global_batch) batches, so no example is dropped or counted twice. Batch
+b holds stream positions [b * global_batch, (b + 1) * global_batch) (`num_epochs` seeded
+permutations), position b * global_batch + r in row r: a process reads the rows its devices hold
 (`sharding.process_rows`), so the global batch is the same, row for row, for any number of
 processes (and so are the random draws of a model that keys them by row: Dropout). The suffix _S
 marks a unit's rows: k batches of a share each, flattened."""
@@ -50,8 +51,9 @@ class LoadUnit:
   rows: tuple[int, ...] | None = None  # the global batch's rows this process reads; None: all
   trim: bool = False
   shares: int = 1  # units an element
-  # With workers, what sends each unit (`shm.Outbox`), told where its crops are (`held`: its
-  # boxes): a whole unit's images are decoded into the shared memory it lends (`empty`).
+  groups: int = 1  # the local devices a share spans (photos' crops: packed a device each)
+  # With workers, what sends each unit (`shm.Outbox`): photos' crops are packed into the shared
+  # memory it lends (`empty`).
   out: Callable[..., dict] | None = None
 
   @property
@@ -84,25 +86,67 @@ class LoadUnit:
         indices[epoch == e] = self.permutation(e)[indices[epoch == e]]
     # The batches that fill the last element (`trim`): left out (all but the first at least).
     kept = min(k, self.num_batches - element * k) if self.trim else k
-    lend = self.out is not None and read_S.all() and kept == k  # (the image sent as decoded)
-    taken = self.source.take(indices, positions_S[read_S],
-                             self.out.empty if lend and self.source.crops is not None else None)
+    taken = self.source.take(indices, positions_S[read_S])
     failed = taken.pop("failed", None)  # records read from files: which could not be used
     if failed is not None:
       mask_S, bad_records = skip_failed(self.source, failed, indices, np.flatnonzero(read_S),
                                         mask_S)
     taken["label"] = taken["label"].astype(np.int32)
+    crops = taken.pop("image") if "box" in taken else None  # each crop's own pixels
     if not mask_S.all():  # padding: zeros
       for key, value in taken.items():
-        if key == "image" and lend:  # (every row read: those that failed are zeros)
-          continue
         taken[key] = np.zeros((len(mask_S), *value.shape[1:]), value.dtype)
         taken[key][mask_S] = value[mask_S[read_S]]
     unit = {**taken, "mask": mask_S, "position": positions_S.astype(np.uint32)}
     unit = {key: value.reshape(k, per_share, *value.shape[1:])[:kept]
             for key, value in unit.items()}
+    if crops is not None:
+      lend = self.out.empty if self.out is not None else None
+      slots = np.flatnonzero(read_S)
+      used = mask_S[slots]
+      shape = (k, per_share, *self.source.crops.canvas, crops[0].shape[-1])
+      unit.update(pack(crops[used], slots[used], shape, self.groups, lend))
+      unit["offset"] = unit["offset"][:kept]
     unit = unit if failed is None else unit | bad_records
-    return unit if self.out is None else self.out(unit, held=unit.get("box"))
+    return unit if self.out is None else self.out(unit)
+
+
+def pack(crops, slots, shape: tuple[int, ...], groups: int, empty=None) -> dict[str, np.ndarray]:
+  """Crops of a unit of k batches of `share` rows each (`shape`: k, share and the largest crop,
+  [H, W, C]; `crops[i]` in row `slots[i]`, the others none), each as its own pixels, end to end:
+  the rows of each of `groups` devices (a share split in `groups`), of every batch, in one row
+  of bytes, with room for as many of the largest crops as it has rows. Built in `empty(shape,
+  dtype)` where given (shared memory a worker lent), else new: only the crops' bytes are
+  written. Returns image [1, groups, bytes], offset [k, share] (where each crop starts in its
+  device's bytes; row-major [h, w, C]) and filled [1, groups] (the bytes its crops fill: what
+  `sent` sends)."""
+  k, share = shape[:2]
+  region = k * share // groups * math.prod(shape[2:])
+  image = (empty or np.zeros)((1, groups, region), np.uint8)
+  offset, filled = np.zeros(k * share, np.int32), np.zeros((1, groups), np.int64)
+  group_of = slots % share // (share // groups)
+  for i in np.argsort(group_of, kind="stable"):  # a device's, batch after batch
+    g, size = group_of[i], crops[i].size
+    image[0, g, filled[0, g]:filled[0, g] + size].reshape(crops[i].shape)[:] = crops[i]
+    offset[slots[i]], filled[0, g] = filled[0, g], filled[0, g] + size
+  return {"image": image, "offset": offset.reshape(k, share), "filled": filled}
+
+
+SIZES = 256  # the lengths crops are sent in: a 256th of a device's room at a time
+
+
+def sent(shares: list[dict]) -> list[dict]:
+  """This process's shares of an element (units) as they are sent to the devices: with packed
+  crops (`pack`), each device's bytes cut to those that the fullest device's crops fill, rounded
+  up to a `SIZES`th of its room (views: no copy; the devices pad them back to "packed" bytes:
+  `sharding.padded`), without "filled"; any other shares as they are."""
+  if "filled" not in shares[0]:
+    return shares
+  room = shares[0]["image"].shape[2]
+  step = -(-room // SIZES)
+  n = min(-(-max(int(share["filled"].max()) for share in shares) // step) * step, room)
+  return [{**{key: value for key, value in share.items() if key != "filled"},
+           "image": share["image"][..., :n], "packed": room} for share in shares]
 
 
 # A record that cannot be used (unreadable, or not an example of the data) is masked, and named
@@ -214,13 +258,19 @@ def shares(config, local_batch_size: int) -> int:
   return devices if default_workers(config) and local_batch_size % devices == 0 else 1
 
 
+def split(config, local_batch_size: int) -> dict[str, int]:
+  """A unit's `shares` an element and the local devices (`groups`) a share spans."""
+  devices, n = jax.local_device_count(), shares(config, local_batch_size)
+  return dict(shares=n, groups=devices // n if local_batch_size % devices == 0 else 1)
+
+
 def train_batches(source, config, first_step: int = 0, rows=None) -> Elements:
   """`num_epochs` passes over `source`, reshuffled each epoch, as one stream of batches, from the
   element holding batch `first_step` on; only the very last batch can be partial. `rows`: this
   process's rows of each global batch (`sharding.process_rows`; None: one process)."""
   k, batch = config.run.steps_per_dispatch, config.run.global_batch_size
   load = LoadUnit(source, batch, config.num_epochs, config.seed, k, first_step, rows=rows,
-                  shares=shares(config, len(rows) if rows else batch))
+                  **split(config, len(rows) if rows else batch))
   return Elements(load, first_step // k)
 
 
@@ -228,7 +278,7 @@ def eval_batches(source, config, rows=None) -> Elements:
   """The split once, in its order, k batches an element, the last one only those left."""
   k, batch = config.run.steps_per_dispatch, config.run.global_batch_size
   return Elements(LoadUnit(source, batch, steps_per_element=k, trim=True, rows=rows,
-                           shares=shares(config, len(rows) if rows else batch)))
+                           **split(config, len(rows) if rows else batch)))
 
 
 def available_cpus() -> int:

@@ -107,12 +107,12 @@ class Source:
         return image_files.why(e)
     return image["bytes"]
 
-  def take(self, indices: np.ndarray, positions: np.ndarray | None = None, empty=None
+  def take(self, indices: np.ndarray, positions: np.ndarray | None = None
            ) -> dict[str, np.ndarray]:
     rows = self.dataset[[int(i) for i in indices]]
     decoded, failed = image_files.decode_batch(
         [self.encoded(image) for image in rows[self.image_column]], self.image_shape, self.crops,
-        positions, empty)
+        positions)
     return {**decoded, "label": np.asarray(rows[self.label_column], np.int32),
             "failed": failed}
 

@@ -100,44 +100,35 @@ def decode_image(data: bytes, image_shape: tuple[int, int, int],
     return np.asarray(image).reshape(height, width, channels)
 
 
-def decode_batch(encoded: list, image_shape, crops=None, positions=None, empty=None
+def decode_batch(encoded: list, image_shape, crops=None, positions=None
                  ) -> tuple[dict[str, np.ndarray], dict[int, str]]:
   """Encoded images (bytes; arrays pass as they are) as a batch of `image_shape`: each cut by
   `crops` (a `Crops`, by the example's stream position in `positions`) when given, else scaled
-  to cover and center-cropped (`decode_image`). Written into zeros, or where `empty` is given,
-  into `empty(shape, dtype)`: an array holding what it held (shared memory a worker lent:
-  `shm.Outbox.empty`), and the boxes of the batch it held (None: unknown), for the canvas
-  around each crop to be zeroed where the last one was. Returns {"image": the batch} (with a
-  `Crops` of a canvas: the crops in it, and "box", where: `Crops.cut`), and {i: why} for those
-  that failed (zeros)."""
+  to cover and center-cropped (`decode_image`). Returns {"image": the batch} (with a `Crops` of
+  a canvas: each crop's own pixels, [h, w, C] in an object array, and "box": `Crops.cut`; for
+  `batches.pack` to send end to end), and {i: why} for those that failed (zeros; no pixels)."""
   if all(isinstance(data, np.ndarray) for data in encoded):  # arrays, as stored
     return {"image": np.stack(encoded)}, {}
   positions = np.zeros(len(encoded), np.int64) if positions is None else positions
   canvas = crops.canvas if crops is not None else None
-  shape_BHWC = (len(encoded), *(canvas or image_shape[:2]), image_shape[2])
-  images, held = (np.zeros(shape_BHWC, np.uint8), None) if empty is None else empty(
-      shape_BHWC, np.uint8)
-  held_B6 = None if held is None or held.size != len(encoded) * 6 else held.reshape(-1, 6)
+  if canvas:
+    images = np.empty(len(encoded), object)
+    images[:] = [np.zeros((0, 0, image_shape[2]), np.uint8)] * len(encoded)
+  else:
+    images = np.zeros((len(encoded), *image_shape), np.uint8)
   boxes, failed = np.zeros((len(encoded), 6), np.float32), {}
   for i, (data, position) in enumerate(zip(encoded, positions, strict=True)):
     try:
       if isinstance(data, str):  # why it could not be read
         failed[i] = data
       elif canvas:
-        crop, boxes[i] = crops.cut(data, image_shape, int(position))
-        height, width = crop.shape[:2]
-        images[i, :height, :width] = crop
-        if empty is not None:  # the rest of the canvas: zeros (where the last crop was)
-          last_h, last_w = canvas if held_B6 is None else held_B6[i, 4:].astype(int)
-          images[i, height:last_h, :last_w], images[i, :min(height, last_h), width:last_w] = 0, 0
+        images[i], boxes[i] = crops.cut(data, image_shape, int(position))
       elif crops is not None:
         images[i] = crops(data, image_shape, int(position))
       else:
         images[i] = decode_image(data, image_shape) if isinstance(data, bytes) else data
     except Exception as e:  # noqa: BLE001  (any unreadable image is named and skipped)
       failed[i] = why(e)
-    if i in failed and empty is not None:
-      images[i] = 0
   return {"image": images, **({"box": boxes} if canvas else {})}, failed
 
 
@@ -234,7 +225,7 @@ class Crops:
   scale: tuple[float, float] | None = None
   ratio: tuple[float, float] = (3 / 4, 4 / 3)
   center_ratio: float = 0.875
-  canvas: tuple[int, int] | None = None  # (height, width) that `cut`'s crops are sent in
+  canvas: tuple[int, int] | None = None  # (height, width) of the largest crop `cut` sends
   max_pixels: int = MAX_PIXELS  # a larger image is refused (`open_image`)
 
   def box(self, width: int, height: int, out_hw, position: int):
@@ -260,8 +251,8 @@ class Crops:
   def cut(self, data: bytes, image_shape, position: int) -> tuple[np.ndarray, np.ndarray]:
     """The photo's box with the pixels its resize reads around it (a few more each way), for
     the devices to resize (`augment.resize_crops`), and its box there: (top, left, bottom,
-    right, height, width), those of the box and of the pixels cut. Where they would not fit in
-    `canvas`, the box resized here instead (box: the whole of it)."""
+    right, height, width), those of the box and of the pixels cut. Where they would be larger
+    than `canvas`, the box resized here instead (box: the whole of it)."""
     height, width, channels = image_shape
     image, (left, top, right, bottom) = self.decoded(data, image_shape, position)
     pixels = np.asarray(image)  # (a PIL image's: copied)

@@ -80,9 +80,9 @@ class HostMemory:
 def host_memory(config, info: DatasetInfo, num_processes: int = 1,
                 iterators: int = 2) -> HostMemory:
   """The input's expected host memory on each process, for a resolved `config` (k, batch)."""
-  height_width = info.canvas or info.image_shape[:2]
+  height_width = info.canvas or info.image_shape[:2]  # (packed crops: room for the largest)
   image = math.prod(height_width) * info.image_shape[2] * np.dtype(info.pixel_dtype).itemsize
-  box = 6 * 4 if info.canvas else 0
+  box = 6 * 4 + 4 if info.canvas else 0  # (and its offset)
   local_batch_size = config.run.global_batch_size // num_processes
   element = config.run.steps_per_dispatch * local_batch_size * (image + box + 4 + 1 + 4)
   unit = element // shares(config, local_batch_size)

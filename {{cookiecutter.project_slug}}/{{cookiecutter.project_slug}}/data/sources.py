@@ -52,32 +52,34 @@ class DatasetInfo:
   pixel_dtype: str = "uint8"
   # Photos stored whole (write_arrayrecord --resize_shorter), cropped to `image_shape` here.
   crops_on_host: bool = False
-  # (height, width) of the canvas those crops come in, each with its "box", for the devices to
-  # resize (`config.resize_on_device`: dispatch.on_resized); None: resized on the host.
+  # (height, width) that holds any of those crops (its box and the pixels its resize reads): each
+  # is sent as its own pixels, end to end (`batches.pack`), with its "box" and "offset", and
+  # unpacked and resized on the devices (`config.resize_on_device`: dispatch.on_resized); None:
+  # resized on the host.
   canvas: tuple[int, int] | None = None
 
 
 class Split(Protocol):
   """What every source gives of a split ('train', 'eval'): batches.py reads it through this alone.
 
-  `len(split)`: its number of examples. `take(indices, positions, empty)`: the examples at
-  `indices` ([S] int64, in that order) as a dict of NumPy arrays of S rows: "image" ([S, H, W, C]
-  of the stored dtype) and "label" ([S] integers); a split that can fail to use an example (a
-  record unreadable, a file not an image) returns a stand-in for it and adds "failed", {its place
-  in `indices`: why, one line}: the example is masked out, and named in the log by `name` and
-  its index (a run stops past 1% of them). A split of photos kept whole (`crops`: an
+  `len(split)`: its number of examples. `take(indices, positions)`: the examples at `indices`
+  ([S] int64, in that order) as a dict of NumPy arrays of S rows: "image" ([S, H, W, C] of the
+  stored dtype) and "label" ([S] integers); a split that can fail to use an example (a record
+  unreadable, a file not an image) returns a stand-in for it and adds "failed", {its place in
+  `indices`: why, one line}: the example is masked out, and named in the log by `name` and its
+  index (a run stops past 1% of them). A split of photos kept whole (`crops`: an
   image_files.Crops, else None) cuts each on the host, keyed by its place in the stream
-  (`positions`, [S]), into `empty` where given (a buffer of the batch's images, else new arrays)
-  and, with a canvas, adds each crop's "box" ([S, 6]). ArraySource is the simplest; a file source
-  of your own: arrayrecord.RecordSource."""
+  (`positions`, [S]); with a canvas, "image" holds each crop's own pixels ([S] arrays of
+  [h, w, C]) and "box" ([S, 6]) where its box lies in them (`batches.pack` sends them end to
+  end). ArraySource is the simplest; a file source of your own: arrayrecord.RecordSource."""
 
   name: str  # how the log names it
   crops: "Crops | None"
 
   def __len__(self) -> int: ...
 
-  def take(self, indices: np.ndarray, positions: np.ndarray | None = None,
-           empty: np.ndarray | None = None) -> dict[str, np.ndarray]: ...
+  def take(self, indices: np.ndarray, positions: np.ndarray | None = None
+           ) -> dict[str, np.ndarray]: ...
 
 
 class Loaded(NamedTuple):
@@ -108,7 +110,7 @@ class ArraySource:
   def __len__(self) -> int:
     return len(self.labels)
 
-  def take(self, indices: np.ndarray, positions=None, empty=None) -> dict[str, np.ndarray]:
+  def take(self, indices: np.ndarray, positions=None) -> dict[str, np.ndarray]:
     return {"image": self.images[indices], "label": self.labels[indices]}
 
 
@@ -116,7 +118,7 @@ def host_crops(config, canvas: tuple[int, int] | None = None) -> "dict[str, Crop
   """How the host cuts photos kept whole (stored whole by write_arrayrecord.py --resize_shorter,
   or in a Hugging Face or TFDS dataset when the run crops): training's random-resized crop
   (`augment_crop`: from the whole photo), else, and in evaluation, the `eval_crop_ratio` centre;
-  with a `canvas`, sent in it for the devices to resize (`Crops.cut`)."""
+  with a `canvas` (the largest crop), cut for the devices to resize (`Crops.cut`)."""
   from .image_files import Crops
 
   return {"eval": Crops(center_ratio=config.eval_crop_ratio, canvas=canvas),

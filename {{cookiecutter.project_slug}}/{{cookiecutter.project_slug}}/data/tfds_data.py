@@ -68,13 +68,13 @@ class Source:
   def __len__(self) -> int:
     return len(self.data)
 
-  def take(self, indices: np.ndarray, positions: np.ndarray | None = None, empty=None
+  def take(self, indices: np.ndarray, positions: np.ndarray | None = None
            ) -> dict[str, np.ndarray]:
     rows = image_files.read_rows(self.data.__getitems__, self.data.__getitem__,
                                  [int(i) for i in indices])
     decoded, failed = image_files.decode_batch(
         [row if isinstance(row, str) else row[self.image_key] for row in rows], self.image_shape,
-        self.crops, positions, empty)
+        self.crops, positions)
     return {**decoded, "failed": failed, "label": np.array(
         [0 if isinstance(row, str) else row[self.label_key] for row in rows], np.int32)}
 

@@ -14,6 +14,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..data import batches
 from . import sharding
 
 PMAP_AXIS = "devices"  # pmap's axis: the steps are mapped over it (`on_devices`)
@@ -77,18 +78,27 @@ def unshard_batch(batch):
 def pmap_batch(local_batch):
   """This process's stacked batches `[k, local_batch, ...]` split over its devices and placed
   there in one call, for pmap: `[local_devices, k, local_batch // local_devices, ...]`.
-  `local_batch`: one dict, or the devices' shares in order (a list), each sent as it is."""
+  `local_batch`: one dict, or the devices' shares in order (a list), each sent as it is. Photos'
+  crops packed a device each (`batches.pack`): each device's bytes sent alone (`batches.sent`)."""
   mesh = local_devices_mesh()
-  sharding = NamedSharding(mesh, P(PMAP_AXIS))
-  if isinstance(local_batch, dict) or len(local_batch) == 1:
-    local_batch = local_batch if isinstance(local_batch, dict) else local_batch[0]
-    return jax.device_put(shard_batch(local_batch, mesh.size, axis=1), sharding)
-  devices = list(mesh.devices.flat)
-  placed = jax.device_put([jax.tree.map(lambda x: x[None], share) for share in local_batch],
-                          devices)
-  return {key: jax.make_array_from_single_device_arrays(
-      (len(devices), *local_batch[0][key].shape), sharding, [share[key] for share in placed])
-          for key in local_batch[0]}
+  sharding, devices = NamedSharding(mesh, P(PMAP_AXIS)), list(mesh.devices.flat)
+  shares = batches.sent([local_batch] if isinstance(local_batch, dict) else local_batch)
+  packed = [share.pop("image") for share in shares] if "packed" in shares[0] else None
+  nbytes = [share.pop("packed") for share in shares][0] if packed else 0
+  if len(shares) == 1:
+    placed = jax.device_put(shard_batch(shares[0], mesh.size, axis=1), sharding)
+  else:
+    on_devices = jax.device_put([jax.tree.map(lambda x: x[None], share) for share in shares],
+                                devices)
+    placed = {key: jax.make_array_from_single_device_arrays(
+        (len(devices), *shares[0][key].shape), sharding, [share[key] for share in on_devices])
+              for key in shares[0]}
+  if packed:  # (each device's bytes: [1, 1, 1, n])
+    pieces = [image[None, :, g:g + 1] for image in packed for g in range(image.shape[1])]
+    on_devices = sharding.padded(jax.device_put(pieces, devices), devices, nbytes, axis=0)
+    placed["image"] = jax.make_array_from_single_device_arrays(
+        (len(devices), 1, 1, nbytes), sharding, on_devices)
+  return placed
 
 
 def fold_in_device_index(model, axis_name):

@@ -9,10 +9,13 @@ import collections
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from ..data import batches
 
 DATA_AXIS = "data"  # the spmd mesh axis
 FSDP_AXIS = "fsdp"  # fsdp: the mesh axis that the state is split over
@@ -109,20 +112,31 @@ def global_batch(local_batch, mesh: Mesh):
   """This process's part of stacked batches `[k, local_batch, ...]` -> global arrays
   `[k, batch, ...]`, each batch split over the mesh. `local_batch`: one dict, or its local
   devices' shares in order (a list: `input_pipeline`'s units, from the workers' shared memory),
-  each sent to its own device as it is, in one call, without joining them on the host."""
+  each sent to its own device as it is, in one call, without joining them on the host. Photos'
+  crops packed a device each (`batches.pack`): each device's bytes sent alone (`batches.sent`)."""
   sharding = data_sharded(mesh)
-  if isinstance(local_batch, dict) or len(local_batch) == 1:
-    local_batch = local_batch if isinstance(local_batch, dict) else local_batch[0]
-    if jax.process_count() == 1:
-      return jax.device_put(local_batch, sharding)
-    return jax.make_array_from_process_local_data(sharding, local_batch)
-  first = local_batch[0]["mask"]
-  shape = (first.shape[0], first.shape[1] * mesh.devices.size)
-  devices, share_of = _shares(sharding, shape)
-  placed = jax.device_put([local_batch[share_of[d]] for d in devices], devices)
-  return {key: jax.make_array_from_single_device_arrays(
-      shape + local_batch[0][key].shape[2:], sharding, [share[key] for share in placed])
-          for key in local_batch[0]}
+  shares = batches.sent([local_batch] if isinstance(local_batch, dict) else local_batch)
+  packed = [share.pop("image") for share in shares] if "packed" in shares[0] else None
+  nbytes = [share.pop("packed") for share in shares][0] if packed else 0
+  if len(shares) == 1:
+    placed = (jax.device_put(shares[0], sharding) if jax.process_count() == 1 else
+              jax.make_array_from_process_local_data(sharding, shares[0]))
+  else:
+    first = shares[0]["mask"]
+    shape = (first.shape[0], first.shape[1] * mesh.devices.size)
+    devices, share_of = _shares(sharding, shape)
+    on_devices = jax.device_put([shares[share_of[d]] for d in devices], devices)
+    placed = {key: jax.make_array_from_single_device_arrays(
+        shape + shares[0][key].shape[2:], sharding, [share[key] for share in on_devices])
+              for key in shares[0]}
+  if packed:  # (each local device's bytes: [1, 1, n])
+    pieces = [image[:, g:g + 1] for image in packed for g in range(image.shape[1])]
+    shape = (1, len(pieces) * jax.process_count())
+    devices, share_of = _shares(sharding, shape)
+    on_devices = jax.device_put([pieces[share_of[d]] for d in devices], devices)
+    placed["image"] = jax.make_array_from_single_device_arrays(
+        (*shape, nbytes), sharding, padded(on_devices, devices, nbytes, axis=1))
+  return placed
 
 
 @functools.lru_cache(maxsize=8)
@@ -132,6 +146,26 @@ def _shares(sharding: NamedSharding, shape: tuple[int, int]):
   indices = sharding.addressable_devices_indices_map(shape)
   starts = sorted({index[1].start or 0 for index in indices.values()})
   return list(indices), {d: starts.index(index[1].start or 0) for d, index in indices.items()}
+
+
+def padded(pieces: list, devices: list, nbytes: int, axis: int) -> list:
+  """Each device's bytes of `batches.sent` (`pieces`, placed on `devices`, one each, stacked on
+  `axis`) padded back to `nbytes` there, in one program over this process's devices: the shape
+  the steps were compiled for (compiled once a length: `batches.SIZES` at most)."""
+  mesh = Mesh(np.array(devices), ("pieces",))
+  where = NamedSharding(mesh, P(*[None] * axis, "pieces"))
+  shape = list(pieces[0].shape)
+  shape[axis] *= len(pieces)
+  stacked = jax.make_array_from_single_device_arrays(tuple(shape), where, pieces)
+  by_device = {shard.device: shard.data for shard in _pad_to(nbytes, where)(stacked)
+               .addressable_shards}
+  return [by_device[device] for device in devices]
+
+
+@functools.lru_cache(maxsize=8)
+def _pad_to(nbytes: int, where):
+  return jax.jit(lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, nbytes - x.shape[-1])]),
+                 out_shardings=where)
 
 
 def process_rows(mesh: Mesh, batch_size: int) -> tuple[int, ...] | None:

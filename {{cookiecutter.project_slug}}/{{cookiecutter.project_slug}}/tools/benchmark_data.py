@@ -128,41 +128,64 @@ class Staged:
 
   def __init__(self, put, depth: int = 8):
     self.put, self.depth, self.on, self.buffers = put, depth, False, {}
+    # Sent so far (`batches.sent`: packed crops, the bytes they fill, rounded), the bytes the
+    # crops themselves hold, and the batch rows they held.
+    self.bytes = self.crop_bytes = self.slots = 0
 
   def __call__(self, shares, *args, **kwargs):
+    shares = [shares] if isinstance(shares, dict) else shares
+    self.crop_bytes += sum(int(share["filled"].sum()) for share in shares if "filled" in share)
+    shares = batches.sent(shares)
+    self.bytes += sum(x.nbytes for x in jax.tree.leaves(shares) if isinstance(x, np.ndarray))
+    self.slots += sum(share["mask"].size for share in shares)
     if self.on:
       shares = jax.tree.map(self.copy, shares)
     return self.put(shares, *args, **kwargs)
 
   def copy(self, x):
-    if not isinstance(x, np.ndarray):
+    if not isinstance(x, np.ndarray) or not x.ndim:
       return x
-    ring = self.buffers.setdefault((x.shape, x.dtype.str), [np.empty_like(x) for _ in range(
-        self.depth)])  # (as many as may be in flight: a batch's shares, prefetched)
+    # As many as may be in flight (a batch's shares, prefetched), each as long as the longest
+    # seen (packed crops: their lengths vary; a runtime's staging buffers are reused as they are).
+    ring = self.buffers.setdefault((x.shape[:-1], x.dtype.str), [np.empty(
+        (*x.shape[:-1], 0), x.dtype) for _ in range(self.depth)])
     ring.append(ring.pop(0))
-    np.copyto(ring[-1], x)
-    return ring[-1]
+    if ring[-1].shape[-1] < x.shape[-1]:
+      ring[-1] = np.empty_like(x)
+    np.copyto(staged := ring[-1][..., :x.shape[-1]], x)
+    return staged
 
 
-def deliver(iterator, elements: int, sampler: PeakMemory | None = None) -> dict:
+def deliver(iterator, elements: int, sampler: PeakMemory | None = None,
+            put: "Staged | None" = None) -> dict:
   """`elements` elements from `iterator` (placed on the devices, each waited for), after a first
-  one: the images and bytes delivered, the wall time, and the CPU time of the main process (all
-  its threads: receiving, placing) and of its process tree (its workers too), `sampler`'s own
-  left out. A count, not a window of time: a large batch's figures hold as a small one's."""
+  one: the images and bytes delivered (those `put` sent, where given: packed crops, the bytes
+  they fill; else the placed arrays'), the wall time, and the CPU time of the main process (its
+  threads: receiving, placing) and of its process tree (its workers too), `sampler`'s own and
+  the CPU devices' (`devices_cpu_seconds`) left out. A count, not a window of time: a large
+  batch's figures hold as a small one's."""
   jax.block_until_ready(next(iterator))  # workers started, first element read
   start, main, tree = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF), cpu_seconds()
   sampled = sampler.cpu if sampler else 0.0
+  on_devices = devices_cpu_seconds()
   images = slots = nbytes = 0
   for _ in range(elements):
     element = jax.block_until_ready(next(iterator))
     mask = np.asarray(element["mask"])  # (a transfer of a few bytes)
     images, slots = images + int(mask.sum()), slots + mask.size
     nbytes += sum(x.nbytes for x in element.values())
+  crops = {}
+  if put is not None:  # (a row's bytes as `put` has sent them so far: placed ahead, they vary)
+    nbytes = slots * put.bytes / put.slots
+    if put.crop_bytes:
+      crops["crop_bytes_per_image"] = put.crop_bytes / put.slots
   wall, ended = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
   sampled = (sampler.cpu if sampler else 0.0) - sampled
-  main_cpu = ended.ru_utime + ended.ru_stime - main.ru_utime - main.ru_stime - sampled
+  on_devices = devices_cpu_seconds() - on_devices  # (a GPU's work: left out of both)
+  main_cpu = ended.ru_utime + ended.ru_stime - main.ru_utime - main.ru_stime - sampled - on_devices
   return dict(images=images, gb=nbytes / 1e9, seconds=wall, main_cpu_seconds=main_cpu,
-              tree_cpu_seconds=cpu_seconds() - tree - sampled, bytes_per_image=nbytes / slots)
+              tree_cpu_seconds=cpu_seconds() - tree - sampled - on_devices,
+              devices_cpu_seconds=on_devices, bytes_per_image=nbytes / slots, **crops)
 
 
 def main_process_cost(delivered: dict) -> dict:
@@ -170,6 +193,7 @@ def main_process_cost(delivered: dict) -> dict:
   this image size (its ceiling)."""
   per_gb = delivered["main_cpu_seconds"] / delivered["gb"]
   return dict(main_cpu_seconds_per_gb=per_gb,
+              main_cpu_ms_per_image=per_gb * delivered["bytes_per_image"] / 1e6,
               main_process_ceiling_images_per_second=1e9 / (per_gb * delivered["bytes_per_image"]))
 
 
@@ -220,6 +244,23 @@ def process_tree() -> dict[int, list[str]]:
   return tree
 
 
+def devices_cpu_seconds() -> float:
+  """CPU time of this process's XLA:CPU threads (`tf_XLA...`: the CPU devices' own work, e.g.
+  padding packed crops back: on a GPU host, the GPU's), from /proc (Linux; elsewhere 0)."""
+  total = 0
+  for task in glob.glob(f"/proc/{os.getpid()}/task/*"):
+    try:
+      with open(f"{task}/comm") as f:
+        if not f.read().startswith("tf_XLA"):
+          continue
+      with open(f"{task}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+      total += int(fields[11]) + int(fields[12])
+    except OSError:  # (ended meanwhile)
+      continue
+  return total / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds() -> float:
   """CPU time of this process and of its children, live (from /proc, Linux) or ended."""
   ended = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -248,10 +289,10 @@ def measure_input(config, splits, info, num_batches: int, rate: float) -> dict:
   iterator = input_pipeline.as_iterator(batches.train_batches(splits["train"], config),
                                         config, put=put)
   elements = -(-num_batches // config.run.steps_per_dispatch)
-  delivered = deliver(iterator, elements, memory)
+  delivered = deliver(iterator, elements, memory, put)
   put.on = True  # the same again, with a GPU's staging copy: the main process's cost alone
   staged = {f"{key}_with_staging_copy": value for key, value in main_process_cost(
-      deliver(iterator, max(elements // 2, 1))).items()}
+      deliver(iterator, max(elements // 2, 1), put=put)).items()}
   peak = memory.stop()
   iterator.close()
   images, wall, cpu = delivered["images"], delivered["seconds"], delivered["tree_cpu_seconds"]
@@ -261,6 +302,7 @@ def measure_input(config, splits, info, num_batches: int, rate: float) -> dict:
               **({"images_per_worker_cpu_second": images / (
                   cpu - delivered["main_cpu_seconds"])} if config.num_workers else {}),
               bytes_per_image=delivered["bytes_per_image"],
+              **{key: delivered[key] for key in ("crop_bytes_per_image",) if key in delivered},
               **main_process_cost(delivered), **staged,
               target_images_per_second=rate, cores_per_accelerator=rate * cpu / images,
               peak_memory_mib=peak / 2**20,

@@ -186,10 +186,15 @@ def photos_section(r: dict) -> str:
           *([row("images per worker CPU-second", "images_per_worker_cpu_second", ",.0f")]
             if "images_per_worker_cpu_second" in r else []),
           row("bytes an image sent to the devices", "bytes_per_image", ",.0f"),
+          *([f"| bytes an image's crop holds (sent end to end, in lengths of a 256th) | "
+             f"{r['crop_bytes_per_image']:,.0f} |" + (" |" if both else "")]
+            if "crop_bytes_per_image" in r else []),
           row("main process, CPU-s per GB: the CPU backend (takes arrays in place)",
               "main_cpu_seconds_per_gb", ".3f"),
           row("main process, CPU-s per GB: with a GPU's staging copy",
               "main_cpu_seconds_per_gb_with_staging_copy", ".3f"),
+          row("main process, CPU-ms an image: with a GPU's staging copy",
+              "main_cpu_ms_per_image_with_staging_copy", ".3f"),
           row(f"cores a device at {r['target_images_per_second']:,.0f} images/s",
               "cores_per_accelerator", ".1f"),
           row("peak memory of the process tree, MiB", "peak_memory_mib", ",.0f"),
@@ -198,7 +203,8 @@ def photos_section(r: dict) -> str:
             if "pil_loop_images_per_cpu_second" in r else [])]
   header = (["| | crops resized on the devices | resized on the host |", "| --- | ---: | ---: |"]
             if both else ["| | |", "| --- | ---: |"])
-  canvas = f", sent in a canvas of {'x'.join(map(str, r['canvas']))}" if both else ""
+  canvas = (", each crop sent as its own pixels, end to end (the largest "
+            f"{'x'.join(map(str, r['canvas']))})") if both else ""
   lines = [PHOTOS_TITLE, "",
            f"`python benchmark.py --data_dir=DIR` ({machine()}, {date}): the training batches of "
            f"DIR ({r['dataset']}, {shape}, crops on the host: {r['crops_on_host']}{canvas}), "

@@ -67,17 +67,18 @@ def substituted(swaps):
       setattr(module, name, original)
 
 
-def on_resized(step, image_hw):
-  """`step` on a batch whose photos' crops, cut on the host and sent with their "box"
-  (sources.DatasetInfo.canvas), are first resized on the devices to `image_hw` and scaled as
-  the model takes pixels (steps.forward): a stage before the step."""
+def on_resized(step, image_shape, canvas):
+  """`step` on a batch whose photos' crops, cut on the host and sent end to end with their "box"
+  and "offset" (`batches.pack`; `canvas`: the largest), are first unpacked and resized on the
+  devices to `image_shape` and scaled as the model takes pixels (steps.forward): a stage before
+  the step."""
 
   def resized_step(graphdef, state, running, batch, **kwargs):
     batch = dict(batch)
-    images_BHWC = augment.resize_crops(batch["image"].astype(jnp.float32), batch.pop("box"),
-                                       tuple(image_hw))
-    if jnp.issubdtype(batch["image"].dtype, jnp.integer):
-      images_BHWC = images_BHWC / 255.0
+    crops_BHWC = augment.unpacked(batch.pop("image"), batch.pop("offset"), batch["box"],
+                                  (*canvas, image_shape[2]))
+    images_BHWC = augment.resize_crops(crops_BHWC.astype(jnp.float32), batch.pop("box"),
+                                       tuple(image_shape[:2])) / 255.0
     return step(graphdef, state, running, dict(batch, image=images_BHWC), **kwargs)
 
   return resized_step
@@ -95,13 +96,19 @@ def one_batch_steps(run_plan, platform: str, info=None):
 
     train, evaluate = pmap.on_devices(train), pmap.on_devices(evaluate)
   if info and info.canvas:
-    train, evaluate = (on_resized(step, info.image_shape[:2]) for step in (train, evaluate))
+    train, evaluate = (on_resized(step, info.image_shape, info.canvas)
+                       for step in (train, evaluate))
   return train, evaluate
 
 
 def k_steps(step, state, running, batches, unroll: bool = False):
   """`step(state, running, batch)` -> `(state, running)`, run once per batch of the batches
-  stacked on a leading axis (`lax.scan`; `unroll`: as straight-line code)."""
+  stacked on a leading axis (`lax.scan`; `unroll`: as straight-line code). Photos' crops packed
+  (`batches.pack`: "offset"): the one "image" holds every batch's, given to each."""
+  if "offset" in batches:
+    packed, batches, one = batches["image"][0], dict(batches), step
+    del batches["image"]
+    step = lambda state, running, batch: one(state, running, dict(batch, image=packed))  # noqa: E731
   if jax.tree.leaves(batches)[0].shape[0] == 1:
     return step(state, running, jax.tree.map(lambda x: x[0], batches))
   body = lambda carry, batch: (step(*carry, batch), None)  # noqa: E731
