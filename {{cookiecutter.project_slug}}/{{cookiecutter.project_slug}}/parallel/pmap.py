@@ -94,7 +94,7 @@ def pmap_batch(local_batch):
         (len(devices), *shares[0][key].shape), sharding, [share[key] for share in on_devices])
               for key in shares[0]}
   if packed:  # (each device's bytes: [1, 1, 1, n])
-    pieces = [image[None, :, g:g + 1] for image in packed for g in range(image.shape[1])]
+    pieces = [image[0, g].reshape(1, 1, 1, -1) for image in packed for g in range(image.shape[1])]
     on_devices = sharding.padded(jax.device_put(pieces, devices), devices, nbytes, axis=0)
     placed["image"] = jax.make_array_from_single_device_arrays(
         (len(devices), 1, 1, nbytes), sharding, on_devices)

@@ -129,8 +129,8 @@ def global_batch(local_batch, mesh: Mesh):
     placed = {key: jax.make_array_from_single_device_arrays(
         shape + shares[0][key].shape[2:], sharding, [share[key] for share in on_devices])
               for key in shares[0]}
-  if packed:  # (each local device's bytes: [1, 1, n])
-    pieces = [image[:, g:g + 1] for image in packed for g in range(image.shape[1])]
+  if packed:  # (each local device's bytes: [1, 1, n], strides of its own: taken in place)
+    pieces = [image[0, g].reshape(1, 1, -1) for image in packed for g in range(image.shape[1])]
     shape = (1, len(pieces) * jax.process_count())
     devices, share_of = _shares(sharding, shape)
     on_devices = jax.device_put([pieces[share_of[d]] for d in devices], devices)

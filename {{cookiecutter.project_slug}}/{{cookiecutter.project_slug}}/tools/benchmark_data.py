@@ -139,20 +139,23 @@ class Staged:
     self.bytes += sum(x.nbytes for x in jax.tree.leaves(shares) if isinstance(x, np.ndarray))
     self.slots += sum(share["mask"].size for share in shares)
     if self.on:
-      shares = jax.tree.map(self.copy, shares)
+      shares = [{key: self.copy(value, share.get("packed") if key == "image" else None)
+                 for key, value in share.items()} for share in shares]
     return self.put(shares, *args, **kwargs)
 
-  def copy(self, x):
+  def copy(self, x, room: int | None = None):
     if not isinstance(x, np.ndarray) or not x.ndim:
       return x
-    # As many as may be in flight (a batch's shares, prefetched), each as long as the longest
-    # seen (packed crops: their lengths vary; a runtime's staging buffers are reused as they are).
-    ring = self.buffers.setdefault((x.shape[:-1], x.dtype.str), [np.empty(
-        (*x.shape[:-1], 0), x.dtype) for _ in range(self.depth)])
+    # As many as may be in flight (a batch's shares, prefetched), made and touched once (a
+    # runtime's staging buffers are allocated once and reused); packed crops' of their room
+    # (`room`: their lengths vary).
+    if (key := (x.shape[:-1], x.dtype.str)) not in self.buffers:
+      self.buffers[key] = [np.full((*x.shape[:-1], room or x.shape[-1]), 0, x.dtype)
+                           for _ in range(self.depth)]
+    ring = self.buffers[key]
     ring.append(ring.pop(0))
-    if ring[-1].shape[-1] < x.shape[-1]:
-      ring[-1] = np.empty_like(x)
-    np.copyto(staged := ring[-1][..., :x.shape[-1]], x)
+    staged = ring[-1].reshape(-1)[:x.size].reshape(x.shape)  # (x's strides: taken in place)
+    np.copyto(staged, x)
     return staged
 
 
@@ -244,10 +247,30 @@ def process_tree() -> dict[int, list[str]]:
   return tree
 
 
+PADDING = [0.0]  # thread CPU-seconds that sharding.padded took here (`timed_padding`)
+
+
+def timed_padding() -> None:
+  """Has `sharding.padded` count its thread CPU-seconds in PADDING: the CPU devices run that small
+  program inline, on the placing thread (a GPU's own work on a GPU host)."""
+  if getattr(sharding.padded, "timed", False):
+    return
+  original = sharding.padded
+
+  def timed(*args, **kwargs):
+    start = time.thread_time()
+    out = jax.block_until_ready(original(*args, **kwargs))
+    PADDING[0] += time.thread_time() - start
+    return out
+
+  timed.timed, sharding.padded = True, timed
+
+
 def devices_cpu_seconds() -> float:
-  """CPU time of this process's XLA:CPU threads (`tf_XLA...`: the CPU devices' own work, e.g.
-  padding packed crops back: on a GPU host, the GPU's), from /proc (Linux; elsewhere 0)."""
-  total = 0
+  """CPU time of the CPU devices' own work (a GPU's on a GPU host): this process's XLA:CPU
+  threads (`tf_XLA...`), from /proc (Linux; elsewhere 0), and the padding of packed crops that
+  they run on the placing thread (`timed_padding`)."""
+  total = PADDING[0] * os.sysconf("SC_CLK_TCK")
   for task in glob.glob(f"/proc/{os.getpid()}/task/*"):
     try:
       with open(f"{task}/comm") as f:
@@ -285,12 +308,14 @@ def measure_input(config, splits, info, num_batches: int, rate: float) -> dict:
   batches (in elements of k), and half as many again with the staging copy."""
   memory = PeakMemory()
   memory.start()
+  timed_padding()
   put = Staged(placer(config))
   iterator = input_pipeline.as_iterator(batches.train_batches(splits["train"], config),
                                         config, put=put)
   elements = -(-num_batches // config.run.steps_per_dispatch)
   delivered = deliver(iterator, elements, memory, put)
   put.on = True  # the same again, with a GPU's staging copy: the main process's cost alone
+  deliver(iterator, 2, put=put)  # (its buffers made first: a runtime's are, before a run)
   staged = {f"{key}_with_staging_copy": value for key, value in main_process_cost(
       deliver(iterator, max(elements // 2, 1), put=put)).items()}
   peak = memory.stop()
