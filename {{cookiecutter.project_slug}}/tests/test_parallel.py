@@ -691,3 +691,35 @@ def test_one_slice_mesh_is_jax_make_mesh(tiny_config, parallelism, fsdp_devices)
   assert mesh.axis_names == expected.axis_names
   assert (mesh.devices == expected.devices).all()
   assert set(mesh.axis_types) == {jax.sharding.AxisType.Auto}
+
+
+@pytest.mark.parametrize("units", [1, 8])
+def test_packed_crops_are_placed_a_device_each_on_every_path(units):
+  """Photos' crops packed a device each (`batches.pack`), in one unit or in a unit a device (as
+  the workers send them): placed for spmd (`sharding.global_batch`) and pmap (`pmap.pmap_batch`),
+  each device holds its own crops' bytes, padded back to its room, and the rows around them."""
+  from {{cookiecutter.project_slug}}.data import batches
+
+  rng = np.random.default_rng(0)
+  k, batch, largest = 2, 16, (6, 5, 3)
+  crops = np.empty(k * batch, object)
+  crops[:] = [rng.integers(0, 256, (rng.integers(1, 7), rng.integers(1, 6), 3), np.uint8)
+              for _ in range(k * batch)]
+  per_unit = batch // units
+  rows = np.arange(k * batch).reshape(k, units, per_unit)  # (batch row b of unit u: u * per_unit)
+  shares = []
+  for u in range(units):
+    mine = crops[rows[:, u].reshape(-1)]
+    share = batches.pack(mine, np.arange(len(mine)), (k, per_unit, *largest), NUM_DEVICES // units)
+    shares.append(share | {"mask": np.ones((k, per_unit), bool),
+                           "box": np.zeros((k, per_unit, 6), np.float32)})
+  want = np.concatenate([share["image"] for share in shares], axis=1)[0]  # [devices, room]
+  filled = np.concatenate([share["filled"] for share in shares], axis=1)[0]
+  local = shares[0] if units == 1 else shares
+  placed = {"spmd": np.asarray(sharding.global_batch(local, sharding.make_mesh())["image"])[0],
+            "pmap": np.asarray(pmap.pmap_batch(local)["image"])[:, 0, 0]}
+  for name, image in placed.items():
+    assert image.shape == want.shape, name
+    for device, n in enumerate(filled):
+      np.testing.assert_array_equal(image[device, :n], want[device, :n], err_msg=name)
+  assert filled.sum() == sum(crop.size for crop in crops)

@@ -81,23 +81,23 @@ def pmap_batch(local_batch):
   `local_batch`: one dict, or the devices' shares in order (a list), each sent as it is. Photos'
   crops packed a device each (`batches.pack`): each device's bytes sent alone (`batches.sent`)."""
   mesh = local_devices_mesh()
-  sharding, devices = NamedSharding(mesh, P(PMAP_AXIS)), list(mesh.devices.flat)
+  where, devices = NamedSharding(mesh, P(PMAP_AXIS)), list(mesh.devices.flat)
   shares = batches.sent([local_batch] if isinstance(local_batch, dict) else local_batch)
   packed = [share.pop("image") for share in shares] if "packed" in shares[0] else None
   nbytes = [share.pop("packed") for share in shares][0] if packed else 0
   if len(shares) == 1:
-    placed = jax.device_put(shard_batch(shares[0], mesh.size, axis=1), sharding)
+    placed = jax.device_put(shard_batch(shares[0], mesh.size, axis=1), where)
   else:
     on_devices = jax.device_put([jax.tree.map(lambda x: x[None], share) for share in shares],
                                 devices)
     placed = {key: jax.make_array_from_single_device_arrays(
-        (len(devices), *shares[0][key].shape), sharding, [share[key] for share in on_devices])
+        (len(devices), *shares[0][key].shape), where, [share[key] for share in on_devices])
               for key in shares[0]}
   if packed:  # (each device's bytes: [1, 1, 1, n])
     pieces = [image[0, g].reshape(1, 1, 1, -1) for image in packed for g in range(image.shape[1])]
     on_devices = sharding.padded(jax.device_put(pieces, devices), devices, nbytes, axis=0)
     placed["image"] = jax.make_array_from_single_device_arrays(
-        (len(devices), 1, 1, nbytes), sharding, on_devices)
+        (len(devices), 1, 1, nbytes), where, on_devices)
   return placed
 
 
