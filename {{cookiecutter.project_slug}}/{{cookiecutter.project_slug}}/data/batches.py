@@ -52,9 +52,7 @@ class LoadUnit:
   trim: bool = False
   shares: int = 1  # units an element
   groups: int = 1  # the local devices a share spans (photos' crops: packed a device each)
-  # With workers, what sends each unit (`shm.Outbox`): photos' crops are packed into the shared
-  # memory it lends (`empty`).
-  out: Callable[..., dict] | None = None
+  out: Callable[..., dict] | None = None  # with workers, what sends a unit (`shm.Outbox`)
 
   @property
   def local_batch_size(self) -> int:
@@ -101,25 +99,21 @@ class LoadUnit:
     unit = {key: value.reshape(k, per_share, *value.shape[1:])[:kept]
             for key, value in unit.items()}
     if crops is not None:
-      lend = self.out.empty if self.out is not None else None
-      slots = np.flatnonzero(read_S)
-      used = mask_S[slots]
+      used = mask_S[read_S]  # (of the rows read: those of examples, usable)
       shape = (k, per_share, *self.source.crops.canvas, crops[0].shape[-1])
-      unit.update(pack(crops[used], slots[used], shape, self.groups, lend))
+      unit.update(pack(crops[used], np.flatnonzero(read_S)[used], shape, self.groups,
+                       self.out and self.out.empty))
       unit["offset"] = unit["offset"][:kept]
     unit = unit if failed is None else unit | bad_records
     return unit if self.out is None else self.out(unit)
 
 
 def pack(crops, slots, shape: tuple[int, ...], groups: int, empty=None) -> dict[str, np.ndarray]:
-  """Crops of a unit of k batches of `share` rows each (`shape`: k, share and the largest crop,
-  [H, W, C]; `crops[i]` in row `slots[i]`, the others none), each as its own pixels, end to end:
-  the rows of each of `groups` devices (a share split in `groups`), of every batch, in one row
-  of bytes, with room for as many of the largest crops as it has rows. Built in `empty(shape,
-  dtype)` where given (shared memory a worker lent), else new: only the crops' bytes are
-  written. Returns image [1, groups, bytes], offset [k, share] (where each crop starts in its
-  device's bytes; row-major [h, w, C]) and filled [1, groups] (the bytes its crops fill: what
-  `sent` sends)."""
+  """A unit's crops (`shape`: k batches, `share` rows, the largest crop [H, W, C]; `crops[i]` in
+  row `slots[i]`) end to end, each device's (of `groups`) of every batch in one row of bytes with
+  room for its rows' largest crops, in `empty(shape, dtype)` (a worker's shared memory) or new.
+  Returns image [1, groups, bytes], offset [k, share] (where each crop, row-major [h, w, C],
+  starts in its device's row) and filled [1, groups] (the bytes the crops fill)."""
   k, share = shape[:2]
   region = k * share // groups * math.prod(shape[2:])
   image = (empty or np.zeros)((1, groups, region), np.uint8)
@@ -136,10 +130,8 @@ SIZES = 256  # the lengths crops are sent in: a 256th of a device's room at a ti
 
 
 def sent(shares: list[dict]) -> list[dict]:
-  """This process's shares of an element (units) as they are sent to the devices: with packed
-  crops (`pack`), each device's bytes cut to those that the fullest device's crops fill, rounded
-  up to a `SIZES`th of its room (views: no copy; the devices pad them back to "packed" bytes:
-  `sharding.padded`), without "filled"; any other shares as they are."""
+  """Shares of an element as sent: packed crops (`pack`) cut to the fullest device's fill, rounded
+  up to a `SIZES`th of the room ("packed": `sharding.padded` pads them back; views, no copy)."""
   if "filled" not in shares[0]:
     return shares
   room = shares[0]["image"].shape[2]
@@ -147,6 +139,16 @@ def sent(shares: list[dict]) -> list[dict]:
   n = min(-(-max(int(share["filled"].max()) for share in shares) // step) * step, room)
   return [{**{key: value for key, value in share.items() if key != "filled"},
            "image": share["image"][..., :n], "packed": room} for share in shares]
+
+
+def sent_apart(local_batch) -> tuple[list[dict], list | None, int]:
+  """`sent`'s shares of `local_batch` (a dict or a list) without packed crops, each local device's
+  bytes in order ([n]; None: no packed crops), and the room they are padded back to."""
+  shares = sent([local_batch] if isinstance(local_batch, dict) else local_batch)
+  if "packed" not in shares[0]:
+    return shares, None, 0
+  images, rooms = zip(*[(share.pop("image"), share.pop("packed")) for share in shares], strict=True)
+  return shares, [image[0, g] for image in images for g in range(image.shape[1])], rooms[0]
 
 
 # A record that cannot be used (unreadable, or not an example of the data) is masked, and named
@@ -258,8 +260,7 @@ def shares(config, local_batch_size: int) -> int:
   return devices if default_workers(config) and local_batch_size % devices == 0 else 1
 
 
-def split(config, local_batch_size: int) -> dict[str, int]:
-  """A unit's `shares` an element and the local devices (`groups`) a share spans."""
+def split(config, local_batch_size: int) -> dict[str, int]:  # LoadUnit's shares and groups
   devices, n = jax.local_device_count(), shares(config, local_batch_size)
   return dict(shares=n, groups=devices // n if local_batch_size % devices == 0 else 1)
 

@@ -82,9 +82,7 @@ def pmap_batch(local_batch):
   crops packed a device each (`batches.pack`): each device's bytes sent alone (`batches.sent`)."""
   mesh = local_devices_mesh()
   where, devices = NamedSharding(mesh, P(PMAP_AXIS)), list(mesh.devices.flat)
-  shares = batches.sent([local_batch] if isinstance(local_batch, dict) else local_batch)
-  packed = [share.pop("image") for share in shares] if "packed" in shares[0] else None
-  nbytes = [share.pop("packed") for share in shares][0] if packed else 0
+  shares, pieces, nbytes = batches.sent_apart(local_batch)
   if len(shares) == 1:
     placed = jax.device_put(shard_batch(shares[0], mesh.size, axis=1), where)
   else:
@@ -93,9 +91,9 @@ def pmap_batch(local_batch):
     placed = {key: jax.make_array_from_single_device_arrays(
         (len(devices), *shares[0][key].shape), where, [share[key] for share in on_devices])
               for key in shares[0]}
-  if packed:  # (each device's bytes: [1, 1, 1, n])
-    pieces = [image[0, g].reshape(1, 1, 1, -1) for image in packed for g in range(image.shape[1])]
-    on_devices = sharding.padded(jax.device_put(pieces, devices), devices, nbytes, axis=0)
+  if pieces:  # (each device's bytes: [1, 1, 1, n])
+    on_devices = sharding.padded(jax.device_put(
+        [piece.reshape(1, 1, 1, -1) for piece in pieces], devices), devices, nbytes, axis=0)
     placed["image"] = jax.make_array_from_single_device_arrays(
         (len(devices), 1, 1, nbytes), where, on_devices)
   return placed

@@ -115,9 +115,7 @@ def global_batch(local_batch, mesh: Mesh):
   each sent to its own device as it is, in one call, without joining them on the host. Photos'
   crops packed a device each (`batches.pack`): each device's bytes sent alone (`batches.sent`)."""
   sharding = data_sharded(mesh)
-  shares = batches.sent([local_batch] if isinstance(local_batch, dict) else local_batch)
-  packed = [share.pop("image") for share in shares] if "packed" in shares[0] else None
-  nbytes = [share.pop("packed") for share in shares][0] if packed else 0
+  shares, pieces, nbytes = batches.sent_apart(local_batch)
   if len(shares) == 1:
     placed = (jax.device_put(shares[0], sharding) if jax.process_count() == 1 else
               jax.make_array_from_process_local_data(sharding, shares[0]))
@@ -129,11 +127,11 @@ def global_batch(local_batch, mesh: Mesh):
     placed = {key: jax.make_array_from_single_device_arrays(
         shape + shares[0][key].shape[2:], sharding, [share[key] for share in on_devices])
               for key in shares[0]}
-  if packed:  # (each local device's bytes: [1, 1, n], strides of its own: taken in place)
-    pieces = [image[0, g].reshape(1, 1, -1) for image in packed for g in range(image.shape[1])]
+  if pieces:  # (each local device's bytes: [1, 1, n], strides of its own: taken in place)
     shape = (1, len(pieces) * jax.process_count())
     devices, share_of = _shares(sharding, shape)
-    on_devices = jax.device_put([pieces[share_of[d]] for d in devices], devices)
+    on_devices = jax.device_put([pieces[share_of[d]].reshape(1, 1, -1) for d in devices],
+                                devices)
     placed["image"] = jax.make_array_from_single_device_arrays(
         (*shape, nbytes), sharding, padded(on_devices, devices, nbytes, axis=1))
   return placed
