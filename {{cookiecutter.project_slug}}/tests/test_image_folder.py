@@ -250,12 +250,19 @@ def pixels(element, canvas=None, shape=(32, 32)) -> np.ndarray:
   and resized as the devices do it (`augment.unpacked`, `augment.resize_crops`)."""
   if "box" not in element:
     return element["image"]
+  return np.asarray(unpacked_and_resized(element["image"][0], element["offset"], element["box"],
+                                         tuple(canvas), shape))
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def unpacked_and_resized(packed_GN, offset_KB, box_KB6, canvas, shape):
+  """`pixels`' program: compiled once for the elements of a shape, not once an element."""
 
   def resized(offset_B, box_B6):
-    crops_BHWC = augment.unpacked(element["image"][0], offset_B, box_B6, (*canvas, 3))
+    crops_BHWC = augment.unpacked(packed_GN, offset_B, box_B6, (*canvas, 3))
     return augment.resize_crops(crops_BHWC.astype(np.float32), box_B6, shape)
 
-  return np.asarray(jax.jit(jax.vmap(resized))(element["offset"], element["box"]))
+  return jax.vmap(resized)(offset_KB, box_KB6)
 
 
 def smooth_photos() -> list[bytes]:
