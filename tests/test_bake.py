@@ -540,7 +540,7 @@ USER_MODELS = TEMPLATE / "tests" / "user_models"
 
 
 @pytest.mark.baked_suite
-@pytest.mark.parametrize("model", ["residual_dropout", "mlp", "convnext", "vit"])
+@pytest.mark.parametrize("model", ["residual_dropout", "mlp", "convnext", "vit", "shipped_vit"])
 def test_baked_fast_tier_passes_with_a_model_of_your_own(cookies, model):
   """model.py replaced by a user's (tests/user_models/: a residual CNN with the masked BatchNorm
   and Dropout, written as the baked README says; an MLP without convolutions, with Dropout; a
@@ -549,9 +549,22 @@ def test_baked_fast_tier_passes_with_a_model_of_your_own(cookies, model):
   `deterministic=` anywhere: the step's model.train() and model.eval() set it): its your-model
   tier passes, and with the ViT (the richest) the whole fast tier, the tests of the machinery on
   their own models (none reads model.py: once is enough, ~4 min of CI's 90 a model); and the
-  your-model tier's slow test: train.py stopped by Ctrl-C and resumed by the same command."""
+  your-model tier's slow test: train.py stopped by Ctrl-C and resumed by the same command. Also
+  the project's own vit.py as model.py (ViT-Ti, 2 blocks under nnx.scan, patches of 2, dropout),
+  configured for the digits in configs/default.py as a user would."""
   project = bake_ok(cookies)
-  (project / "model.py").write_text((USER_MODELS / f"{model}.py").read_text())
+  if model == "shipped_vit":  # the project's own vit.py as model.py, set for the 8 x 8 digits
+    (project / "model.py").write_text((project / "vit.py").read_text())
+    default = project / "configs" / "default.py"
+    text = default.read_text()
+    changes = {'name="cnn"': 'name="vit_ti"', "dropout=0.0": "dropout=0.1", "patch=16": "patch=2",
+               "depth=0": "depth=2"}
+    for old, new in changes.items():
+      assert text.count(old) == 1, old
+      text = text.replace(old, new)
+    default.write_text(text)
+  else:
+    (project / "model.py").write_text((USER_MODELS / f"{model}.py").read_text())
   output = run_tier(project, "fast", "-rA", *([] if model == "vit" else
                                               ["tests/test_your_model.py"]))
   ours = re.findall(r"^PASSED tests/test_your_model.py::(\w+)", output, re.MULTILINE)

@@ -454,3 +454,40 @@ def test_fsdp_on_h100s_holds_an_eighth_and_peaks_under_2x_with_the_low_memory_op
     assert f["state_bytes"] <= 1.02 * eighth and f["collectives"].get("reduce-scatter")
   assert figures["low_memory"]["peak_bytes"] <= 2 * eighth
   assert figures["low_memory"]["peak_bytes"] < figures["default"]["peak_bytes"]
+
+
+GPU_ATTENTION = """
+import json
+import aot  # (its environment set before JAX is imported)
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from {{cookiecutter.project_slug}} import gpu
+from {{cookiecutter.project_slug}}.tools import topologies
+mesh = Mesh(topologies.compile_only_devices("h100:8"), ("data",))
+calls = {}
+for tokens in (50, 197):
+  shape = jax.ShapeDtypeStruct((64, tokens, 3, 64), jnp.bfloat16,
+                               sharding=NamedSharding(mesh, P("data")))
+  for name, attention in (("stock", jax.nn.dot_product_attention),
+                          ("gpu", gpu.dot_product_attention)):
+    loss = lambda q, k, v: attention(q, k, v).astype(jnp.float32).sum()
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    calls[f"{name} {tokens}"] = grad.lower(shape, shape, shape).compile().as_text().count(
+        "__cudnn$fmha")
+print(json.dumps(calls))
+"""
+
+
+@pytest.mark.slow
+@needs_gpu
+def test_the_gpus_attention_is_cudnns_fused_one_where_it_takes_the_inputs():
+  """gpu.dot_product_attention (jax.nn's while a GPU's step is traced) compiled for h100:8 by its
+  compiler: bfloat16 heads of 64 over 50 tokens, forward and backward, are cuDNN's two fused
+  attention calls (the stock jax.nn form: XLA's, none); over 197 tokens (a ViT-B/16's, with its
+  class token), which JAX's cuDNN check refuses in training, XLA's as before, with no error."""
+  done = subprocess.run([sys.executable, "-c", GPU_ATTENTION], cwd=PROJECT, text=True,
+                        capture_output=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  calls = json.loads(done.stdout.splitlines()[-1])
+  assert calls == {"stock 50": 0, "gpu 50": 2, "stock 197": 0, "gpu 197": 0}, calls

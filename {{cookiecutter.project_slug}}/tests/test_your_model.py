@@ -142,7 +142,8 @@ def draws_randomness(graphdef, state, images) -> bool:
     model = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))[0]
     if rekey:
       keys = nnx.state(model, nnx.RngKey)
-      nnx.update(model, jax.tree.map(lambda k: jax.random.fold_in(k, 1), keys))
+      fold_in = jax.vmap(lambda key: jax.random.fold_in(key, 1))  # (stacked layers: a key each)
+      nnx.update(model, jax.tree.map(lambda k: fold_in(k.reshape(-1)).reshape(k.shape), keys))
     return np.asarray(steps.forward(model, {"image": images, "mask": jnp.ones(len(images), bool)},
                                     None))
 

@@ -3,6 +3,7 @@ XLA:GPU compiles it leanest (BENCHMARKS.md, "The train step's forms", from aot.p
 programs). dispatch.py wraps a GPU's steps in `step`; nothing else names these forms:
 
 - `max_pool` for nnx.max_pool: its gradient without XLA's select-and-scatter;
+- `dot_product_attention` for jax.nn's: cuDNN's fused attention where it takes the inputs;
 - `sums` for layers.sums: BatchNorm's sums in two stages, the second as one reduction;
 - `sum_of_squares` and `state_sums_of_squares` for steps.py's: the norms over the leaves laid
   end to end.
@@ -23,17 +24,33 @@ from . import layers
 from .training import steps
 
 STOCK_MAX_POOL = nnx.max_pool  # (nnx.max_pool itself while substituted)
+STOCK_ATTENTION = jax.nn.dot_product_attention
 
 
 def forms(flat_norms: bool = True) -> list:
   """(module, name, form) for each stock function whose place this module's form takes while a
   GPU's step is traced (`dispatch.substituted`); the norms' (`flat_norms`) not where the state's
   leaves are split over the devices (fsdp: never gathered)."""
-  swaps = [(nnx, "max_pool", max_pool), (layers, "sums", sums), (steps, "update_if", update_if)]
+  swaps = [(nnx, "max_pool", max_pool), (layers, "sums", sums), (steps, "update_if", update_if),
+           (jax.nn, "dot_product_attention", dot_product_attention)]
   if flat_norms:
     swaps += [(steps, "sum_of_squares", sum_of_squares),
               (steps, "state_sums_of_squares", state_sums_of_squares)]
   return swaps
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, *, implementation=None,
+                          **options):
+  """jax.nn.dot_product_attention as cuDNN's fused (flash) attention where cuDNN takes the
+  inputs: float16 or bfloat16, heads of at most 128 and a multiple of 8, no bias or mask, even
+  sequence lengths (JAX 0.12's check for training refuses odd ones: a ViT-B/16 with its class
+  token, 197, stays on XLA's); the stock choice otherwise (`implementation=None`: XLA's)."""
+  fused = (implementation is None and bias is None and mask is None
+           and query.dtype in (jnp.bfloat16, jnp.float16)
+           and query.shape[-1] <= 128 and query.shape[-1] % 8 == 0
+           and query.shape[-3] % 2 == 0 and key.shape[-3] % 2 == 0)
+  return STOCK_ATTENTION(query, key, value, bias, mask,
+                         implementation="cudnn" if fused else implementation, **options)
 
 
 def update_if(applied, update, current, old):
