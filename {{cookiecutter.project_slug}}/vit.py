@@ -36,8 +36,9 @@ REMAT = ("none", "block")  # or a name in jax.checkpoint_policies
 
 def attention(query_BTNH, key_BTNH, value_BTNH, *, dropout_rate=0.0, deterministic=True,
               **unused):
-  """nnx.MultiHeadAttention's `attention_fn`: jax.nn.dot_product_attention (the backend's
-  implementation). It has no dropout of the attention weights: the blocks drop their outputs."""
+  """nnx.MultiHeadAttention's `attention_fn`: jax.nn.dot_product_attention (XLA's; a GPU's step
+  takes cuDNN's fused kernels where they take the inputs: gpu.py). It has no dropout of the
+  attention weights: the blocks drop their outputs."""
   del unused
   if dropout_rate and not deterministic:
     raise ValueError("vit.attention drops no attention weights: keep MultiHeadAttention's "
