@@ -526,12 +526,18 @@ def seconds_after_last_line(command: list[str]) -> tuple[subprocess.CompletedPro
           time.perf_counter() - last)
 
 
+GRAINS_KILL_WAIT = 10  # s: well under the 25 s a worker left waiting took to be killed
+
+
 @pytest.mark.slow
-def test_commands_reading_with_workers_end_within_3_seconds_of_their_last_line(tmp_path):
+def test_commands_reading_with_workers_end_without_waiting_for_grain_to_kill_them(tmp_path):
   """96x96 photos kept encoded, read by 2 Grain workers a reader. An evaluation iterator closed
-  after a pass stops its workers within 3 s, 5 times out of 5 (a worker whose queue nobody read
-  any more waited 25 s for Grain to kill it, in 5 of 5 here before); the training run, then
-  evaluate.py 3 times, each ends <= 3 s after its last line, leaving nothing in /dev/shm."""
+  after a pass stops its workers, 5 times out of 5, without the 25 s that a worker whose queue
+  nobody read any more waited for Grain to kill it (in 5 of 5 here before); the training run,
+  then evaluate.py 3 times, each ends as soon after its last line, leaving nothing in /dev/shm.
+  The bound, 10 s, tells the two apart; the times themselves (0.8 s a close here on a quiet
+  machine, up to 3.4 s beside the other tests: the workers' exit is CPU work) are printed, not
+  asserted: a speed, not a behaviour."""
   from {{cookiecutter.project_slug}}.data import shm
   from {{cookiecutter.project_slug}}.tools.benchmark_data import write_jpeg_folder
 
@@ -551,7 +557,8 @@ def test_commands_reading_with_workers_end_within_3_seconds_of_their_last_line(t
     start = time.perf_counter()
     iterator.close()
     closing.append(time.perf_counter() - start)
-  assert max(closing) <= 3, closing
+  print("closing, s:", [round(t, 2) for t in closing])
+  assert max(closing) < GRAINS_KILL_WAIT, closing
   workdir = tmp_path / "run"
   run, after = seconds_after_last_line([
       sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={workdir}",
@@ -566,7 +573,8 @@ def test_commands_reading_with_workers_end_within_3_seconds_of_their_last_line(t
     assert evaluated.returncode == 0 and "128 examples" in evaluated.stdout, evaluated.stdout
     exits.append(after)
     pids.append(evaluated.args)
-  assert max(exits) <= 3, exits
+  print("ended after the last line, s:", [round(t, 2) for t in exits])
+  assert max(exits) < GRAINS_KILL_WAIT, exits
   for pid in pids:  # every unit its workers made, and its lock: received and unlinked, removed
     assert not glob.glob(os.path.join(shm.DIRECTORY, f"{shm.PREFIX}-{pid}.*"))
 

@@ -68,8 +68,8 @@ MASKS = {"full": np.ones(16, bool), "padded": np.arange(16) < 11,
          "scattered": np.arange(16) % 3 == 0}
 
 
-@pytest.mark.parametrize("groups, mask", [  # (8: groups of padding alone)
-    (1, "full"), pytest.param(2, "padded", marks=pytest.mark.slow), (8, "scattered")])
+@pytest.mark.parametrize("groups, mask", [(1, "full"), (2, "padded"),
+                                          (8, "scattered")])  # (8: groups of padding alone)
 def test_the_written_out_gradient_is_autodiffs_under_jit(groups, mask):
   expected = nnx.jit(outputs)(layer(Plain, groups), X, MASKS[mask], TARGET)
   for forms in (list, gpu.forms):  # XLA's sums; the GPU's (`gpu.sums`)
@@ -88,8 +88,7 @@ def test_bfloat16_activations_keep_their_type_and_float32_statistics():
   assert_close(expected, got, 2e-2)  # (bfloat16's rounding of the outputs and of dx)
 
 
-@pytest.mark.parametrize("groups, gpu_forms", [(1, False), (2, True),
-                                               pytest.param(8, False, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("groups, gpu_forms", [(1, False), (2, True), (8, False)])
 def test_the_written_out_gradient_is_autodiffs_under_pmap(groups, gpu_forms):
   """8 devices of 2 examples, 5 real in all (devices 3-7 hold padding alone)."""
   results = []

@@ -32,9 +32,8 @@ def test_bfloat16_compute_with_float32_params(tiny_config):
 
 @pytest.mark.parametrize("name, num_params, train_flops", [
     # torchvision's parameter counts; forward 1.81 and 4.1 GMACs an image at 224 x 224.
-    # (slow: traces ResNets' steps; fast: the default CNN's FLOPs, test_steps.py)
-    *[pytest.param(*case, marks=pytest.mark.slow) for case in (
-        ("resnet18", 11_689_512, 3 * 2 * 1.81e9), ("resnet50", 25_557_032, 3 * 2 * 4.1e9))]])
+    pytest.param("resnet18", 11_689_512, 3 * 2 * 1.81e9, marks=pytest.mark.slow),
+    ("resnet50", 25_557_032, 3 * 2 * 4.1e9)])
 def test_resnets_have_the_papers_sizes_and_flops(tiny_config, name, num_params, train_flops):
   """The FLOPs the project reports for a training step (flops.Speed, the jaxpr's matrix
   products and convolutions) are 3 forward passes' (the backward pass twice the forward)."""
