@@ -44,7 +44,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, implementa
   """jax.nn.dot_product_attention as cuDNN's fused (flash) attention where cuDNN takes the
   inputs: float16 or bfloat16, heads of at most 128 and a multiple of 8, no bias or mask, even
   sequence lengths (JAX 0.12's check for training refuses odd ones: a ViT-B/16 with its class
-  token, 197, stays on XLA's); the stock choice otherwise (`implementation=None`: XLA's)."""
+  token, 197, stays on XLA's); the stock choice otherwise (`implementation=None`: XLA's). It
+  reaches code that looks jax.nn's up as it runs (vit.py's `attention`), not a module that holds
+  a function from before the step (nnx.MultiHeadAttention's default `attention_fn`, flax's own,
+  or `attention_fn=jax.nn.dot_product_attention`): wrap it as vit.py does."""
   fused = (implementation is None and bias is None and mask is None
            and query.dtype in (jnp.bfloat16, jnp.float16)
            and query.shape[-1] <= 128 and query.shape[-1] % 8 == 0
