@@ -44,6 +44,9 @@ EXPECTED_FILES = [
     "launch.py",
     "model.py",
     "nnx_data_parallel/__init__.py",
+    "nnx_data_parallel/backends/__init__.py",
+    "nnx_data_parallel/backends/cpu.py",
+    "nnx_data_parallel/backends/gpu.py",
     "nnx_data_parallel/data/__init__.py",
     "nnx_data_parallel/data/arrayrecord.py",
     "nnx_data_parallel/data/augment.py",
@@ -57,9 +60,7 @@ EXPECTED_FILES = [
     "nnx_data_parallel/data/sources.py",
     "nnx_data_parallel/data/synthetic.py",
     "nnx_data_parallel/data/tfds_data.py",
-    "nnx_data_parallel/cpu.py",
     "nnx_data_parallel/errors.py",
-    "nnx_data_parallel/gpu.py",
     "nnx_data_parallel/host_rules.py",
     "nnx_data_parallel/layers.py",
     "nnx_data_parallel/parallel/__init__.py",
@@ -68,6 +69,7 @@ EXPECTED_FILES = [
     "nnx_data_parallel/parallel/joined.py",
     "nnx_data_parallel/parallel/pmap.py",
     "nnx_data_parallel/parallel/sharding.py",
+    "nnx_data_parallel/parallel/topologies.py",
     "nnx_data_parallel/parallel/watch.py",
     "nnx_data_parallel/plan.py",
     "nnx_data_parallel/process.py",
@@ -78,7 +80,6 @@ EXPECTED_FILES = [
     "nnx_data_parallel/tools/benchmark_kernels.py",
     "nnx_data_parallel/tools/benchmark_report.py",
     "nnx_data_parallel/tools/benchmark_steps.py",
-    "nnx_data_parallel/tools/topologies.py",
     "nnx_data_parallel/training/__init__.py",
     "nnx_data_parallel/training/checkpoints.py",
     "nnx_data_parallel/training/damaged.py",
@@ -401,7 +402,7 @@ print(json.dumps({{file: sorted(names) for file, names in seen.items()}}))
 
 def test_bake_one_training_call_reads_in_the_steps_the_recipe_and_the_metrics(cookies):
   """A training call runs the step (training/steps.py) as compiled, k a call, in the backend's
-  forms (training/dispatch.py; the CPU's: cpu.py), the recipe's loss and augmentation (recipe.py,
+  forms (training/dispatch.py; the CPU's: backends/cpu.py), the recipe's loss and augmentation (recipe.py,
   resolved once when the steps are made) and the metrics it merges (training/metrics.py), and
   nothing of layers.py, plan.py, data/ or parallel/: the recipe, the input and the layouts are
   done before the call. Below the step (all but dispatch.py's), at most 12 functions in 4 files
@@ -414,7 +415,7 @@ def test_bake_one_training_call_reads_in_the_steps_the_recipe_and_the_metrics(co
   seen = json.loads(result.stdout.strip().splitlines()[-1])
   package = project.name
   assert sorted(seen) == sorted(["recipe.py", f"{package}/training/dispatch.py",
-                                 f"{package}/training/metrics.py", f"{package}/cpu.py",
+                                 f"{package}/training/metrics.py", f"{package}/backends/cpu.py",
                                  f"{package}/training/steps.py"]), seen
   below = {file: names for file, names in seen.items() if not file.endswith("dispatch.py")}
   assert sum(map(len, below.values())) <= 12 and len(below) <= 4, below

@@ -36,8 +36,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from {{cookiecutter.project_slug}} import errors, plan, rules  # noqa: E402
 from {{cookiecutter.project_slug}}.data import batches, sources  # noqa: E402
-from {{cookiecutter.project_slug}}.parallel import chips, sharding  # noqa: E402
-from {{cookiecutter.project_slug}}.tools import topologies  # noqa: E402
+from {{cookiecutter.project_slug}}.parallel import chips, sharding, topologies  # noqa: E402
 from {{cookiecutter.project_slug}}.training import dispatch, flops, optim  # noqa: E402
 
 COLLECTIVES = ("all-reduce-scatter", "reduce-scatter", "all-gather", "all-reduce", "all-to-all",

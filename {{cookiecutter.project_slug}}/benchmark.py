@@ -58,14 +58,13 @@ import time
 import flax
 import jax
 import ml_collections
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 from tensorboard.backend.event_processing import event_accumulator
 
 from configs import default, imagenet, tiny
 
-from {{cookiecutter.project_slug}} import errors, plan, process
-from {{cookiecutter.project_slug}}.data import batches, sources
+from {{cookiecutter.project_slug}} import plan, process
 from {{cookiecutter.project_slug}}.tools import (
   benchmark_data,
   benchmark_host,
@@ -74,7 +73,6 @@ from {{cookiecutter.project_slug}}.tools import (
   benchmark_steps,
 )
 from {{cookiecutter.project_slug}}.tools.benchmark_data import PIPELINE
-from {{cookiecutter.project_slug}}.training import dispatch
 
 NUM_DEVICES = 8
 MODELS = ("digits", "large")  # the config's CNN on the digits; a wider CNN on bigger images
@@ -170,9 +168,6 @@ def measure_loop(config, path: str, loop_first: bool) -> dict:
   import train  # (here: train.py's --config flag would clash with this module's; see below)
 
   config.parallelism = path
-  num_steps = batches.num_batches(
-      config.num_epochs * sources.get_datasets(config)[1].num_examples["train"],
-      config.batch_size) - config.steps_per_dispatch  # the loop's clock skips the first call
 
   def loop():
     with tempfile.TemporaryDirectory() as workdir:
@@ -184,24 +179,13 @@ def measure_loop(config, path: str, loop_first: bool) -> dict:
       return (read_scalar(workdir, "loop_examples_per_sec"),
               read_scalar(workdir, "loop_host_us_per_step"), mfu)
 
-  def bare():
-    runner = benchmark_steps.Runner(config, path)
-    return num_steps * config.batch_size / runner.stream(num_steps, dispatch.sync_every(config))
-
   if loop_first:
-    (loop_rate, host_us, mfu), step_rate = loop(), bare()
+    (loop_rate, host_us, mfu), step_rate = loop(), benchmark_steps.streamed(config, path)
   else:
-    step_rate, (loop_rate, host_us, mfu) = bare(), loop()
+    step_rate, (loop_rate, host_us, mfu) = benchmark_steps.streamed(config, path), loop()
   return dict(loop_examples_per_sec=loop_rate, step_examples_per_sec=step_rate,
               efficiency=loop_rate / step_rate, host_us_per_step=host_us, mfu=mfu,
               steps_per_dispatch=config.steps_per_dispatch)
-
-
-def describe(config) -> dict:
-  return dict(image_shape=list(sources.get_datasets(config)[1].image_shape),
-              model=(f"cnn {tuple(config.model.features)}" if config.model.name == "cnn"
-                     else config.model.name), dtype=config.model.dtype,
-              batch_size=config.batch_size, timed_steps=config.rounds * config.turn_steps)
 
 
 def measure(what: str, is_tiny: bool) -> dict:
@@ -210,7 +194,7 @@ def measure(what: str, is_tiny: bool) -> dict:
   if kind == "steps":
     config = get_config(rest[0], is_tiny)
     paths = benchmark_steps.measure_steps(config, PATHS, EMA, EMA_DECAY)
-    result = dict(paths=paths, ema=paths.pop(EMA), **describe(config))
+    result = dict(paths=paths, ema=paths.pop(EMA), **benchmark_steps.describe(config))
   elif kind == "memory":
     benchmark_steps.Runner(get_config(rest[0], is_tiny), rest[1])  # compiled, steps run
     result = {}
@@ -225,7 +209,7 @@ def measure(what: str, is_tiny: bool) -> dict:
   else:  # loop:MODEL:PATH:RUN
     config = get_config(rest[0], is_tiny)
     result = dict(measure_loop(config, rest[1], loop_first=int(rest[2]) % 2 == 1),
-                  **describe(config))
+                  **benchmark_steps.describe(config))
   return dict(result, peak_host_mb=benchmark_steps.peak_host_mb(), device_count=jax.device_count(),
               backend=jax.default_backend(), device_kind=jax.devices()[0].device_kind)
 
@@ -244,7 +228,7 @@ def run_in_subprocess(what: str, is_tiny: bool) -> dict:
   clash with the one defined below."""
   here = os.path.dirname(os.path.abspath(__file__))
   command = [sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); import benchmark; "
-             "benchmark.app.run(benchmark.main)", f"--measure={what}"]
+             "benchmark.process.run(benchmark.main)", f"--measure={what}"]
   command += ["--tiny"] if is_tiny else []
   done = subprocess.run(command, capture_output=True, text=True, timeout=120 if is_tiny else 600,
                         env=subprocess_env())
@@ -391,4 +375,4 @@ def main(argv):
 if __name__ == "__main__":
   _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py",
                                             "--data_dir: the training config.")
-  app.run(main, flags_parser=errors.parse_flags)
+  process.run(main)

@@ -21,7 +21,7 @@ import numpy as np
 from absl import app, flags, logging
 from flax import nnx
 
-from {{cookiecutter.project_slug}} import plan, process, rules
+from {{cookiecutter.project_slug}} import plan, process
 from {{cookiecutter.project_slug}}.data import (
     arrayrecord,
     batches,
@@ -29,7 +29,7 @@ from {{cookiecutter.project_slug}}.data import (
     input_pipeline,
     sources,
 )
-from {{cookiecutter.project_slug}}.errors import BadData
+from {{cookiecutter.project_slug}}.errors import ConfigError
 from {{cookiecutter.project_slug}}.parallel import sharding
 from {{cookiecutter.project_slug}}.training import dispatch, metrics, trained, writers
 
@@ -41,18 +41,18 @@ def image_folder_source(folder: str, run: trained.Restored) -> sources.ArraySour
   class names; unreadable files are reported on stderr and skipped."""
   info = run.info
   if not os.path.isdir(folder):
-    raise rules.ConfigError(f"--image_folder={folder!r} is not a directory.")
+    raise ConfigError(f"--image_folder={folder!r} is not a directory.")
   if info.pixel_dtype != "uint8":
-    raise rules.ConfigError(f"--image_folder: the run was trained on {info.pixel_dtype} pixels as "
-                           "stored, which image files do not give; evaluate on its data "
-                           "(--data_dir) instead.")
+    raise ConfigError(f"--image_folder: the run was trained on {info.pixel_dtype} pixels as "
+                      "stored, which image files do not give; evaluate on its data "
+                      "(--data_dir) instead.")
   images, labels = [], []
   for entry in sorted(os.scandir(folder), key=lambda e: e.name):
     if not entry.is_dir():
       continue
     if entry.name not in info.class_names:
-      raise rules.ConfigError(f"--image_folder: {entry.path} is no class of the run; its classes "
-                             f"are {', '.join(info.class_names)}.")
+      raise ConfigError(f"--image_folder: {entry.path} is no class of the run; its classes "
+                        f"are {', '.join(info.class_names)}.")
     for path in image_files.find_images([entry.path]):
       image = image_files.read_image(path, info.image_shape, center_ratio=trained.center_ratio(
           run), max_pixels=FLAGS.max_image_pixels)
@@ -62,8 +62,7 @@ def image_folder_source(folder: str, run: trained.Restored) -> sources.ArraySour
       images.append(image)
       labels.append(info.class_names.index(entry.name))
   if not images:
-    raise rules.ConfigError(f"--image_folder={folder!r} holds no readable image in a class "
-                           "folder.")
+    raise ConfigError(f"--image_folder={folder!r} holds no readable image in a class folder.")
   return sources.ArraySource(np.stack(images), np.array(labels, np.int32))
 
 
@@ -111,7 +110,7 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   process.initialize()
-  try:
+  with process.exits():
     run = trained.Restored(FLAGS.workdir, FLAGS.step,
                            runs_model=FLAGS.use_runs_model)
     if FLAGS.image_folder:
@@ -121,24 +120,19 @@ def main(argv):
       if FLAGS.data_dir:
         config.dataset, config.data_dir = "arrayrecord", FLAGS.data_dir
         if not arrayrecord.arrayrecord_paths(config.data_dir, "eval"):
-          raise rules.ConfigError(f"--data_dir={config.data_dir!r} holds no "
-                                 "eval-*.array_record files; write them with "
-                                 "write_arrayrecord.py.")
+          raise ConfigError(f"--data_dir={config.data_dir!r} holds no eval-*.array_record "
+                            "files; write them with write_arrayrecord.py.")
       splits, info = sources.get_datasets(config)
       if (info.image_shape, info.num_classes) != (run.info.image_shape, run.info.num_classes):
-        raise rules.ConfigError(f"the data hold {info.num_classes} classes of "
-                               f"{'x'.join(map(str, info.image_shape))} images; the run was "
-                               f"trained on {run.info.num_classes} of "
-                               f"{'x'.join(map(str, run.info.image_shape))}.")
+        raise ConfigError(f"the data hold {info.num_classes} classes of "
+                          f"{'x'.join(map(str, info.image_shape))} images; the run was "
+                          f"trained on {run.info.num_classes} of "
+                          f"{'x'.join(map(str, run.info.image_shape))}.")
       source = splits["eval"]
-  except rules.ConfigError as e:
-    raise SystemExit(f"error: {e}") from None
   if process.is_first():
     print(run.summary, file=sys.stderr)
-  try:
+  with process.exits():
     result = evaluate(run, source)  # every process: its share of the batches
-  except BadData as e:
-    raise SystemExit(f"error: {e}") from None
   if not process.is_first():
     return
   names = run.info.class_names

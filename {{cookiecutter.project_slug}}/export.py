@@ -29,7 +29,7 @@ import numpy as np
 from absl import app, flags, logging
 from jax.experimental import multihost_utils
 
-from {{cookiecutter.project_slug}} import process, rules
+from {{cookiecutter.project_slug}} import process
 from {{cookiecutter.project_slug}}.data import sources
 from {{cookiecutter.project_slug}}.training import steps, trained
 
@@ -86,11 +86,8 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   process.initialize()
-  try:
-    run = trained.Restored(FLAGS.workdir, FLAGS.step,
-                           runs_model=FLAGS.use_runs_model)
-  except rules.ConfigError as e:
-    raise SystemExit(f"error: {e}") from None
+  with process.exits():
+    run = trained.Restored(FLAGS.workdir, FLAGS.step, runs_model=FLAGS.use_runs_model)
   if process.is_first():
     print(run.summary, file=sys.stderr)
   write(run, FLAGS.out)

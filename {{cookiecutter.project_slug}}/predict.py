@@ -24,7 +24,7 @@ from absl import app, flags, logging
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from {{cookiecutter.project_slug}} import process, rules
+from {{cookiecutter.project_slug}} import process
 from {{cookiecutter.project_slug}}.data import batches, image_files
 from {{cookiecutter.project_slug}}.training import steps, trained
 
@@ -83,23 +83,20 @@ def say_fitted(path: str, image_shape) -> bool:
 def main(argv):
   logging.set_verbosity(logging.WARNING)
   process.initialize()
-  try:
-    if FLAGS.top_k < 1:
-      raise rules.ConfigError(f"--top_k={FLAGS.top_k} must be 1 or more.")
-    paths = image_files.find_images(argv[1:])
-    if not paths:
-      raise rules.ConfigError("no image to classify: give image files (.jpg, .jpeg, .png) or "
-                             "folders of them after the flags.")
-    run = trained.Restored(FLAGS.workdir, FLAGS.step,
-                           runs_model=FLAGS.use_runs_model)
-    files = [p for p in paths if not p.lower().endswith(".npy")]
-    if files and run.info.pixel_dtype != "uint8":
-      raise rules.ConfigError(
-          f"the run was trained on {run.info.pixel_dtype} pixels as stored (its data.json), which "
-          f"image files such as {files[0]!r} do not give: pass .npy arrays "
-          f"{list(run.info.image_shape)} of {run.info.pixel_dtype} instead.")
-  except rules.ConfigError as e:
-    raise SystemExit(f"error: {e}") from None
+  if FLAGS.top_k < 1:
+    raise SystemExit(f"error: --top_k={FLAGS.top_k} must be 1 or more.")
+  paths = image_files.find_images(argv[1:])
+  if not paths:
+    raise SystemExit("error: no image to classify: give image files (.jpg, .jpeg, .png) or "
+                     "folders of them after the flags.")
+  with process.exits():
+    run = trained.Restored(FLAGS.workdir, FLAGS.step, runs_model=FLAGS.use_runs_model)
+  files = [p for p in paths if not p.lower().endswith(".npy")]
+  if files and run.info.pixel_dtype != "uint8":
+    raise SystemExit(
+        f"error: the run was trained on {run.info.pixel_dtype} pixels as stored (its data.json), "
+        f"which image files such as {files[0]!r} do not give: pass .npy arrays "
+        f"{list(run.info.image_shape)} of {run.info.pixel_dtype} instead.")
   if process.is_first():
     print(run.summary, file=sys.stderr)
   names, skipped, fitted = run.info.class_names, 0, False

@@ -41,13 +41,14 @@ import os
 import sys
 from collections.abc import Iterable
 
+import ml_collections
 import numpy as np
 from absl import app, flags
 from array_record.python.array_record_module import ArrayRecordWriter
 from flax import serialization
 from PIL import Image
 
-from {{cookiecutter.project_slug}}.data import batches, image_files, sources
+from {{cookiecutter.project_slug}}.data import batches, digits, image_files
 from {{cookiecutter.project_slug}}.training import report
 
 KEYS = ("train_images", "train_labels", "eval_images", "eval_labels")
@@ -334,7 +335,7 @@ _RESIZE_SHORTER = flags.DEFINE_integer(
 _KEEP_ENCODED = flags.DEFINE_bool("keep_encoded", False, "Store the image files' bytes; the "
                                   "training pipeline decodes them.")
 _EVAL_FRACTION = flags.DEFINE_float("eval_fraction", 0.2, "--image_folder without train/ and "
-                                    "val/: the share of each class held out.")
+                                    "val/, or the digits: the share of each class held out.")
 _NUM_SHARDS = flags.DEFINE_integer("num_shards", 4, "Files per split.")
 _MAX_PIXELS = flags.DEFINE_integer(
     "max_image_pixels", image_files.MAX_PIXELS, "An image of more pixels (width x height) is "
@@ -371,11 +372,9 @@ def main(argv):
         raise SystemExit(f"error: {_NPZ.value} has no {', '.join(missing)}; it must hold "
                          f"{', '.join(KEYS)}.")
       splits = {s: (arrays[f"{s}_images"], arrays[f"{s}_labels"]) for s in ("train", "eval")}
-    else:
-      from configs import default
-
-      data, _ = sources.get_datasets(default.get_config())
-      splits = {split: (source.images, source.labels) for split, source in data.items()}
+    else:  # the digits, held out as configs/default.py holds them out
+      data = digits.load(ml_collections.ConfigDict(dict(eval_fraction=_EVAL_FRACTION.value)))
+      splits = {split: (source.images, source.labels) for split, source in data.sources.items()}
     write_dataset(out_dir, splits, _NUM_SHARDS.value)
   except ValueError as e:
     raise SystemExit(f"error: {e}") from None

@@ -27,8 +27,7 @@ from configs import default
 
 from {{cookiecutter.project_slug}} import plan, rules
 from {{cookiecutter.project_slug}}.data import sources
-from {{cookiecutter.project_slug}}.parallel import sharding
-from {{cookiecutter.project_slug}}.tools import topologies
+from {{cookiecutter.project_slug}}.parallel import sharding, topologies
 from {{cookiecutter.project_slug}}.training import dispatch, optim
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -420,7 +419,7 @@ def test_gpu_refuses_what_does_not_fit(tmp_path):
 GPU_MLP = """
 import json, sys
 import aot
-from {{cookiecutter.project_slug}}.tools import topologies
+from {{cookiecutter.project_slug}}.parallel import topologies
 from {{cookiecutter.project_slug}}.training import optim
 from test_aot import MLP
 from configs import default
@@ -462,8 +461,8 @@ import aot  # (its environment set before JAX is imported)
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from {{cookiecutter.project_slug}} import gpu
-from {{cookiecutter.project_slug}}.tools import topologies
+from {{cookiecutter.project_slug}}.backends import gpu
+from {{cookiecutter.project_slug}}.parallel import topologies
 mesh = Mesh(topologies.compile_only_devices("h100:8"), ("data",))
 calls = {}
 for tokens in (50, 197):

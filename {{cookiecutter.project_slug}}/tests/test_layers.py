@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from {{cookiecutter.project_slug}} import gpu, layers
+from {{cookiecutter.project_slug}} import layers
+from {{cookiecutter.project_slug}}.backends import gpu
 from {{cookiecutter.project_slug}}.parallel.pmap import PMAP_AXIS
 from {{cookiecutter.project_slug}}.training.dispatch import substituted
 

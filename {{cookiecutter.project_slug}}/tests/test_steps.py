@@ -200,7 +200,7 @@ def test_a_model_of_stock_layers_gets_each_backends_forms(tiny_config):
   XLA's own; and nnx.max_pool is itself again after tracing."""
   from test_parallel import batches
 
-  from {{cookiecutter.project_slug}} import gpu
+  from {{cookiecutter.project_slug}}.backends import gpu
 
   tiny_config.model.name, tiny_config.model.width = "resnet18", 4
   run_plan = plan.make_plan(plan.resolved(tiny_config))

@@ -27,7 +27,7 @@ from test_preemption import final_state
 
 import train
 
-from {{cookiecutter.project_slug}} import errors, plan, rules
+from {{cookiecutter.project_slug}} import errors, host_rules, plan, rules
 from {{cookiecutter.project_slug}}.training import (
   checkpoints,
   dispatch,
@@ -1028,13 +1028,14 @@ def test_a_float16_model_is_refused(tiny_config):
 def test_a_bucket_workdir_without_its_packages_is_refused(tiny_config, monkeypatch, missing):
   """Without the `gcs` extra (and without TensorFlow), a gs:// workdir stops before anything is
   read, written or compiled, instead of deep inside Orbax or the TensorBoard writer."""
-  monkeypatch.setattr(plan, "_installed", lambda module: module not in [*missing, "tensorflow"])
+  monkeypatch.setattr(host_rules, "_installed",
+                      lambda module: module not in [*missing, "tensorflow"])
   with pytest.raises(rules.ConfigError) as refused:
     rules.validate_config(tiny_config, "gs://bucket/run")
   assert str(refused.value) == (
       f"--workdir='gs://bucket/run' needs {' and '.join(missing)}, which are not installed; "
       'install them: pip install -e ".[gcs]"')
-  monkeypatch.setattr(plan, "_installed", lambda module: module != "tensorflow")
+  monkeypatch.setattr(host_rules, "_installed", lambda module: module != "tensorflow")
   rules.validate_config(tiny_config, "gs://bucket/run")  # with the packages: accepted
   with pytest.raises(rules.ConfigError, match="ftp:// is not supported"):
     rules.validate_config(tiny_config, "ftp://host/run")
@@ -1067,7 +1068,7 @@ def gcs_emulator(tmp_path):
   array writer, which has its own client), and any credentials lookup to 127.0.0.1 (never to
   a metadata server)."""
   for module in ("gcsfs", "google.cloud.storage", "gcp_storage_emulator"):
-    if not plan._installed(module):
+    if not host_rules._installed(module):
       pytest.skip(f"needs {module}: pip install -e '.[gcs]' gcp-storage-emulator")
   port = portpicker.pick_unused_port()
   url = f"http://127.0.0.1:{port}"

@@ -15,7 +15,7 @@ from wandb.proto import wandb_internal_pb2
 import train
 from configs import tiny
 
-from {{cookiecutter.project_slug}} import plan, rules
+from {{cookiecutter.project_slug}} import host_rules, rules
 
 BLOCK, HEADER = 32768, 7  # W&B's .wandb log: LevelDB's record format after a 7-byte file header
 
@@ -94,8 +94,9 @@ def test_a_run_and_its_resume_log_to_one_wandb_run(offline, tmp_path):
 
 
 def test_wandb_project_without_wandb_installed_is_one_line(monkeypatch):
-  installed = plan._installed
-  monkeypatch.setattr(plan, "_installed", lambda module: module != "wandb" and installed(module))
+  installed = host_rules._installed
+  monkeypatch.setattr(host_rules, "_installed",
+                      lambda module: module != "wandb" and installed(module))
   config = owned(tiny.get_config())
   config.wandb_project = "mine"
   with pytest.raises(rules.ConfigError) as e:

@@ -1,12 +1,14 @@
-"""The errors of a run that cannot work, at the bottom of the imports: the config checker
-(rules.py), the data sources, the model's check (optim.py) and the workdir's readers (plan.py,
-runs.py, trained.py) raise them; and the command line's: a config file or a --config.KEY that is
-not there, in one line (`parse_flags`; process.exits ends a run's process on them)."""
+"""The exceptions that end a run, at the bottom of the imports, each turned into the process's
+end by process.exits: a config, flag or path that cannot work (rules.py, the model's check, the
+workdir's readers), data that cannot train (the sources), a failed save (checkpoints.saving), a
+non-finite step and a stop (stopping.py); and the command line's: a config file or a
+--config.KEY that is not there, in one line (`parse_flags`)."""
 
 import difflib
 import glob
 import importlib.util
 import os
+import signal
 import traceback
 
 import ml_collections
@@ -21,6 +23,30 @@ class ConfigError(ValueError):
 class BadData(ValueError):
   """Data that cannot train (too many records unreadable, one class); the message names the
   first problem and the fix."""
+
+
+class SaveFailed(Exception):
+  """A checkpoint could not be written; the message names the directory, the error and the fix."""
+
+
+class NonFiniteLoss(FloatingPointError):
+  """A training step had a non-finite loss or gradient (its update was not applied)."""
+
+
+class Stopped(Exception):  # noqa: N818 (a stop, not an error)
+  """The run stopped early, after saving the checkpoint of its last step; the same command
+  resumes it. `by`: the signal's number, or what else stopped it."""
+
+  def __init__(self, by: int | str, step: int, num_steps: int, workdir: str):
+    self.by, self.step = by, step
+    name = signal.Signals(by).name if isinstance(by, int) else by
+    super().__init__(f"Stopped by {name} after step {step} of {num_steps}; saved checkpoint "
+                     f"{step} in {workdir}. Run the same command again to resume.")
+
+  @property
+  def exit_code(self) -> int:
+    """128 + the signal, as shells expect (130: Ctrl-C; a preemption notice: SIGTERM's 143)."""
+    return 128 + (self.by if isinstance(self.by, int) else signal.SIGTERM)
 
 
 def where(error: BaseException, path: str) -> str:

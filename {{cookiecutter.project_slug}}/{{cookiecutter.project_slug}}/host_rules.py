@@ -2,12 +2,24 @@
 /dev/shm, W&B, config.init_from, a bucket's or a local workdir. Each takes the config and the
 run's `rules.Target`, and returns what is wrong, or None."""
 
+import importlib.util
 import os
 
 import jax
 
-from . import plan
 from .data import batches, input_pipeline, sources
+
+# What a remote --workdir needs without TensorFlow: Orbax reaches it through etils' fsspec
+# backend, the TensorBoard writer (tensorboardX) through the cloud's own client.
+REMOTE_WORKDIRS = {"gs": (("gcsfs", "google.cloud.storage"), 'pip install -e ".[gcs]"'),
+                   "s3": (("s3fs", "boto3"), "pip install s3fs boto3")}
+
+
+def _installed(module: str) -> bool:
+  try:
+    return importlib.util.find_spec(module) is not None
+  except ModuleNotFoundError:  # its parent package is missing
+    return False
 
 
 def _input_memory(config, target):
@@ -51,7 +63,7 @@ def _shared_memory(config, target):
 
 
 def _wandb(config, target):
-  if config.wandb_project and not plan._installed("wandb"):
+  if config.wandb_project and not _installed("wandb"):
     return (f"config.wandb_project={config.wandb_project!r} needs the `wandb` package: pip "
             "install -e '.[wandb]'.")
 
@@ -68,12 +80,12 @@ def _remote_workdir(config, target):
   if workdir is None or "://" not in workdir:  # gs://, s3://, ...
     return None
   scheme = workdir.split("://", 1)[0]
-  if scheme not in plan.REMOTE_WORKDIRS:
+  if scheme not in REMOTE_WORKDIRS:
     return (f"--workdir={workdir!r}: {scheme}:// is not supported; use a local directory or one "
-            f"of {', '.join(f'{s}://' for s in plan.REMOTE_WORKDIRS)}.")
-  modules, fix = plan.REMOTE_WORKDIRS[scheme]
-  missing = [m for m in modules if not plan._installed(m)]
-  if missing and not plan._installed("tensorflow"):  # (tf.io.gfile would write it all)
+            f"of {', '.join(f'{s}://' for s in REMOTE_WORKDIRS)}.")
+  modules, fix = REMOTE_WORKDIRS[scheme]
+  missing = [m for m in modules if not _installed(m)]
+  if missing and not _installed("tensorflow"):  # (tf.io.gfile would write it all)
     return (f"--workdir={workdir!r} needs {' and '.join(missing)}, which are not installed; "
             f"install them: {fix}")
 

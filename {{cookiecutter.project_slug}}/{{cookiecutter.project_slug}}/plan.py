@@ -4,7 +4,6 @@ user's modules it names, the compiler's options. (The config checked first, agai
 rules: rules.py.) train.py and aot.py both start here."""
 
 import importlib
-import importlib.util
 import json
 import types
 from typing import NamedTuple
@@ -37,12 +36,6 @@ def steps_per_dispatch(config, platform: str | None = None) -> int:
   intervals = (config.log_every_steps, config.eval_every_steps, config.checkpoint_every_steps)
   return next(k for k in range(ACCELERATOR_STEPS_PER_DISPATCH, 0, -1)
               if all(interval % k == 0 for interval in intervals))
-
-
-# What a remote --workdir needs without TensorFlow: Orbax reaches it through etils' fsspec
-# backend, the TensorBoard writer (tensorboardX) through the cloud's own client.
-REMOTE_WORKDIRS = {"gs": (("gcsfs", "google.cloud.storage"), 'pip install -e ".[gcs]"'),
-                   "s3": (("s3fs", "boto3"), "pip install s3fs boto3")}
 
 
 def global_batch_size(config, num_devices: int | None = None) -> int:
@@ -100,13 +93,6 @@ def make_plan(config) -> Plan:
   """`config`'s plan: the modules it names imported, its compiler options parsed."""
   recipe = recipe_module(config)
   return Plan(config, model_module(config), recipe, metrics.of(recipe), xla_options(config))
-
-
-def _installed(module: str) -> bool:
-  try:
-    return importlib.util.find_spec(module) is not None
-  except ModuleNotFoundError:  # its parent package is missing
-    return False
 
 
 def resolved(config: ml_collections.ConfigDict, devices=None,

@@ -22,7 +22,6 @@ import jax
 from absl import app, flags, logging
 
 from . import errors
-from .training import checkpoints, stopping
 
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "host:port of process 0, to run several processes without a "
@@ -107,11 +106,11 @@ def exits():
   stopped run (saved, and said) with its own status."""
   try:
     yield
-  except (errors.BadData, errors.ConfigError, stopping.NonFiniteLoss) as e:
+  except (errors.BadData, errors.ConfigError, errors.NonFiniteLoss) as e:
     raise SystemExit(f"error: {e}") from None
-  except checkpoints.SaveFailed as e:
+  except errors.SaveFailed as e:
     exit_leaving_threads(f"error: {e}")
-  except stopping.Stopped as e:
+  except errors.Stopped as e:
     raise SystemExit(e.exit_code) from None
 
 
@@ -134,7 +133,7 @@ def exit_leaving_threads(message: str, wait_s: float = 10.0):
 class _QuietLibraries(logging.logging.Filter):
   """Keeps the log to progress and metrics: drops INFO lines from inside the libraries, and
   Orbax's errors with their tracebacks (each reaches the run as an exception: a failed save is
-  said in one line, checkpoints.saving)."""
+  said in one line, training/checkpoints.py's `saving`)."""
 
   def filter(self, record):
     if f"{os.sep}orbax{os.sep}" in record.pathname and record.levelno >= logging.logging.ERROR:

@@ -107,3 +107,21 @@ def measure_steps(config, paths, ema: str, ema_decay: float) -> dict:
                          state_mb_per_device=runner.state_mb,
                          step_peak_mb_per_device=runner.step_peak_mb)
   return results
+
+
+def streamed(config, path: str) -> float:
+  """Examples/s of `path`'s single step streamed over as many steps as train.py's loop times (its
+  clock skips the first call's k)."""
+  num_steps = batches.num_batches(
+      config.num_epochs * sources.get_datasets(config)[1].num_examples["train"],
+      config.batch_size) - config.steps_per_dispatch
+  runner = Runner(config, path)
+  return num_steps * config.batch_size / runner.stream(num_steps, dispatch.sync_every(config))
+
+
+def describe(config) -> dict:
+  """What benchmark.py's figures were measured on: the images, the model, the batch."""
+  return dict(image_shape=list(sources.get_datasets(config)[1].image_shape),
+              model=(f"cnn {tuple(config.model.features)}" if config.model.name == "cnn"
+                     else config.model.name), dtype=config.model.dtype,
+              batch_size=config.batch_size, timed_steps=config.rounds * config.turn_steps)

@@ -16,7 +16,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from .. import errors
-from ..errors import ConfigError
+from ..errors import ConfigError, SaveFailed
 from .damaged import DAMAGED, leaf_name, newest_intact, put_aside
 
 
@@ -215,10 +215,6 @@ def changed_leaf(checkpoints, step: int, state) -> str | None:
   leaf = next((name for name, value in checksums(state).items() if saved.get(name) != value),
               None)
   return leaf and f"is not what was saved ({leaf.removesuffix('/value')} differs from its checksum)"
-
-
-class SaveFailed(Exception):
-  """A checkpoint could not be written; the message names the directory, the error and the fix."""
 
 
 @contextlib.contextmanager

@@ -35,11 +35,11 @@ def backend_forms(step, platform: str, config):
   """`step` (one batch's) traced in the platform's own forms of the same math, where it has any:
   the one place a backend's module is chosen (BENCHMARKS.md, "The train step's forms")."""
   if platform == "gpu":
-    from .. import gpu
+    from ..backends import gpu
 
     swaps = gpu.forms(flat_norms=config.parallelism != "fsdp")  # (fsdp's leaves: split)
   elif platform == "cpu":
-    from .. import cpu
+    from ..backends import cpu
 
     swaps = cpu.forms()
   else:  # (the TPU's are the stock ones)

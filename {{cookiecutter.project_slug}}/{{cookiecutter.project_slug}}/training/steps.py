@@ -1,6 +1,6 @@
 """The train and eval steps on one batch, as the math: the forward pass, the masked loss, the
 gradient over the real examples, the update, the metrics. No backend, no parallelism here:
-dispatch.py composes them for each (a backend's forms: gpu.py, cpu.py; pmap: pmap.on_devices;
+dispatch.py composes them for each (a backend's forms: backends/; pmap: pmap.on_devices;
 photos' crops resized first) and compiles them, k a call.
 
 A batch: image [B, H, W, C] (the stored dtype, or float32 where dispatch.py resized photos'

@@ -15,21 +15,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-
-class Stopped(Exception):  # noqa: N818 (a stop, not an error)
-  """The run stopped early, after saving the checkpoint of its last step; the same command
-  resumes it. `by`: the signal's number, or what else stopped it."""
-
-  def __init__(self, by: int | str, step: int, num_steps: int, workdir: str):
-    self.by, self.step = by, step
-    name = signal.Signals(by).name if isinstance(by, int) else by
-    super().__init__(f"Stopped by {name} after step {step} of {num_steps}; saved checkpoint "
-                     f"{step} in {workdir}. Run the same command again to resume.")
-
-  @property
-  def exit_code(self) -> int:
-    """128 + the signal, as shells expect (130: Ctrl-C; a preemption notice: SIGTERM's 143)."""
-    return 128 + (self.by if isinstance(self.by, int) else signal.SIGTERM)
+from ..errors import NonFiniteLoss, Stopped  # noqa: F401 (raised here; Stopped by train.py)
 
 
 def preemption_service() -> bool:
@@ -76,10 +62,6 @@ def stop_now(received: list, checkpoints, dispatch: int, can_agree: bool):
     return None
   signals = multihost_utils.process_allgather(np.int32(received[0] if received else 0))
   return int(np.max(signals)) or None
-
-
-class NonFiniteLoss(FloatingPointError):
-  """A training step had a non-finite loss or gradient (its update was not applied)."""
 
 
 def check_finite(nonfinite, since: int, config, checkpoints) -> None:

@@ -8,7 +8,7 @@ and for NVIDIA GPUs without one (the `cuda12` extra), given the GPU's figures as
 import importlib.util
 import re
 
-from ..parallel.chips import chip
+from .chips import chip
 
 # GPU figures for XLA's GPU compiler (its GpuTargetConfig; as in openxla/xla's
 # xla/backends/gpu/target_config/specs): (device kind, compute capability, SMs, FP32 units per

@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from . import layers
-from .training import steps
+from .. import layers
+from ..training import steps
 
 STOCK_MAX_POOL = nnx.max_pool  # (nnx.max_pool itself while substituted)
 STOCK_ATTENTION = jax.nn.dot_product_attention

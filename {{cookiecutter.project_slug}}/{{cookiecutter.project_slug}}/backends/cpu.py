@@ -5,7 +5,7 @@ XLA:CPU does with a second copy of the state (tests/test_steps.py)."""
 import jax
 import jax.numpy as jnp
 
-from .training import steps
+from ..training import steps
 
 
 def forms() -> list:
