@@ -228,7 +228,7 @@ def run_in_subprocess(what: str, is_tiny: bool) -> dict:
   clash with the one defined below."""
   here = os.path.dirname(os.path.abspath(__file__))
   command = [sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); import benchmark; "
-             "benchmark.process.run(benchmark.main)", f"--measure={what}"]
+             "from absl import app; app.run(benchmark.main)", f"--measure={what}"]
   command += ["--tiny"] if is_tiny else []
   done = subprocess.run(command, capture_output=True, text=True, timeout=120 if is_tiny else 600,
                         env=subprocess_env())

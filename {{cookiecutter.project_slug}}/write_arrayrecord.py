@@ -293,8 +293,17 @@ def write_image_folder(out_dir: str, folder: str, image_size: tuple[int, int] | 
   write_metadata(out_dir, image_shape, len(classes), num_examples, class_names=classes,
                  train_class_counts=train_class_counts,
                  encoded=keep_encoded or bool(resize_shorter), pixel_dtype="uint8",
-                 **({"resize_shorter": resize_shorter} if resize_shorter else {}))
+                 **({"resize_shorter": resize_shorter, "sizes": stored_sizes(
+                     [size for _, _, (size, _) in examples["train"]], resize_shorter)}
+                    if resize_shorter else {}))
   return [path for path, _ in skipped]
+
+
+def stored_sizes(sizes, shorter: int, most: int = 256) -> list[list[int]]:
+  """(width, height) of at most `most` of the photos of `sizes`, evenly spread, as stored at a
+  shorter side of at most `shorter` (`shrink`): what host_memory expects their crops to hold."""
+  return [[max(round(s * min(shorter / min(w, h), 1)), 1) for s in (w, h)]
+          for w, h in sizes[::-(-len(sizes) // most) or 1]]
 
 
 FIT_SIDE = 224  # the side of the square that images of several sizes are fitted to by default

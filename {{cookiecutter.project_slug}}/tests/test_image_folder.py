@@ -218,6 +218,17 @@ def test_photos_kept_whole_are_cropped_from_all_of_them(tmp_path, resize_on_devi
                 resize_on_device=resize_on_device)
   splits, elements = cropped_from_the_whole_photo(config, eval_examples=2)
   assert ("box" in elements[0]) == resize_on_device
+  if resize_on_device:  # the pixels host_memory expects a crop to hold, against those sent
+    stored = {split: [Image.open(io.BytesIO(serialization.msgpack_restore(r)["image"])).size
+                      for r in grain.sources.ArrayRecordDataSource(arrayrecord.arrayrecord_paths(
+                          str(tmp_path / "data"), split))] for split in ("train", "eval")}
+    assert sorted(map(tuple, meta["sizes"])) == sorted(stored["train"])  # (all: under 256)
+    evaluated = batches.eval_batches(splits["eval"], plan.resolved(config))
+    for split, sent in (("train", elements), ("eval", evaluated)):
+      mean = sum(int(e["filled"].sum()) for e in sent) / sum(int(e["mask"].sum()) for e in sent)
+      sizes = stored[split]
+      expected = sources.crop_pixels(config, (32, 32), sizes, [split])
+      assert abs(expected * 3 / mean - 1) < 0.05, (split, expected * 3, mean)
   again = batches.train_batches(splits["train"], plan.resolved(config), first_step=4)
   for element in range(4, 8):
     np.testing.assert_array_equal(again[element - 4]["image"], elements[element]["image"])
@@ -232,6 +243,7 @@ def cropped_from_the_whole_photo(config, eval_examples: int):
                 steps_per_dispatch=1)
   splits, info = sources.get_datasets(config)
   assert info.image_shape == (32, 32, 3) and info.crops_on_host
+  assert info.pixel_dtype == "uint8"  # (the crops' own, each in an object array: as stored)
   elements = batches.train_batches(splits["train"], plan.resolved(config))
   red = np.concatenate([pixels(elements[i], info.canvas)[elements[i]["mask"]][..., 0]
                         for i in range(len(elements))])
@@ -510,6 +522,9 @@ def test_the_imagenet_recipe_trains_on_a_photo_folder(tmp_path):
   result = train.train_and_evaluate(config, str(tmp_path / "run"))
   assert result["examples"] == 6 and np.isfinite(result["loss"])
   assert checkpoints.checkpoint_manager(str(tmp_path / "run")).latest_step() == 2  # ceil(12 / 8)
+  with open(tmp_path / "run" / "data.json") as f:  # (what predict.py and export.py take)
+    described = json.load(f)
+  assert (described["pixel_dtype"], described["model_input"]) == ("uint8", "pixels / 255")
 
 
 def seconds_after_last_line(command: list[str]) -> tuple[subprocess.CompletedProcess, float]:

@@ -12,7 +12,7 @@ import grain
 import numpy as np
 from flax import serialization
 
-from .sources import DatasetInfo, Loaded, canvas, host_crops
+from .sources import DatasetInfo, Loaded, canvas, crop_pixels, host_crops
 
 if TYPE_CHECKING:  # (image_files is imported where images are decoded or cropped)
   from .image_files import Crops
@@ -99,7 +99,7 @@ def metadata(data_dir: str) -> dict:
 
 def load(config) -> Loaded:
   meta = metadata(config.data_dir)
-  crops_on_host, crop_canvas = crops_of(config, meta)
+  crops_on_host, crop_canvas, pixels = crops_of(config, meta)
   crops = host_crops(config, crop_canvas) if crops_on_host else {}
   sources = {split: RecordSource(arrayrecord_paths(config.data_dir, split), meta["image_shape"],
                                  crops.get(split), f"arrayrecord {config.data_dir} {split}",
@@ -107,14 +107,17 @@ def load(config) -> Loaded:
              for split in ("train", "eval")}
   return Loaded(sources, tuple(meta["image_shape"]), meta["num_classes"],
                 tuple(meta.get("class_names", ())), crops_on_host, crop_canvas,
-                tuple(meta.get("train_class_counts", ())))
+                tuple(meta.get("train_class_counts", ())), pixels)
 
 
-def crops_of(config, meta: dict) -> tuple[bool, tuple[int, int] | None]:
-  """Whether the host crops (photos stored whole), and the canvas its crops are sent in
-  (`sources.canvas`: None where the host resizes them)."""
+def crops_of(config, meta: dict) -> tuple[bool, tuple[int, int] | None, int]:
+  """Whether the host crops (photos stored whole), the canvas its crops are sent in
+  (`sources.canvas`: None where the host resizes them), and a crop's expected pixels there (0:
+  unknown, data written before metadata.json held a sample of the photos' "sizes")."""
   shorter = meta.get("resize_shorter")
-  return bool(shorter), canvas(config, shorter, meta["image_shape"]) if shorter else None
+  room = canvas(config, shorter, meta["image_shape"]) if shorter else None
+  sizes = meta.get("sizes") if room else None
+  return bool(shorter), room, crop_pixels(config, meta["image_shape"], sizes) if sizes else 0
 
 
 def describe(config) -> DatasetInfo:

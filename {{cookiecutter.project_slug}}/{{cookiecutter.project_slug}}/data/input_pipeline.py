@@ -79,17 +79,24 @@ class HostMemory:
 
 def host_memory(config, info: DatasetInfo, num_processes: int = 1,
                 iterators: int = 2) -> HostMemory:
-  """The input's expected host memory on each process, for a resolved `config` (k, batch)."""
-  height_width = info.canvas or info.image_shape[:2]  # (packed crops: room for the largest)
-  image = math.prod(height_width) * info.image_shape[2] * np.dtype(info.pixel_dtype).itemsize
+  """The input's expected host memory on each process, for a resolved `config` (k, batch): its
+  buffers, not the process's own runtime (Python, JAX, Grain: ~0.5 GiB a process). Crops sent
+  packed count as their expected pixels (`info.crop_pixels`; unknown: the canvas, the most);
+  the elements placed ahead on the devices as their rooms where the devices are this host's CPU,
+  elsewhere as what is sent (the rooms are then the devices' memory)."""
+  room = math.prod(info.canvas or info.image_shape[:2])  # (packed crops: room for the largest)
+  pixel = info.image_shape[2] * np.dtype(info.pixel_dtype).itemsize
   box = 6 * 4 + 4 if info.canvas else 0  # (and its offset)
   local_batch_size = config.run.global_batch_size // num_processes
-  element = config.run.steps_per_dispatch * local_batch_size * (image + box + 4 + 1 + 4)
+  element, placed = (config.run.steps_per_dispatch * local_batch_size * (
+      pixels * pixel + box + 4 + 1 + 4) for pixels in (info.crop_pixels or room, room))
+  if jax.default_backend() != "cpu":
+    placed = element
   unit = element // shares(config, local_batch_size)
   workers = default_workers(config)
   ahead = config.prefetch_batches + config.read_threads + 1
-  main = unit * (0 if workers else ahead) * iterators + element * (
-      config.prefetch_to_device + iterators + 1)
+  main = (unit * (0 if workers else ahead) * iterators + element * (iterators + 1)
+          + placed * config.prefetch_to_device)
   return HostMemory(unit, workers, ahead, main // unit, iterators)
 
 

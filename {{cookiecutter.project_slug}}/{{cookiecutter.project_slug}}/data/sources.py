@@ -57,6 +57,9 @@ class DatasetInfo:
   # unpacked and resized on the devices (`config.resize_on_device`: dispatch.on_resized); None:
   # resized on the host.
   canvas: tuple[int, int] | None = None
+  # A crop's expected pixels, sent packed (`crop_pixels`); 0: not known (host_memory counts the
+  # canvas).
+  crop_pixels: int = 0
 
 
 class Split(Protocol):
@@ -92,6 +95,7 @@ class Loaded(NamedTuple):
   crops_on_host: bool = False  # photos kept whole, cropped to image_shape by the reading workers
   canvas: tuple[int, int] | None = None  # DatasetInfo's
   class_counts: tuple[int, ...] = ()  # the train split's images a class, where known cheaply
+  crop_pixels: int = 0  # DatasetInfo's
 
 
 def model_input(pixel_dtype: str) -> str:
@@ -139,6 +143,23 @@ def canvas(config, resize_shorter: int, image_shape) -> tuple[int, int] | None:
   return max(side, image_shape[0]), max(side, image_shape[1])  # (a crop resized here: fits)
 
 
+def crop_pixels(config, image_shape, sizes, splits=("train", "eval")) -> int:
+  """A crop's expected pixels as the host cuts them (`Crops.cut`: its box and the pixels its
+  resize reads around it) from photos of `sizes` ((width, height) as stored: metadata.json's
+  sample): training's mean (16 draws a photo) or evaluation's, the larger of `splits`' (one unit
+  size serves both iterators)."""
+  crops, (height, width) = host_crops(config), image_shape[:2]
+
+  def cut(crop, w: int, h: int, position: int) -> float:
+    left, top, right, bottom = crop.box(w, h, (height, width), position)
+    reach_h, reach_w = max((bottom - top) / height, 1), max((right - left) / width, 1)
+    return min(bottom - top + 2 * reach_h + 3, h) * min(right - left + 2 * reach_w + 3, w)
+
+  draws = {"train": 16, "eval": 1}
+  return math.ceil(max(np.mean([cut(crops[split], w, h, i) for w, h in sizes
+                                for i in range(draws[split])]) for split in splits))
+
+
 def get_datasets(config) -> tuple[dict, DatasetInfo]:
   """The 'train' and 'eval' sources of `config.dataset`, and what the model needs to know."""
   loaded = source(config.dataset).load(config)
@@ -152,11 +173,11 @@ def get_datasets(config) -> tuple[dict, DatasetInfo]:
                                    if isinstance(train, ArraySource) else ())
   if config.dataset != "synthetic":  # (random labels, not for learning)
     say_scarce(counts, loaded.class_names, config)
-  first = train.take(np.zeros(1, np.int64))["image"] if len(train) else None
-  info = DatasetInfo(tuple(loaded.image_shape), int(loaded.num_classes),
+  first = train.take(np.zeros(1, np.int64))["image"][0] if len(train) else None  # (a crop's own
+  info = DatasetInfo(tuple(loaded.image_shape), int(loaded.num_classes),  # pixels: in an object)
                      {split: len(data) for split, data in loaded.sources.items()},
                      tuple(loaded.class_names), "uint8" if first is None else first.dtype.name,
-                     loaded.crops_on_host, loaded.canvas)
+                     loaded.crops_on_host, loaded.canvas, loaded.crop_pixels)
   return loaded.sources, info
 
 
