@@ -213,6 +213,18 @@ def read_image(path: str, image_shape, keep_encoded: bool = False,
     return f"{type(e).__name__}: {e}"
 
 
+def window(box, image_shape, full_hw) -> tuple[int, int, int, int]:
+  """(y0, x0, y1, x1): the pixels of an image of `full_hw` that the resize of `box` (left, top,
+  right, bottom) to `image_shape` reads: the box, its reach (the scale, at least 1) and one more
+  each way (`Crops.cut` sends them; host_memory expects them: `sources.crop_pixels`)."""
+  left, top, right, bottom = box
+  reach_h = max((bottom - top) / image_shape[0], 1)
+  reach_w = max((right - left) / image_shape[1], 1)
+  return (max(math.floor(top - reach_h) - 1, 0), max(math.floor(left - reach_w) - 1, 0),
+          min(math.ceil(bottom + reach_h) + 1, full_hw[0]),
+          min(math.ceil(right + reach_w) + 1, full_hw[1]))
+
+
 @dataclasses.dataclass(frozen=True)
 class Crops:
   """How a photo stored whole (`write_arrayrecord.py --resize_shorter`) becomes `image_shape`: with
@@ -257,11 +269,7 @@ class Crops:
     height, width, channels = image_shape
     image, (left, top, right, bottom) = self.decoded(data, image_shape, position)
     pixels = np.asarray(image)  # (a PIL image's: copied)
-    full_h, full_w = pixels.shape[:2]
-    reach_h, reach_w = max((bottom - top) / height, 1), max((right - left) / width, 1)
-    y0, x0 = max(math.floor(top - reach_h) - 1, 0), max(math.floor(left - reach_w) - 1, 0)
-    y1 = min(math.ceil(bottom + reach_h) + 1, full_h)
-    x1 = min(math.ceil(right + reach_w) + 1, full_w)
+    y0, x0, y1, x1 = window((left, top, right, bottom), image_shape, pixels.shape[:2])
     if y1 - y0 > self.canvas[0] or x1 - x0 > self.canvas[1]:
       whole = resized(image, (left, top, right, bottom), image_shape)
       return whole, np.array([0, 0, height, width, height, width], np.float32)

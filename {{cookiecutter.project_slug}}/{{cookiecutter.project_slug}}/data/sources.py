@@ -145,17 +145,17 @@ def canvas(config, resize_shorter: int, image_shape) -> tuple[int, int] | None:
 
 def crop_pixels(config, image_shape, sizes, splits=("train", "eval")) -> int:
   """A crop's expected pixels as the host cuts them (`Crops.cut`: its box and the pixels its
-  resize reads around it) from photos of `sizes` ((width, height) as stored: metadata.json's
-  sample): training's mean (16 draws a photo) or evaluation's, the larger of `splits`' (one unit
-  size serves both iterators)."""
-  crops, (height, width) = host_crops(config), image_shape[:2]
+  resize reads around it, `image_files.window`) from photos of `sizes` ((width, height) as
+  stored: metadata.json's sample): training's mean (16 draws a photo) or evaluation's, the larger
+  of `splits`' (one unit size serves both iterators)."""
+  from .image_files import window
 
-  def cut(crop, w: int, h: int, position: int) -> float:
-    left, top, right, bottom = crop.box(w, h, (height, width), position)
-    reach_h, reach_w = max((bottom - top) / height, 1), max((right - left) / width, 1)
-    return min(bottom - top + 2 * reach_h + 3, h) * min(right - left + 2 * reach_w + 3, w)
+  crops, draws = host_crops(config), {"train": 16, "eval": 1}
 
-  draws = {"train": 16, "eval": 1}
+  def cut(crop, w: int, h: int, position: int) -> int:
+    y0, x0, y1, x1 = window(crop.box(w, h, image_shape[:2], position), image_shape, (h, w))
+    return (y1 - y0) * (x1 - x0)
+
   return math.ceil(max(np.mean([cut(crops[split], w, h, i) for w, h in sizes
                                 for i in range(draws[split])]) for split in splits))
 
@@ -173,8 +173,10 @@ def get_datasets(config) -> tuple[dict, DatasetInfo]:
                                    if isinstance(train, ArraySource) else ())
   if config.dataset != "synthetic":  # (random labels, not for learning)
     say_scarce(counts, loaded.class_names, config)
-  first = train.take(np.zeros(1, np.int64))["image"][0] if len(train) else None  # (a crop's own
-  info = DatasetInfo(tuple(loaded.image_shape), int(loaded.num_classes),  # pixels: in an object)
+  # The stored pixels' type, from the first image (packed crops: its own array, not the object
+  # array that holds it).
+  first = train.take(np.zeros(1, np.int64))["image"][0] if len(train) else None
+  info = DatasetInfo(tuple(loaded.image_shape), int(loaded.num_classes),
                      {split: len(data) for split, data in loaded.sources.items()},
                      tuple(loaded.class_names), "uint8" if first is None else first.dtype.name,
                      loaded.crops_on_host, loaded.canvas, loaded.crop_pixels)
