@@ -51,9 +51,16 @@ class DoesNotFit(Exception):
 
 
 def abstract_batches(config, info, num_devices: int, mesh, pmap: bool):
-  """k stacked global batches as train.py feeds them (`input_pipeline`: uint8 pixels), abstract:
-  split over the mesh (spmd, fsdp), or `[devices, k, batch / devices, ...]` (pmap). Photos'
-  crops resized on the devices: each device's crops in one row of bytes (`batches.pack`)."""
+  """k stacked global batches as train.py feeds them (`input_pipeline`: uint8 pixels), abstract.
+  Photos' crops resized on the devices: each device's crops in one row of bytes (`batches.pack`).
+
+  Args:
+    config: the run's config, resolved.
+    info: the data's DatasetInfo.
+    num_devices: the devices.
+    mesh: their mesh (the batches split over it: spmd, fsdp).
+    pmap: `[devices, k, batch / devices, ...]` instead.
+  """
   k, batch = config.run.steps_per_dispatch, config.run.global_batch_size
   shapes = {"label": ((), jnp.int32), "mask": ((), jnp.bool_), "position": ((), jnp.uint32)}
   if info.canvas:
@@ -74,7 +81,13 @@ def abstract_batches(config, info, num_devices: int, mesh, pmap: bool):
 
 
 def abstract(tree, sharding=None, leading: int | None = None):
-  """Shapes and dtypes of `tree` (with `sharding`, or a leading axis of `leading` entries)."""
+  """Shapes and dtypes of a tree.
+
+  Args:
+    tree: arrays, or their shapes.
+    sharding: each leaf's; None: none.
+    leading: the entries of a leading axis added to each; None: none.
+  """
   lead = () if leading is None else (leading,)
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct((*lead, *x.shape), x.dtype,
                                                      sharding=sharding), tree)
@@ -129,7 +142,13 @@ def kernel_bytes(results: list[int], operands: list[int], fused: list[str]) -> i
   """What one launch reads and writes: its operands and results once each, except that a fusion
   that slices (a dynamic-slice inside) reads of an operand larger than its results only as much
   as it writes, and one that updates a slice in place (a dynamic-update-slice) reads and writes
-  its operands but the buffer it updates, not that buffer."""
+  its operands but the buffer it updates, not that buffer.
+
+  Args:
+    results: its results' bytes.
+    operands: its operands' bytes.
+    fused: the instructions fused in it.
+  """
   if any(" dynamic-update-slice(" in line for line in fused) and operands:
     return 2 * sum(sorted(operands)[:-1])  # (not the largest: the buffer, aliased by the result)
   if any(" dynamic-slice(" in line for line in fused):
@@ -210,7 +229,16 @@ def memory(compiled) -> dict[str, int]:
 
 
 def compile_timed(lowered_fn, what: str, device_kind: str, memory_bytes: int):
-  """(compiled, seconds); the compiler's own refusal (a TPU's HBM out-of-memory) reworded."""
+  """Compiles, timed; the compiler's own refusal (a TPU's HBM out-of-memory) reworded.
+
+  Args:
+    lowered_fn: the lowered program.
+    what: what it is, in the refusal's words.
+    device_kind: the devices', in the refusal's words.
+    memory_bytes: a device's memory, in the refusal's words.
+  Returns:
+    (the compiled program, the seconds it took).
+  """
   start = time.perf_counter()
   try:
     compiled = lowered_fn().compile()
@@ -226,11 +254,17 @@ def compile_timed(lowered_fn, what: str, device_kind: str, memory_bytes: int):
 
 
 def analyze(config, devices, hlo: str | None = None) -> dict:
-  """Compiles `config`'s train step, eval step and initial state for `devices` (compile-only,
-  from `topologies.compile_only_devices`) as train.py would build them there; returns the figures
-  (see the README: Will it fit?). Raises rules.ConfigError for a config that train.py would
-  refuse on those devices, DoesNotFit for one that the compiler refuses. `hlo`: a file to write
-  the compiled train program's text to."""
+  """Compiles a config's train step, eval step and initial state as train.py would build them on
+  the devices. Raises rules.ConfigError for a config that train.py would refuse on those
+  devices, DoesNotFit for one that the compiler refuses.
+
+  Args:
+    config: the config.
+    devices: compile-only devices (`topologies.compile_only_devices`).
+    hlo: a file to write the compiled train program's text to; None: none.
+  Returns:
+    The figures (see the README: Will it fit?).
+  """
   # JAX's persistent cache cannot load what was compiled for devices that are not here.
   cache = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)

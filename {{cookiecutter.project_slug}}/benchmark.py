@@ -164,7 +164,13 @@ def read_scalar(workdir: str, tag: str) -> float:
 
 
 def measure_loop(config, path: str, loop_first: bool) -> dict:
-  """The loop's examples/s and the bare single step's, measured one right after the other."""
+  """The loop's examples/s and the bare single step's, measured one right after the other.
+
+  Args:
+    config: the run's config.
+    path: the parallelism measured (spmd, pmap or fsdp).
+    loop_first: whether the loop is measured first.
+  """
   import train  # (here: train.py's --config flag would clash with this module's; see below)
 
   config.parallelism = path
@@ -315,8 +321,13 @@ def compare_resnet() -> dict:
 
 
 def write_markdown(path: str, text: str | None = None, section: str | None = None):
-  """Writes `text` (the whole benchmark's) to `path` keeping the sections of their own commands
-  (--resnet's, --data_dir's) that the file holds, or replaces one of them with `section`."""
+  """Writes BENCHMARKS.md, keeping the sections of their own commands (--resnet's, --data_dir's).
+
+  Args:
+    path: the file.
+    text: the whole benchmark's; None: the file's own (or a new header).
+    section: one of those sections, in place of the file's; None: the file's kept.
+  """
   old = open(path).read() if os.path.exists(path) else ""
   text = text or old or benchmark_report.markdown_header()
   for title in benchmark_report.OWN_SECTIONS:

@@ -58,8 +58,19 @@ def launch(train_args: list[str], num_processes: int, devices_per_process: int |
   """Starts the processes (each one process: `python SCRIPT`), waits for them, watching their
   standard error (`wait`); when one fails (or the timeout passes), stops the others (SIGTERM,
   then SIGKILL after GRACE_SECONDS); a signal of `PASSED_ON` is passed on to each as SIGTERM, and
-  they are waited for (to the timeout). Returns the first failed process's exit status
-  (`watch.exit_status`), 124 on the timeout, 143 after a signal passed on, or 0."""
+  they are waited for (to the timeout).
+
+  Args:
+    train_args: the script's arguments (each process's).
+    num_processes: the processes.
+    devices_per_process: each one's virtual CPU devices; None: the platform's own.
+    timeout: the seconds it waits for them.
+    script: what each runs.
+    gpus_per_process: each one's GPUs (CUDA_VISIBLE_DEVICES); None: not set.
+  Returns:
+    The first failed process's exit status (`watch.exit_status`), 124 on the timeout, 143 after
+    a signal passed on, or 0.
+  """
   env = dict(os.environ)
   shares = gpu_shares(num_processes, gpus_per_process) if gpus_per_process else None
   if devices_per_process:
@@ -123,9 +134,16 @@ def gpu_shares(num_processes: int, gpus_per_process: int) -> list[tuple[str, lis
 
 
 def wait(processes: list, timeout: float, received: list) -> int:
-  """`launch`'s wait for its `processes`, passing on their standard error (a `watch.Watch` each:
-  a survivor's dump after the job lost a process is one line); `received`: the signals passed on
-  to them so far."""
+  """`launch`'s wait for its processes, passing on their standard error (a `watch.Watch` each: a
+  survivor's dump after the job lost a process is one line).
+
+  Args:
+    processes: the processes.
+    timeout: the seconds it waits.
+    received: the signals passed on to them so far.
+  Returns:
+    As `launch`'s.
+  """
   deadline, status, stopping_since, said = time.monotonic() + timeout, 0, None, False
   watches = [watch.Watch(sys.stderr.buffer) for _ in processes]
   selector = selectors.DefaultSelector()

@@ -20,8 +20,17 @@ from flax import nnx
 
 
 class CNN(nnx.Module):
-  """Conv-ReLU-pool once per entry of `features`, then a dense classifier (after Dropout of
-  `dropout`'s rate, when > 0)."""
+  """Conv-ReLU-pool once per entry of `features`, then a dense classifier.
+
+  Args:
+    image_shape: the input images' [H, W, C].
+    num_classes: the logits' width.
+    features: each 3x3 convolution's width.
+    dropout: the rate of a Dropout before the classifier; 0: none.
+    dtype: the computation's dtype.
+    param_dtype: the parameters' dtype.
+    rngs: the parameters' (and Dropout's) random streams.
+  """
 
   def __init__(
       self,
@@ -55,9 +64,19 @@ class CNN(nnx.Module):
 
 class ResidualBlock(nnx.Module):
   """x + F(x) (x projected by a strided 1x1 convolution where F changes its shape), then ReLU.
+
   F: two 3x3 convolutions (basic, ResNet-18), or 1x1, 3x3, 1x1 to 4x the width (bottleneck,
   ResNet-50), each followed by BatchNorm; v1.5 strides the 3x3. The last BatchNorm's scale
-  starts at 0, so that every block starts as the identity (Goyal et al. 2017)."""
+  starts at 0, so that every block starts as the identity (Goyal et al. 2017).
+
+  Args:
+    in_features: the input's channels.
+    width: F's width (its last convolution's: 4x in a bottleneck).
+    strides: the 3x3 convolution's (and the projection's) stride.
+    bottleneck: 1x1, 3x3, 1x1 (ResNet-50) rather than two 3x3 (ResNet-18).
+    conv: (in, out, kernel size, strides=) -> a convolution.
+    norm: (features, scale_init=) -> a BatchNorm.
+  """
 
   def __init__(self, in_features: int, width: int, strides: int, bottleneck: bool, conv, norm):
     if bottleneck:
@@ -89,7 +108,18 @@ class ResNet(nnx.Module):
   stages 2-4 halves the resolution and doubles the width), global average pool, linear. Its
   BatchNorm takes the statistics of the real examples of the global batch
   or of each group of `config.batch_norm_devices` devices, alike on every path, padding left
-  out (`example_mask`)."""
+  out (`example_mask`).
+
+  Args:
+    image_shape: the input images' [H, W, C].
+    num_classes: the logits' width.
+    stage_sizes: the number of blocks in each stage.
+    bottleneck: bottleneck blocks (ResNet-50) or basic ones (ResNet-18).
+    width: the first stage's width (64 in the papers).
+    dtype: the computation's dtype.
+    param_dtype: the parameters' dtype.
+    rngs: the parameters' random streams.
+  """
 
   def __init__(self, image_shape, num_classes: int, *, stage_sizes: tuple[int, ...],
                bottleneck: bool, width: int = 64, dtype=jnp.float32, param_dtype=jnp.float32,
@@ -126,6 +156,16 @@ MODELS = ("cnn", *RESNETS)
 
 
 def create_model(config, image_shape, num_classes, rngs: nnx.Rngs) -> nnx.Module:
+  """The model that `config.model.name` names (`MODELS`).
+
+  Args:
+    config: the run's config (`config.model`: the name, widths, dtypes).
+    image_shape: the input images' [H, W, C], from the data.
+    num_classes: the number of classes, from the data.
+    rngs: the parameters' random streams.
+  Returns:
+    The model: images [B, H, W, C] -> logits [B, num_classes].
+  """
   dtypes = dict(dtype=jnp.dtype(config.model.dtype),
                 param_dtype=jnp.dtype(config.model.param_dtype), rngs=rngs)
   if config.model.name in RESNETS:

@@ -34,8 +34,14 @@ FLAGS = flags.FLAGS
 def predict(run: trained.Restored, paths: list[str], batch_size: int = 0,
             max_pixels: int = image_files.MAX_PIXELS):
   """Yields (path, probabilities [classes] or why the file could not be read), in order. Each
-  process reads its share of every batch (`batch_size` rows over all devices); every process
-  gets every row's probabilities."""
+  process reads its share of every batch; every process gets every row's probabilities.
+
+  Args:
+    run: the trained run.
+    paths: the image files.
+    batch_size: rows a batch over all devices; 0: the run's.
+    max_pixels: the most pixels decoded.
+  """
   batch_size = -(-(batch_size or run.config.run.global_batch_size) // run.mesh.size) * run.mesh.size
   local = batch_size // jax.process_count()
   first = jax.process_index() * local  # this process's rows of each batch

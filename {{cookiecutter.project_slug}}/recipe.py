@@ -21,9 +21,18 @@ from {{cookiecutter.project_slug}}.errors import ConfigError
 
 
 def loss(logits_BK, labels_B, config, train: bool) -> jax.Array:
-  """Each example's loss `[B]` (float32 logits): training's with `config.label_smoothing`
-  (targets 1 - a on the label, a / classes on every class); evaluation's (`train=False`, also
-  training's `cross_entropy` metric) the plain cross-entropy."""
+  """Each example's loss.
+
+  Args:
+    logits_BK: float32 logits.
+    labels_B: integer labels.
+    config: the run's config (`label_smoothing`).
+    train: training's loss, with `config.label_smoothing` a (targets 1 - a on the label,
+      a / classes on every class); else evaluation's (also training's `cross_entropy` metric),
+      the plain cross-entropy.
+  Returns:
+    The losses, float32 `[B]`.
+  """
   if train and config.label_smoothing:
     targets_BK = optax.smooth_labels(jax.nn.one_hot(labels_B, logits_BK.shape[-1]),
                                      config.label_smoothing)
@@ -32,12 +41,21 @@ def loss(logits_BK, labels_B, config, train: bool) -> jax.Array:
 
 
 def augment(images_BHWC, keys_B, config) -> jax.Array:
-  """Training's augmentation of a batch of float images (pixels in [0, 1]): `keys_B` holds one
-  random key an example, made from its place in the data stream alone (so any batching, device
-  or process count, and any resume give it the same draw; for a draw of your own, fold a number
-  above 2 into it, as the crop folds 1 and the flip 2). In this order: a random resized crop
-  (`augment_crop`; on the host instead for photos stored whole), a horizontal flip of half the
-  images (`augment_flip`), a shift by up to `augment_max_shift` pixels each way (zero fill)."""
+  """Training's augmentation of a batch.
+
+  In this order: a random resized crop (`augment_crop`; on the host instead for photos stored
+  whole), a horizontal flip of half the images (`augment_flip`), a shift by up to
+  `augment_max_shift` pixels each way (zero fill).
+
+  Args:
+    images_BHWC: float images, pixels in [0, 1].
+    keys_B: one random key an example, made from its place in the data stream alone (so any
+      batching, device or process count, and any resume give it the same draw; for a draw of
+      your own, fold a number above 2 into it, as the crop folds 1 and the flip 2).
+    config: the run's config.
+  Returns:
+    The augmented images, of the same shape.
+  """
   if config.augment_crop:  # of a fraction of the area and an aspect in the configured ranges
     crop = functools.partial(augmentations.random_resized_crop, scale=config.augment_crop_scale,
                              ratio=config.augment_crop_ratio)
@@ -120,7 +138,15 @@ def warmup_steps(config, num_train_steps: int) -> int:
 
 
 def choose(choices: dict, key: str, config):
-  """`choices[config.key]`; a name not among them is refused (before anything runs: rules.py)."""
+  """`choices[config[key]]`; a name not among them is refused (before anything runs: rules.py).
+
+  Args:
+    choices: the choices, by name.
+    key: the config's key that names one.
+    config: the run's config.
+  Returns:
+    The choice named.
+  """
   if config[key] not in choices:
     raise ConfigError(f"config.{key}={config[key]!r} is unknown; use one of {tuple(choices)}.")
   return choices[config[key]]

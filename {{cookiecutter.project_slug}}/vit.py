@@ -36,9 +36,21 @@ REMAT = ("none", "block")  # or a name in jax.checkpoint_policies
 
 def attention(query_BTNH, key_BTNH, value_BTNH, *, dropout_rate=0.0, deterministic=True,
               **unused):
-  """nnx.MultiHeadAttention's `attention_fn`: jax.nn.dot_product_attention (XLA's; a GPU's step
-  takes cuDNN's fused kernels where they take the inputs: gpu.py). It has no dropout of the
-  attention weights: the blocks drop their outputs."""
+  """nnx.MultiHeadAttention's `attention_fn`: jax.nn.dot_product_attention.
+
+  XLA's; a GPU's step takes cuDNN's fused kernels where they take the inputs (gpu.py). It has no
+  dropout of the attention weights: the blocks drop their outputs.
+
+  Args:
+    query_BTNH: the queries, [B, T, heads, head width].
+    key_BTNH: the keys, the same.
+    value_BTNH: the values, the same.
+    dropout_rate: must be 0 where not `deterministic`.
+    deterministic: MultiHeadAttention's.
+    **unused: MultiHeadAttention's other arguments (no mask, no bias here).
+  Returns:
+    The attention's output, [B, T, heads, head width].
+  """
   del unused
   if dropout_rate and not deterministic:
     raise ValueError("vit.attention drops no attention weights: keep MultiHeadAttention's "
@@ -47,8 +59,19 @@ def attention(query_BTNH, key_BTNH, value_BTNH, *, dropout_rate=0.0, determinist
 
 
 class Block(nnx.Module):
-  """x + Dropout(attention(LayerNorm(x))), then x + Dropout(MLP(LayerNorm(x))): MLP = Linear,
-  GELU, Dropout, Linear."""
+  """x + Dropout(attention(LayerNorm(x))), then x + Dropout(MLP(LayerNorm(x))).
+
+  MLP = Linear, GELU, Dropout, Linear.
+
+  Args:
+    width: the tokens' width.
+    heads: the attention's heads.
+    mlp_width: the MLP's hidden width.
+    dropout: the Dropouts' rate.
+    dtype: the computation's dtype (the LayerNorms': float32).
+    param_dtype: the parameters' dtype.
+    rngs: the parameters' and Dropout's random streams.
+  """
 
   def __init__(self, width: int, heads: int, mlp_width: int, dropout: float, dtype, param_dtype,
                rngs: nnx.Rngs):
@@ -72,7 +95,24 @@ class Block(nnx.Module):
 
 
 class ViT(nnx.Module):
-  """Patches, class token, position embeddings, `depth` Blocks (stacked), LayerNorm, head."""
+  """Patches, class token, position embeddings, `depth` Blocks (stacked), LayerNorm, head.
+
+  Args:
+    image_shape: the input images' [H, W, C].
+    num_classes: the logits' width.
+    width: the tokens' width.
+    depth: the number of Blocks.
+    heads: each Block's attention heads.
+    mlp_width: each Block's MLP hidden width.
+    patch: the patches' side, a divisor of H and W.
+    dropout: the Dropouts' rate.
+    scan: the Blocks run in a loop (`nnx.scan`); False: written out.
+    remat: "none", "block" (each Block's activations recomputed in the backward pass) or a
+      jax.checkpoint_policies name.
+    dtype: the computation's dtype.
+    param_dtype: the parameters' dtype.
+    rngs: the parameters' and Dropout's random streams.
+  """
 
   def __init__(self, image_shape, num_classes: int, *, width: int, depth: int, heads: int,
                mlp_width: int, patch: int = 16, dropout: float = 0.0, scan: bool = True,
@@ -121,7 +161,16 @@ class ViT(nnx.Module):
 
 
 def create_model(config, image_shape, num_classes, rngs: nnx.Rngs) -> nnx.Module:
-  """`config.model.name`'s ViT (`SIZES`; `model.depth` > 0 overrides its depth)."""
+  """`config.model.name`'s ViT (`SIZES`; `model.depth` > 0 overrides its depth).
+
+  Args:
+    config: the run's config (`config.model`, `config.remat`).
+    image_shape: the input images' [H, W, C], from the data.
+    num_classes: the number of classes, from the data.
+    rngs: the parameters' random streams.
+  Returns:
+    The ViT.
+  """
   width, depth, heads, mlp_width = SIZES[config.model.name]
   return ViT(image_shape, num_classes, width=width, depth=config.model.get("depth") or depth,
              heads=heads, mlp_width=mlp_width, patch=config.model.get("patch", 16),

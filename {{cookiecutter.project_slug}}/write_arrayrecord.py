@@ -79,9 +79,19 @@ def encode(image: np.ndarray | bytes, label: int) -> bytes:
 
 def write_records(out_dir: str, split: str, records: Iterable[tuple[int, bytes]], count: int,
                   num_shards: int) -> int:
-  """Writes `{split}-NNNNN-of-NNNNN.array_record` shards: record number i of `count` (those
-  missing from `records` are skipped) goes to the i-th part of `num_shards` consecutive parts,
-  so that reading the shards in name order gives the records in order. Returns how many."""
+  """Writes `{split}-NNNNN-of-NNNNN.array_record` shards: record number i goes to the i-th part of
+  `num_shards` consecutive parts, so that reading the shards in name order gives the records in
+  order.
+
+  Args:
+    out_dir: where.
+    split: the split's name.
+    records: (i, the record's bytes), in any order; a number missing is skipped.
+    count: the records' numbers, 0 to count - 1.
+    num_shards: the files.
+  Returns:
+    How many records were written.
+  """
   ends = np.cumsum([len(part) for part in np.array_split(np.arange(count), num_shards)])
   shards = [ArrayRecordWriter(os.path.join(out_dir, f"{split}-{i:05d}-of-{num_shards:05d}"
                                            ".array_record"), "group_size:1")
@@ -97,6 +107,15 @@ def write_records(out_dir: str, split: str, records: Iterable[tuple[int, bytes]]
 
 def write_metadata(out_dir: str, image_shape, num_classes: int, num_examples: dict[str, int],
                    **extra) -> None:
+  """Writes metadata.json, which the arrayrecord source reads.
+
+  Args:
+    out_dir: where.
+    image_shape: the images' [H, W, C].
+    num_classes: the labels' bound.
+    num_examples: each split's examples.
+    **extra: what else it holds (class names, pixel dtype, the photos' stored sizes, ...).
+  """
   metadata = dict(image_shape=[int(d) for d in image_shape], num_classes=int(num_classes),
                   num_examples=num_examples, **extra)
   with open(os.path.join(out_dir, "metadata.json"), "w") as f:
@@ -105,7 +124,13 @@ def write_metadata(out_dir: str, image_shape, num_classes: int, num_examples: di
 
 def write_dataset(out_dir: str, splits: dict[str, tuple[np.ndarray, np.ndarray]],
                   num_shards: int = 4) -> None:
-  """Arrays: {split: (images [N, H, W, C], labels [N])} for 'train' and 'eval'."""
+  """Writes arrays as ArrayRecord files with their metadata.json.
+
+  Args:
+    out_dir: where.
+    splits: {split: (images [N, H, W, C], labels [N])} for 'train' and 'eval'.
+    num_shards: the files a split.
+  """
   for split, (images, _) in splits.items():
     if np.ndim(images) != 4:
       shape = "[" + ", ".join(map(str, np.shape(images))) + "]"
@@ -197,9 +222,18 @@ def read_header(path: str, max_pixels: int = image_files.MAX_PIXELS
 
 def shrink(path: str, shorter: int, channels: int, max_pixels: int = image_files.MAX_PIXELS
            ) -> bytes | str:
-  """The file as encoded bytes, upright, its shorter side at most `shorter`: a larger photo is
+  """A file as encoded bytes, upright, its shorter side at most `shorter`: a larger photo is
   scaled down, and a photo held sideways turned (its EXIF orientation), either stored as a JPEG
-  of quality 95. Or why it could not be read (more than `max_pixels` too)."""
+  of quality 95.
+
+  Args:
+    path: the file.
+    shorter: the longest shorter side kept.
+    channels: 1 (gray) or 3 (RGB).
+    max_pixels: the most pixels decoded.
+  Returns:
+    The bytes, or why it could not be read (more than `max_pixels` too).
+  """
   mode = "L" if channels == 1 else "RGB"
   try:
     with open(path, "rb") as f:
@@ -226,9 +260,22 @@ def write_image_folder(out_dir: str, folder: str, image_size: tuple[int, int] | 
                        num_shards: int = 4, num_threads: int | None = None,
                        resize_shorter: int = 0, max_pixels: int = image_files.MAX_PIXELS
                        ) -> list[str]:
-  """Writes the images of `folder` (see the module's docstring); returns the skipped paths (an
-  image over `max_pixels` among them). Checks the whole tree (file names and image headers)
-  before writing anything."""
+  """Writes the images of a folder (see the module's docstring). Checks the whole tree (file
+  names and image headers) before writing anything.
+
+  Args:
+    out_dir: where.
+    folder: class folders of images (or train/ and val/ of them).
+    image_size: the images' (height, width); None: the first image's.
+    keep_encoded: the files' bytes, decoded as training reads them, rather than pixels.
+    eval_fraction: the share held out for evaluation (without a val/).
+    num_shards: the files a split.
+    num_threads: the threads that read the images; None: a core each.
+    resize_shorter: > 0: photos kept whole, stored with their shorter side at most this.
+    max_pixels: the most pixels decoded.
+  Returns:
+    The skipped paths (an image over `max_pixels` among them).
+  """
   if resize_shorter and not image_size:
     raise ValueError("--resize_shorter needs --image_size: the size that training and evaluation "
                      "crop the photos to (e.g. --resize_shorter=256 --image_size=224).")
@@ -300,8 +347,14 @@ def write_image_folder(out_dir: str, folder: str, image_size: tuple[int, int] | 
 
 
 def stored_sizes(sizes, shorter: int, most: int = 256) -> list[list[int]]:
-  """(width, height) of at most `most` of the photos of `sizes`, evenly spread, as stored at a
-  shorter side of at most `shorter` (`shrink`): what host_memory expects their crops to hold."""
+  """(width, height) of some photos as stored (`shrink`): what host_memory expects their crops
+  to hold.
+
+  Args:
+    sizes: the photos' (width, height).
+    shorter: the longest shorter side stored.
+    most: how many, at most, evenly spread.
+  """
   return [[max(round(s * min(shorter / min(w, h), 1)), 1) for s in (w, h)]
           for w, h in sizes[::-(-len(sizes) // most) or 1]]
 

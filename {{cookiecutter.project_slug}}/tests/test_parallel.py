@@ -120,10 +120,11 @@ def assert_trees_close(a, b, atol):
 # 20 real examples in a batch of 64 on 8 devices (8 per device): devices 0-1 full, device 2
 # holds 4, devices 3-7 hold none.
 @pytest.mark.parametrize("k, num_real", [  # k: steps per dispatch; 2 pads the last call
-    (1, [64, 20, 64]), (2, [64, 20, 64]),
+    (2, [64, 20, 64]),
     # (fast: k = 2 padding the last call equals k = 1 on spmd and pmap, k_steps' test)
-    *[pytest.param(*case, marks=pytest.mark.slow)
-      for case in ((2, [20, 37, 1]), (1, [64, 64, 64]), (2, [64, 64, 64]), (1, [20, 37, 1]))]])
+    *[pytest.param(*case, marks=pytest.mark.slow) for case in (
+        (1, [64, 20, 64]), (2, [20, 37, 1]), (1, [64, 64, 64]), (2, [64, 64, 64]),
+        (1, [20, 37, 1]))]])
 def test_pmap_equals_spmd_equals_single_device(tiny_config, k, num_real):
   data = batches(num_real)
   single, single_metrics = run(tiny_config, "single", data)
@@ -139,7 +140,9 @@ def test_pmap_equals_spmd_equals_single_device(tiny_config, k, num_real):
   assert step_counter.dtype == jnp.uint32 and int(step_counter) == 3  # never averaged
 
 
-@pytest.mark.parametrize("fsdp_devices", [2, pytest.param(4, marks=pytest.mark.slow), 8])
+# (fast: a 4 x 2 mesh, the state split within groups of devices; 2 x 4 and one group of 8: slow)
+@pytest.mark.parametrize("fsdp_devices", [2, *[pytest.param(n, marks=pytest.mark.slow)
+                                               for n in (4, 8)]])
 def test_fsdp_equals_spmd_equals_single_device(tiny_config, fsdp_devices):
   """The state split over groups of 2, 4 or 8 devices (a 4 x 2, 2 x 4 or 1 x 8 mesh), a padded
   batch among the three, two steps a call: the same state as one device and as spmd."""
@@ -212,8 +215,8 @@ def test_fsdp_keeps_one_share_of_a_large_state_per_device(tiny_config):
 
 
 # (fast: pmap's accumulation equals spmd's bit for bit, accumulation_sums_in_the_same_order)
-@pytest.mark.parametrize("parallelism", ["single", "spmd",
-                                         pytest.param("pmap", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("parallelism", ["spmd", *[pytest.param(p, marks=pytest.mark.slow)
+                                                    for p in ("single", "pmap")]])
 def test_gradient_accumulation_equals_one_large_batch(tiny_config, parallelism):
   data = batches([64, 50, 64])  # includes a padded batch
   tiny_config.grad_accum_steps = 1
@@ -551,6 +554,7 @@ class NormStack(nnx.Module):
     return self.dense(x.reshape(x.shape[0], -1))
 
 
+@pytest.mark.slow  # (the compiled program's structure, as the aot tests')
 def test_a_devices_own_statistics_add_no_all_reduce_a_layer(tiny_config):
   """The spmd step's all-reduces (compiled for 8 devices): with the global batch's statistics
   each BatchNorm layer adds its own (its statistics, forward and backward); with each device's

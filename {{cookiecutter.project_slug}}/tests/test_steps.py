@@ -218,7 +218,8 @@ def test_a_model_of_stock_layers_gets_each_backends_forms(tiny_config):
   assert nnx.max_pool is gpu.STOCK_MAX_POOL
 
 
-@pytest.mark.parametrize("parallelism", ["spmd", pytest.param("fsdp", marks=pytest.mark.slow)])
+@pytest.mark.slow  # (the compiled program's memory, as the aot tests')
+@pytest.mark.parametrize("parallelism", ["spmd", "fsdp"])
 def test_skipping_a_step_keeps_no_second_copy_of_the_state(tiny_config, parallelism):
   """Compiled (not run) for an MLP whose parameters and Adam moments take 6.6 MB: the step's
   temporary memory is no more than that of a bare update that never skips, plus a tenth of the

@@ -102,7 +102,8 @@ def test_profile_and_mfu_on_demand(tiny_config, tmp_path):
     assert scalars["train_mfu"][step] == pytest.approx(flops_per_sec / 8e12, rel=1e-5)
 
 
-@pytest.mark.parametrize("parallelism", ["pmap", "fsdp"])
+# (fast: fsdp's end as spmd's, resumed on the way: test_resume_across_spmd_fsdp_and_pmap)
+@pytest.mark.parametrize("parallelism", ["pmap", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_every_path_ends_with_the_same_eval_metrics_as_spmd(straight_runs, parallelism):
   spmd, other = straight_runs["spmd"][1], straight_runs[parallelism][1]
   assert spmd["examples"] == other["examples"] == 360

@@ -35,7 +35,14 @@ class NonFiniteLoss(FloatingPointError):
 
 class Stopped(Exception):  # noqa: N818 (a stop, not an error)
   """The run stopped early, after saving the checkpoint of its last step; the same command
-  resumes it. `by`: the signal's number, or what else stopped it."""
+  resumes it.
+
+  Args:
+    by: the signal's number, or what else stopped it.
+    step: the last step.
+    num_steps: the run's.
+    workdir: where the checkpoint is.
+  """
 
   def __init__(self, by: int | str, step: int, num_steps: int, workdir: str):
     self.by, self.step = by, step

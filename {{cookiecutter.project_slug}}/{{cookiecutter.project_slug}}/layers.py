@@ -58,6 +58,13 @@ class BatchNorm(nnx.BatchNorm):
   groups: int = 1  # into how many groups of devices the global batch is split for the statistics
 
   def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
+    """`x` ([batch, ..., C]) normalised.
+
+    Args:
+      x: the activations.
+      use_running_average: nnx.BatchNorm's; None: the module's (eval mode's: True).
+      mask: [batch], False on padding; None: `BATCH_MASK`'s, where the step set one.
+    """
     if use_running_average is None:
       use_running_average = self.use_running_average
     given = None if use_running_average or mask is not None else BATCH_MASK.get()
@@ -91,7 +98,13 @@ class BatchNorm(nnx.BatchNorm):
 
 
 def statistics(count, total, squares):
-  """The mean and variance of the examples whose `count`, sum and sum of squares these are."""
+  """The mean and variance of examples.
+
+  Args:
+    count: how many.
+    total: their sum.
+    squares: their sum of squares.
+  """
   mean = total / jnp.maximum(count, 1)
   return mean, jnp.maximum(squares / jnp.maximum(count, 1) - mean * mean, 0.0)
 
@@ -103,8 +116,13 @@ def sums(arrays):
 
 
 def combine(sums_G, axis_name, groups):
-  """Sums over the examples of each of this device's groups ([G, ...]) -> the whole batch's and
-  each group's (under pmap, summed over the devices of its group)."""
+  """The whole batch's sums and each group's, from those of this device's groups.
+
+  Args:
+    sums_G: sums over the examples of each of this device's groups, [G, ...].
+    axis_name: pmap's axis (the sums are summed over the devices of each group); None: jit's.
+    groups: the groups of devices of the global batch.
+  """
   everywhere = jax.tree.map(lambda s: s.sum(0), sums_G)
   if axis_name is None:
     return everywhere, sums_G
@@ -117,10 +135,21 @@ def combine(sums_G, axis_name, groups):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def normalize(x, mask_GN, scale_C, bias_C, epsilon, axis_name, groups, dtype):
-  """`x` ([G, N, ..., C]) normalised by each group's real examples (`mask_GN`: [G, N, 1, ...],
-  1 for a real one), scaled and shifted; and the whole batch's count, sum and sum of squares
-  (for the running statistics). A padded example comes out as the bias. Its gradient is written
-  out (`_backward`): one pass over the activations each way."""
+  """`x` normalised by each group's real examples, scaled and shifted. A padded example comes out
+  as the bias. Its gradient is written out (`_backward`): one pass over the activations each way.
+
+  Args:
+    x: the activations, [G, N, ..., C].
+    mask_GN: 1 for a real example, [G, N, 1, ...].
+    scale_C: the scale.
+    bias_C: the bias.
+    epsilon: added to the variance.
+    axis_name: as `combine`'s.
+    groups: as `combine`'s.
+    dtype: the output's dtype.
+  Returns:
+    The output, and the whole batch's count, sum and sum of squares (the running statistics').
+  """
   return _forward(x, mask_GN, scale_C, bias_C, epsilon, axis_name, groups, dtype)[0]
 
 

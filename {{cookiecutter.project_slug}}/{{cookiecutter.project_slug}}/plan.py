@@ -97,12 +97,17 @@ def make_plan(config) -> Plan:
 
 def resolved(config: ml_collections.ConfigDict, devices=None,
              resuming: tuple[dict | None, str] = (None, "")) -> ml_collections.ConfigDict:
-  """A copy of a valid config with what it comes to on `devices` (default: `jax.devices()`)
-  under names of its own, `config.run`; the keys you set keep their meaning. `run.num_devices`;
-  `run.global_batch_size`, examples per optimizer step (`global_batch_size`), and
-  `run.per_device_batch_size`, its share a device; `run.steps_per_dispatch`, k (`config.
-  steps_per_dispatch`, or when 0 the platform's choice). `resuming`: the config (a dict) of the
-  run in the workdir (a path) that this run resumes, if any (`resumed`; its changes logged)."""
+  """A copy of a valid config with what it comes to on the devices under names of its own,
+  `config.run`; the keys you set keep their meaning. `run.num_devices`; `run.global_batch_size`,
+  examples per optimizer step (`global_batch_size`), and `run.per_device_batch_size`, its share
+  a device; `run.steps_per_dispatch`, k (`config.steps_per_dispatch`, or when 0 the platform's).
+
+  Args:
+    config: a valid config.
+    devices: the devices the run will use; None: `jax.devices()`.
+    resuming: the config (a dict) of the run in the workdir (a path) that this run resumes, if
+      any (`resumed`; its changes logged).
+  """
   devices = devices or jax.devices()
   config = config.copy_and_resolve_references()
   batch = global_batch_size(config, len(devices))
@@ -145,10 +150,17 @@ def flatten(tree: dict, prefix: str = "") -> dict:
 
 def resumed(config: ml_collections.ConfigDict, saved: dict,
             workdir: str) -> tuple[ml_collections.ConfigDict, list[str]]:
-  """A resolved `config` (`plan.resolved`) resuming the run whose config.json is `saved`: a
-  differing key outside `FREE_ON_RESUME` raises ConfigError unless `config.resume_may_change`
-  names it; `per_device_batch_size` on another device count keeps the run's global batch
-  (`run.per_device_batch_size` changes). Returns the config and the log lines of what changed."""
+  """A resolved config resuming a run: a differing key outside `FREE_ON_RESUME` raises
+  ConfigError unless `config.resume_may_change` names it; `per_device_batch_size` on another
+  device count keeps the run's global batch (`run.per_device_batch_size` changes).
+
+  Args:
+    config: the config, resolved (`resolved`).
+    saved: the run's config.json.
+    workdir: the run's workdir (named in errors).
+  Returns:
+    The config, and the log lines of what changed.
+  """
   config, lines = config.copy_and_resolve_references(), []
   num_devices, per_device = config.run.num_devices, config.per_device_batch_size
   # (A config.json from before `config.run` held the global batch in batch_size.)

@@ -95,8 +95,14 @@ def _value(config, key: str):
 
 
 class Target:
-  """What the rules check a config against: the devices the run will use, its workdir, and what
-  the config comes to on those devices (`resolved`: `run.steps_per_dispatch`, the batches)."""
+  """What the rules check a config against, and what it comes to on the devices (`resolved`:
+  `run.steps_per_dispatch`, the batches).
+
+  Args:
+    config: the config.
+    devices: the devices the run will use.
+    workdir: its workdir; None: not checked.
+  """
 
   def __init__(self, config, devices, workdir: str | None):
     self.devices, self.workdir, self.num_devices = devices, workdir, len(devices)
@@ -268,8 +274,13 @@ RULES = (_dataset_name, _model, _data_dir_read,
 def validate_config(config: ml_collections.ConfigDict, workdir: str | None = None,
                     devices=None) -> None:
   """Raises ConfigError with the first rule that `config` breaks (VALUE_RULES, then RULES),
-  before any data is read, anything written or anything compiled. `devices`: those the run will
-  use (default: `jax.devices()`; aot.py: a topology's)."""
+  before any data is read, anything written or anything compiled.
+
+  Args:
+    config: the config.
+    workdir: the run's workdir; None: its rules are not checked.
+    devices: the devices the run will use; None: `jax.devices()` (aot.py: a topology's).
+  """
   for keys, test, must in VALUE_RULES:
     for key in keys:
       if (value := _value(config, key)) is not _ABSENT and not test(value):

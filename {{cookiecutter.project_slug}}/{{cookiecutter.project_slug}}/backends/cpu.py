@@ -14,9 +14,14 @@ def forms() -> list:
 
 
 def update_if(applied, update, current, old):
-  """steps.update_if under lax.cond: `update(current)` -> (state, norms) where `applied`, else
-  `old` and norms of 0."""
+  """steps.update_if under lax.cond: `update(current)` where `applied`, else `old` and norms of 0.
 
+  Args:
+    applied: whether the step is applied (a boolean scalar).
+    update: current -> (updated state, norms).
+    current: the state as the forward pass left it.
+    old: the state before the step.
+  """
   zeros = jax.tree.map(lambda n: jnp.zeros(n.shape, n.dtype), jax.eval_shape(update, current)[1])
   return jax.lax.cond(applied, lambda current, _: update(current), lambda _, old: (old, zeros),
                       current, old)

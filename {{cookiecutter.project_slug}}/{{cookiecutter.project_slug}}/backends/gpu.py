@@ -47,7 +47,17 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, implementa
   token, 197, stays on XLA's); the stock choice otherwise (`implementation=None`: XLA's). It
   reaches code that looks jax.nn's up as it runs (vit.py's `attention`), not a module that holds
   a function from before the step (nnx.MultiHeadAttention's default `attention_fn`, flax's own,
-  or `attention_fn=jax.nn.dot_product_attention`): wrap it as vit.py does."""
+  or `attention_fn=jax.nn.dot_product_attention`): wrap it as vit.py does.
+
+  Args:
+    query: [B, T, N, H], as jax.nn.dot_product_attention's.
+    key: the same.
+    value: the same.
+    bias: jax.nn's; None for the fused kernels.
+    mask: jax.nn's; None for the fused kernels.
+    implementation: jax.nn's; None: cuDNN's where it takes the inputs, else XLA's.
+    **options: jax.nn's others.
+  """
   fused = (implementation is None and bias is None and mask is None
            and query.dtype in (jnp.bfloat16, jnp.float16)
            and query.shape[-1] <= 128 and query.shape[-1] % 8 == 0
@@ -58,7 +68,14 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, implementa
 
 def update_if(applied, update, current, old):
   """steps.update_if, the norms those `update` read from the state it made (before the select:
-  with the flat norms behind their barrier, the state is read once)."""
+  with the flat norms behind their barrier, the state is read once).
+
+  Args:
+    applied: whether the step is applied (a boolean scalar).
+    update: current -> (updated state, norms).
+    current: the state as the forward pass left it.
+    old: the state before the step.
+  """
   updated, norms = update(current)
   return jax.tree.map(lambda new, old: jnp.where(applied, new, old), updated, old), norms
 
@@ -102,7 +119,14 @@ def max_pool(inputs, window_shape, strides=None, padding="VALID"):
   """nnx.max_pool, of images [B, H, W, C] as the maximum of the window's strided slices, each
   gradient going to its window's first maximum, as nnx.max_pool's does: without XLA's
   select-and-scatter, whose int32 indices and scatter target are 0.7 GB of a ResNet-50 step's
-  memory on a GPU (aot.py configs/imagenet.py, h100:8). Other inputs: nnx.max_pool's own."""
+  memory on a GPU (aot.py configs/imagenet.py, h100:8). Other inputs: nnx.max_pool's own.
+
+  Args:
+    inputs: the images, [B, H, W, C].
+    window_shape: nnx.max_pool's.
+    strides: nnx.max_pool's.
+    padding: nnx.max_pool's.
+  """
   x_BHWC = inputs
   if not (x_BHWC.ndim == 4 and jnp.issubdtype(x_BHWC.dtype, jnp.floating)):
     return STOCK_MAX_POOL(x_BHWC, window_shape, strides, padding)
@@ -114,7 +138,14 @@ def max_pool(inputs, window_shape, strides=None, padding="VALID"):
 
 def _slices(x_BHWC, window, strides, pads):
   """`x` padded with -inf ([B, H + pads, W + pads, C]) and its window's strided slices, one an
-  offset (i, j) in the window, in row-major order: [B, H', W', C] each."""
+  offset (i, j) in the window, in row-major order: [B, H', W', C] each.
+
+  Args:
+    x_BHWC: the images.
+    window: the window's (height, width).
+    strides: its strides.
+    pads: the padding, ((top, bottom), (left, right)).
+  """
   padded = jnp.pad(x_BHWC, ((0, 0), *pads, (0, 0)), constant_values=-jnp.inf)
   out = [(n - k) // s + 1 for n, k, s in zip(padded.shape[1:3], window, strides, strict=True)]
   return padded, [padded[:, i:i + strides[0] * (out[0] - 1) + 1:strides[0],

@@ -23,7 +23,16 @@ class RecordSource:
   """Examples in ArrayRecord files (msgpack, one a record). Images stored encoded are decoded
   here, in the reading workers; photos stored whole are cropped by `crops`, by stream position.
   `take` also says which records could not be used, and why (`failed`): unreadable, or not an
-  example of this data (`problem`)."""
+  example of this data (`problem`).
+
+  Args:
+    paths: the ArrayRecord files.
+    image_shape: the images' [H, W, C].
+    crops: a `Crops` for photos stored whole; None: none.
+    name: the split's name, in the log's lines.
+    pixel_dtype: the pixels' dtype as stored.
+    num_classes: the labels' bound (a label outside it is not an example); None: not checked.
+  """
 
   def __init__(self, paths: list[str], image_shape: tuple[int, int, int],
                crops: "Crops | None" = None, name: str = "arrayrecord",

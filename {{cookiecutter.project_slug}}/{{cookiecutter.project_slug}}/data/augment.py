@@ -9,9 +9,15 @@ import jax.numpy as jnp
 
 
 def random_resized_crop(key, image_HWC, scale, ratio) -> jax.Array:
-  """A crop of a random fraction of the area in `scale` and aspect (width / height) in `ratio`
-  (log-uniform), resized back to the image's size (bilinear): the first of 10 draws that fits
-  in the image, or the whole image. The crop need not fall on whole pixels."""
+  """A random crop resized back to the image's size (bilinear): the first of 10 draws that fits
+  in the image, or the whole image. The crop need not fall on whole pixels.
+
+  Args:
+    key: the draw's random key.
+    image_HWC: a float image.
+    scale: (low, high), the crop's fraction of the area.
+    ratio: (low, high), its aspect (width / height), drawn log-uniform.
+  """
   height, width, _ = image_HWC.shape
   area_key, ratio_key, place_key = jax.random.split(key, 3)
   area = height * width * jax.random.uniform(area_key, (10,), minval=scale[0], maxval=scale[1])
@@ -30,9 +36,15 @@ def random_resized_crop(key, image_HWC, scale, ratio) -> jax.Array:
 
 
 def unpacked(packed_GN, offset_B, boxes_B6, canvas_HWC) -> jax.Array:
-  """Crops sent end to end (`batches.pack`: the B crops of G devices, B // G a row of bytes,
-  each row-major [h, w, C] from its `offset_B`, its h and w in `boxes_B6[:, 4:]`) each in a
-  canvas of `canvas_HWC` (uint8, zeros around it), for `resize_crops`. A gather from each row."""
+  """Crops sent end to end, each in a canvas (uint8, zeros around it) for `resize_crops`: a
+  gather from each row.
+
+  Args:
+    packed_GN: `batches.pack`'s bytes: the B crops of G devices, B // G a row.
+    offset_B: where each crop, row-major [h, w, C], starts in its row.
+    boxes_B6: each crop's box; its h and w in `[:, 4:]`.
+    canvas_HWC: the canvas's shape.
+  """
   height, width, channels = canvas_HWC
   h_H11, w_1W1, c_C = (jnp.arange(height)[:, None, None], jnp.arange(width)[None, :, None],
                        jnp.arange(channels))
@@ -51,12 +63,18 @@ def unpacked(packed_GN, offset_B, boxes_B6, canvas_HWC) -> jax.Array:
 
 
 def resize_crops(crops_BHWC, boxes_B6, out_hw) -> jax.Array:
-  """Photos' crops cut on the host (`image_files.Crops` with a canvas), each resized on the device
-  to `out_hw` as PIL's bilinear resize of its box would be (a triangle filter, widened by the
-  zoom where it shrinks, over the crop's own pixels alone). `boxes_B6`: each crop's box (top,
-  left, bottom, right, in its canvas's pixels) and the height and width its pixels fill (the
-  rest of the canvas is padding; a padding example's zeros give zeros). Float32, of the crops'
-  scale: a matrix product each way."""
+  """Photos' crops cut on the host, each resized on the device as PIL's bilinear resize of its
+  box would be (a triangle filter, widened by the zoom where it shrinks, over the crop's own
+  pixels alone): a matrix product each way.
+
+  Args:
+    crops_BHWC: the crops in their canvases (`unpacked`), float32.
+    boxes_B6: each crop's box (top, left, bottom, right, in its canvas's pixels) and the height
+      and width its pixels fill (the rest is padding; a padding example's zeros give zeros).
+    out_hw: the resized (height, width).
+  Returns:
+    The resized crops, float32 [B, *out_hw, C], of the crops' scale.
+  """
   _, height, width, _ = crops_BHWC.shape
 
   def weights(start, end, filled, size, out):  # [out, size]: output pixel <- canvas pixel

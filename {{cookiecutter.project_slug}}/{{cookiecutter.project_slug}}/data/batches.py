@@ -1,16 +1,14 @@
 """Padded-and-masked batches, k stacked an element, cut from a source's split.
 
-Each element is k = `config.run.steps_per_dispatch` batches stacked, each this process's share of a
-global batch (NumPy): image [k, B, H, W, C] as stored, label, mask (False on padding), position
-(the example's place in the stream); where the images are photos' crops for the devices to resize
-(`DatasetInfo.canvas`), image is [1, devices, bytes]: each device's crops of the k batches, end to
-end, each as its own pixels (`pack`), with box [k, B, 6] and offset [k, B]. Every process cuts a
-split into ceil(examples / global_batch) batches, so no example is dropped or counted twice. Batch
-b holds stream positions [b * global_batch, (b + 1) * global_batch) (`num_epochs` seeded
-permutations), position b * global_batch + r in row r: a process reads the rows its devices hold
-(`sharding.process_rows`), so the global batch is the same, row for row, for any number of
-processes (and so are the random draws of a model that keys them by row: Dropout). The suffix _S
-marks a unit's rows: k batches of a share each, flattened."""
+An element is k = `config.run.steps_per_dispatch` batches stacked, each this process's share of
+a global batch (NumPy): image [k, B, H, W, C] as stored, label, mask (False on padding), position
+(the example's place in the stream); photos' crops for the devices to resize come as image
+[1, devices, bytes], each device's crops end to end (`pack`), with box [k, B, 6] and offset [k, B].
+A split is cut into ceil(examples / global_batch) batches: no example dropped or counted twice.
+Batch b holds stream positions [b * global_batch, (b + 1) * global_batch) (`num_epochs` seeded
+permutations), position b * global_batch + r in row r: a process reads its devices' rows
+(`sharding.process_rows`), so the global batch (and a Dropout's draws, keyed by row) is the same
+for any number of processes. The suffix _S marks a unit's rows: k batches of a share each."""
 
 import collections
 import dataclasses
@@ -35,12 +33,10 @@ def num_batches(num_examples: int, global_batch_size: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class LoadUnit:
-  """A worker's unit of work: unit u -> share u % `shares` of element u // `shares`, i.e. that
-  slice of each of the element's k batches, `[k, local_batch // shares, ...]`, padded and masked
-  (with workers, a local device's share of the element: placed on it as it is). Batches past the
-  stream's end or before `first_batch` (a resume) are padding, read from nowhere; the stream is
-  cut into whole elements of k batches from its start, and with `trim` (evaluation) the last
-  element holds only the batches left."""
+  """A worker's unit of work: unit u -> share u % `shares` of element u // `shares`, that slice
+  of each of its k batches, `[k, local_batch // shares, ...]`, padded and masked (with workers, a
+  local device's share). Batches past the stream's end or before `first_batch` (a resume) are
+  padding, read from nowhere; with `trim` (evaluation) the last element holds the batches left."""
 
   source: Split  # (sources.Split: ArraySource, arrayrecord.RecordSource, ...)
   global_batch_size: int
@@ -86,9 +82,13 @@ class LoadUnit:
     kept = min(k, self.num_batches - element * k) if self.trim else k
     taken = self.source.take(indices, positions_S[read_S])
     failed = taken.pop("failed", None)  # records read from files: which could not be used
-    if failed is not None:
-      mask_S, bad_records = skip_failed(self.source, failed, indices, np.flatnonzero(read_S),
-                                        mask_S)
+    if failed is not None:  # masked, and carried to `count_bad_records` with the examples read
+      slots = np.flatnonzero(read_S)
+      failed = {j: why for j, why in failed.items() if mask_S[slots[j]]}  # not padding's stand-in
+      bad = np.empty(len(failed), object)  # (pickled, never in shared memory: shm.Outbox)
+      bad[:] = [(f"{self.source.name} row {indices[j]}", why) for j, why in failed.items()]
+      bad_records = {"read": np.array(int(mask_S.sum())), "bad": bad}
+      mask_S[slots[list(failed)]] = False
     taken["label"] = taken["label"].astype(np.int32)
     crops = taken.pop("image") if "box" in taken else None  # each crop's own pixels
     if not mask_S.all():  # padding: zeros
@@ -109,11 +109,18 @@ class LoadUnit:
 
 
 def pack(crops, slots, shape: tuple[int, ...], groups: int, empty=None) -> dict[str, np.ndarray]:
-  """A unit's crops (`shape`: k batches, `share` rows, the largest crop [H, W, C]; `crops[i]` in
-  row `slots[i]`) end to end, each device's (of `groups`) of every batch in one row of bytes with
-  room for its rows' largest crops, in `empty(shape, dtype)` (a worker's shared memory) or new.
-  Returns image [1, groups, bytes], offset [k, share] (where each crop, row-major [h, w, C],
-  starts in its device's row) and filled [1, groups] (the bytes the crops fill)."""
+  """A unit's crops end to end, a device's of every batch in a row of bytes (room: the largest).
+
+  Args:
+    crops: the crops, [h, w, C] each.
+    slots: the row of each crop.
+    shape: (k batches, `share` rows, the largest crop's H, W, C).
+    groups: the devices.
+    empty: (shape, dtype) -> where the bytes go (a worker's shared memory); None: new.
+  Returns:
+    image [1, groups, bytes], offset [k, share] (where each crop, row-major, starts in its row)
+    and filled [1, groups] (the bytes the crops fill).
+  """
   k, share = shape[:2]
   region = k * share // groups * math.prod(shape[2:])
   image = (empty or np.zeros)((1, groups, region), np.uint8)
@@ -151,28 +158,12 @@ def sent_apart(local_batch) -> tuple[list[dict], list | None, int]:
   return shares, [image[0, g] for image in images for g in range(image.shape[1])], rooms[0]
 
 
-# A record that cannot be used (unreadable, or not an example of the data) is masked, and named
-# in the log; a process stops once more than MAX_BAD_SHARE of the records it read, and more than
-# MAX_BAD_RECORDS, failed: counted in the main process an element at a time as they arrive
-# (`count_bad_records`), over all its workers, in the stream's order: the same verdict, at the
-# same element, for any number of workers.
+# A record that cannot be used (unreadable, not an example) is masked and named in the log; a
+# process stops once more than MAX_BAD_SHARE of the records it read, and more than MAX_BAD_RECORDS,
+# failed: counted in the main process, in the stream's order (`count_bad_records`), the same
+# verdict at the same element for any number of workers.
 MAX_BAD_SHARE, MAX_BAD_RECORDS = 0.01, 10
 _records, _records_lock = collections.Counter(), threading.Lock()  # this process's
-
-
-def skip_failed(source, failed: dict[int, str], indices: np.ndarray, slots: np.ndarray,
-                mask_S: np.ndarray) -> tuple[np.ndarray, dict]:
-  """`mask_S` without the examples that `source.take` could not use (`failed`: their places in
-  `indices`, read into `slots`), and what the unit carries to `count_bad_records`: `read`, the
-  real examples it read, and `bad`, (where, why) of each that failed."""
-  failed = {j: why for j, why in failed.items() if mask_S[slots[j]]}  # not padding's stand-in
-  bad = np.empty(len(failed), object)  # (pickled, never in shared memory: shm.Outbox)
-  bad[:] = [(f"{source.name} row {indices[j]}", why) for j, why in failed.items()]
-  carried = {"read": np.array(int(mask_S.sum())), "bad": bad}
-  if failed:
-    mask_S = mask_S.copy()
-    mask_S[slots[list(failed)]] = False
-  return mask_S, carried
 
 
 def count_bad_records(units: list[dict], count: bool = True) -> list[dict]:
@@ -202,11 +193,10 @@ def count_bad_records(units: list[dict], count: bool = True) -> list[dict]:
 
 @dataclasses.dataclass(frozen=True)
 class Elements:
-  """A stream's elements, k batches stacked each (`train_batches`, `eval_batches`), made of
-  `units` (a Grain MapDataset of `load`'s units, `load.shares` an element, from `first_element`
-  on, without end where it `repeats`): `as_iterator` reads them; `len`, indexing and iteration
-  read them here, in this process, stacked: iteration as the input reads them (bad records named
-  and counted), indexing for a look (their shapes: not counted)."""
+  """A stream's elements, made of `units` (a Grain MapDataset of `load`'s units, `load.shares` an
+  element, from `first_element` on, without end where it `repeats`): `as_iterator` reads them;
+  iteration reads them here, stacked, as the input does (bad records counted); indexing, for a
+  look (not counted)."""
 
   load: LoadUnit
   first_element: int = 0
@@ -252,23 +242,24 @@ class Elements:
     return {key: np.concatenate([share[key] for share in shares], axis=1) for key in shares[0]}
 
 
-def shares(config, local_batch_size: int) -> int:
-  """The units of an element: with worker processes, one a local device (when they divide the
-  batch), each placed on its device as it is; without, one: the element in one gather from memory,
-  or read by this process's threads."""
+def split(config, local_batch_size: int) -> dict[str, int]:
+  """LoadUnit's `shares`, the units of an element (with workers, one a local device where they
+  divide the batch, placed on it as it is; without, one: a gather from memory, or this process's
+  threads), and `groups`, the local devices a share spans."""
   devices = jax.local_device_count()
-  return devices if default_workers(config) and local_batch_size % devices == 0 else 1
-
-
-def split(config, local_batch_size: int) -> dict[str, int]:  # LoadUnit's shares and groups
-  devices, n = jax.local_device_count(), shares(config, local_batch_size)
+  n = devices if default_workers(config) and local_batch_size % devices == 0 else 1
   return dict(shares=n, groups=devices // n if local_batch_size % devices == 0 else 1)
 
 
 def train_batches(source, config, first_step: int = 0, rows=None) -> Elements:
-  """`num_epochs` passes over `source`, reshuffled each epoch, as one stream of batches, from the
-  element holding batch `first_step` on; only the very last batch can be partial. `rows`: this
-  process's rows of each global batch (`sharding.process_rows`; None: one process)."""
+  """`num_epochs` passes over a split, reshuffled each epoch, in batches (the last alone partial).
+
+  Args:
+    source: the split.
+    config: the run's config, resolved.
+    first_step: the stream starts at the element holding this batch (a resume's).
+    rows: this process's rows of each global batch (`sharding.process_rows`); None: all.
+  """
   k, batch = config.run.steps_per_dispatch, config.run.global_batch_size
   load = LoadUnit(source, batch, config.num_epochs, config.seed, k, first_step, rows=rows,
                   **split(config, len(rows) if rows else batch))
@@ -276,24 +267,28 @@ def train_batches(source, config, first_step: int = 0, rows=None) -> Elements:
 
 
 def eval_batches(source, config, rows=None) -> Elements:
-  """The split once, in its order, k batches an element, the last one only those left."""
+  """A split once, in its order, k batches an element, the last one only those left.
+
+  Args:
+    source: the split.
+    config: the run's config, resolved.
+    rows: this process's rows of each global batch (`sharding.process_rows`); None: all.
+  """
   k, batch = config.run.steps_per_dispatch, config.run.global_batch_size
   return Elements(LoadUnit(source, batch, steps_per_element=k, trim=True, rows=rows,
                            **split(config, len(rows) if rows else batch)))
 
 
 def available_cpus() -> int:
-  """The cores this process may run on (its affinity: what SLURM, taskset or a container's
-  cpuset gave it), not all the machine's."""
+  """The cores this process may run on (its affinity: SLURM's, taskset's, a container's)."""
   if hasattr(os, "sched_getaffinity"):  # Linux (os.process_cpu_count: Python 3.13 on)
     return len(os.sched_getaffinity(0))
   return os.cpu_count() or 1
 
 
 def default_workers(config) -> int:
-  """`config.num_workers`, or when it is -1: none for datasets held in memory (a batch is one
-  NumPy gather, which workers would only copy again), else one per core of this process's but
-  one (each holds `prefetch_batches` batches and a few more: `host_memory`)."""
+  """`config.num_workers`, or when it is -1: none for data held in memory (a batch is a gather,
+  which workers would only copy again), else one a core of this process's but one."""
   if config.num_workers >= 0:
     return config.num_workers
   in_memory = SOURCES[config.dataset].in_memory

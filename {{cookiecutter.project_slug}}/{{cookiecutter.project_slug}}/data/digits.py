@@ -45,8 +45,14 @@ def split(labels: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
 
 
 def approximate_mode(counts: np.ndarray, draws: int, rng) -> np.ndarray:
-  """How many of `draws` each class gets: its share, floored, then one more each in order of
-  what the floor left (ties drawn by `rng`), as scikit-learn's `_approximate_mode`."""
+  """How many of the draws each class gets: its share, floored, then one more each in order of
+  what the floor left, as scikit-learn's `_approximate_mode`.
+
+  Args:
+    counts: each class's examples.
+    draws: the examples to draw.
+    rng: draws the ties (NumPy's Generator).
+  """
   share = counts / counts.sum() * draws
   taken = np.floor(share)
   left = int(draws - taken.sum())

@@ -83,7 +83,16 @@ def splits(config) -> tuple[dict, str, str]:
 
 
 class Source:
-  """A split of a Hugging Face dataset as a Grain source: `take` decodes a batch of images."""
+  """A split of a Hugging Face dataset as a Grain source: `take` decodes a batch of images.
+
+  Args:
+    dataset: the split (a `datasets.Dataset`).
+    image_column: its images' column.
+    label_column: its labels' column.
+    image_shape: the images' [H, W, C].
+    crops: a `Crops` for photos cropped on the host; None: none.
+    name: the split's name, in the log's lines.
+  """
 
   def __init__(self, dataset, image_column: str, label_column: str, image_shape, crops=None,
                name: str = "huggingface"):

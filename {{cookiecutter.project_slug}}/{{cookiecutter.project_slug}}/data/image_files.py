@@ -23,7 +23,17 @@ except ImportError:  # PIL decodes alone
 
 def check_hub(config, package: str, extra: str, probe, more=lambda config: None) -> str | None:
   """A Hugging Face or TFDS source's check (their `check`): its package installed, image_size a
-  shape, `more(config)`, then the data opened by `probe(config)` (its ValueError said)."""
+  shape, `more(config)`, then the data opened by `probe(config)` (its ValueError said).
+
+  Args:
+    config: the run's config.
+    package: the package the source needs.
+    extra: the project's extra that installs it.
+    probe: config -> opens the data (raises ValueError where it cannot).
+    more: config -> what else is wrong, or None.
+  Returns:
+    What is wrong, in a line, or None.
+  """
   import importlib.util
 
   try:
@@ -89,9 +99,15 @@ def upright(image):
 
 def decode_image(data: bytes, image_shape: tuple[int, int, int],
                  max_pixels: int = MAX_PIXELS) -> np.ndarray:
-  """An encoded image (JPEG, PNG, ...) as uint8 [H, W, C] of `image_shape`: upright (its EXIF
-  orientation applied), gray (C = 1) or RGB (C = 3), scaled until it covers H x W and
-  center-cropped (unchanged if already H x W). Raises ValueError over `max_pixels`."""
+  """An encoded image (JPEG, PNG, ...) as uint8 [H, W, C]: upright (its EXIF orientation
+  applied), gray (C = 1) or RGB (C = 3), scaled until it covers H x W and center-cropped
+  (unchanged if already H x W).
+
+  Args:
+    data: the encoded bytes.
+    image_shape: [H, W, C].
+    max_pixels: the most pixels decoded: a larger image raises ValueError.
+  """
   height, width, channels = image_shape
   with open_image(data, max_pixels) as image:
     image = upright(image).convert("L" if channels == 1 else "RGB")
@@ -102,11 +118,19 @@ def decode_image(data: bytes, image_shape: tuple[int, int, int],
 
 def decode_batch(encoded: list, image_shape, crops=None, positions=None
                  ) -> tuple[dict[str, np.ndarray], dict[int, str]]:
-  """Encoded images (bytes; arrays pass as they are) as a batch of `image_shape`: each cut by
-  `crops` (a `Crops`, by the example's stream position in `positions`) when given, else scaled
-  to cover and center-cropped (`decode_image`). Returns {"image": the batch} (with a `Crops` of
-  a canvas: each crop's own pixels, [h, w, C] in an object array, and "box": `Crops.cut`; for
-  `batches.pack` to send end to end), and {i: why} for those that failed (zeros; no pixels)."""
+  """Encoded images as a batch: each cut by `crops` when given, else scaled to cover and
+  center-cropped (`decode_image`).
+
+  Args:
+    encoded: the images' bytes (arrays pass as they are).
+    image_shape: [H, W, C].
+    crops: a `Crops`; None: none.
+    positions: each example's stream position (the crops' draws).
+  Returns:
+    {"image": the batch} (with a `Crops` of a canvas: each crop's own pixels, [h, w, C] in an
+    object array, and "box": `Crops.cut`'s, for `batches.pack`), and {i: why} for those that
+    failed (zeros; no pixels).
+  """
   if all(isinstance(data, np.ndarray) for data in encoded):  # arrays, as stored
     return {"image": np.stack(encoded)}, {}
   positions = np.zeros(len(encoded), np.int64) if positions is None else positions
@@ -134,8 +158,16 @@ def decode_batch(encoded: list, image_shape, crops=None, positions=None
 
 
 def read_rows(read_many, read_one, indices: list[int]) -> list:
-  """`read_many(indices)`; where that fails (or without one: None), each row by `read_one(i)`, or
-  why it could not be read (a str), so that one bad row names itself and spoils no other."""
+  """Rows read together; where that fails, each alone, so that one bad row names itself and
+  spoils no other.
+
+  Args:
+    read_many: indices -> their rows; None: none.
+    read_one: i -> row i.
+    indices: the rows to read.
+  Returns:
+    The rows, each a row or why it could not be read (a str).
+  """
   if read_many is not None:
     try:
       return read_many(indices)
@@ -165,8 +197,15 @@ def encoded_shape(data: bytes) -> tuple[int, int, int]:
 
 
 def first_shape(encoded, num_images: int, name: str, look: int = 64) -> tuple[int, int, int]:
-  """The shape a run takes without `config.image_size`: the first image's (`encoded(i)`: image
-  i's bytes). Where the first `look` differ in height or width, says so, naming what it takes."""
+  """The shape a run takes without `config.image_size`: the first image's. Where the first
+  images differ in height or width, says so, naming what it takes.
+
+  Args:
+    encoded: i -> image i's bytes.
+    num_images: the images.
+    name: the data's name, in what is said.
+    look: how many to look at.
+  """
   shapes = [encoded_shape(encoded(i)) for i in range(min(look, num_images))]
   sizes = sorted({shape[:2] for shape in shapes})
   if len(sizes) > 1:
@@ -193,10 +232,18 @@ def images_under(directory: str, suffixes: tuple[str, ...] = IMAGE_SUFFIXES) -> 
 def read_image(path: str, image_shape, keep_encoded: bool = False,
                pixel_dtype: str = "uint8", center_ratio: float = 1.0,
                max_pixels: int = MAX_PIXELS) -> np.ndarray | bytes | str:
-  """The file decoded to `image_shape` (`decode_image`; with `center_ratio` < 1, evaluation's
-  crop of a photo stored whole: `Crops`; with keep_encoded, the file's bytes once they decode),
-  or a .npy file's array, as stored (of `image_shape` and `pixel_dtype`), or why it could not
-  be read (an image over `max_pixels` too)."""
+  """An image file decoded (`decode_image`), or a .npy file's array as stored.
+
+  Args:
+    path: the file.
+    image_shape: [H, W, C].
+    keep_encoded: the file's bytes once they decode, rather than the pixels.
+    pixel_dtype: a .npy file's dtype.
+    center_ratio: < 1: evaluation's crop of a photo stored whole (`Crops`).
+    max_pixels: the most pixels decoded.
+  Returns:
+    The pixels (or bytes), or why the file could not be read (an image over `max_pixels` too).
+  """
   try:
     if path.lower().endswith(".npy"):
       image = np.load(path, allow_pickle=False)
@@ -214,9 +261,14 @@ def read_image(path: str, image_shape, keep_encoded: bool = False,
 
 
 def window(box, image_shape, full_hw) -> tuple[int, int, int, int]:
-  """(y0, x0, y1, x1): the pixels of an image of `full_hw` that the resize of `box` (left, top,
-  right, bottom) to `image_shape` reads: the box, its reach (the scale, at least 1) and one more
-  each way (`Crops.cut` sends them; host_memory expects them: `sources.crop_pixels`)."""
+  """(y0, x0, y1, x1): the pixels that the resize of a box reads: the box, its reach (the scale,
+  at least 1) and one more each way (`Crops.cut` sends them; `sources.crop_pixels` expects them).
+
+  Args:
+    box: (left, top, right, bottom).
+    image_shape: the resize's [H, W, C].
+    full_hw: the image's (height, width).
+  """
   left, top, right, bottom = box
   reach_h = max((bottom - top) / image_shape[0], 1)
   reach_w = max((right - left) / image_shape[1], 1)
@@ -242,7 +294,14 @@ class Crops:
   max_pixels: int = MAX_PIXELS  # a larger image is refused (`open_image`)
 
   def box(self, width: int, height: int, out_hw, position: int):
-    """(left, top, right, bottom) in the stored image's pixels."""
+    """A crop's (left, top, right, bottom) in the stored image's pixels.
+
+    Args:
+      width: the image's.
+      height: the image's.
+      out_hw: the crop's resized (height, width).
+      position: the example's stream position (the draw's).
+    """
     if self.scale is not None:
       rng = np.random.default_rng([self.seed, position])
       for _ in range(10):
@@ -257,15 +316,29 @@ class Crops:
     return (width - w) / 2, (height - h) / 2, (width + w) / 2, (height + h) / 2
 
   def __call__(self, data: bytes, image_shape, position: int) -> np.ndarray:
-    """The photo's box resized here (PIL's bilinear resize): uint8 of `image_shape`."""
+    """The photo's box resized here (PIL's bilinear resize), uint8.
+
+    Args:
+      data: the photo's bytes.
+      image_shape: the resize's [H, W, C].
+      position: the example's stream position.
+    """
     image, box = self.decoded(data, image_shape, position)
     return resized(image, box, image_shape)
 
   def cut(self, data: bytes, image_shape, position: int) -> tuple[np.ndarray, np.ndarray]:
-    """The photo's box with the pixels its resize reads around it (a few more each way), for
-    the devices to resize (`augment.resize_crops`), and its box there: (top, left, bottom,
-    right, height, width), those of the box and of the pixels cut. Where they would be larger
-    than `canvas`, the box resized here instead (box: the whole of it)."""
+    """The photo's box with the pixels its resize reads around it, for the devices to resize
+    (`augment.resize_crops`). Where they would be larger than `canvas`, the box resized here
+    instead (its box: the whole of it).
+
+    Args:
+      data: the photo's bytes.
+      image_shape: the resize's [H, W, C].
+      position: the example's stream position.
+    Returns:
+      The pixels cut, and their box: (top, left, bottom, right, height, width), those of the box
+      and of the pixels cut.
+    """
     height, width, channels = image_shape
     image, (left, top, right, bottom) = self.decoded(data, image_shape, position)
     pixels = np.asarray(image)  # (a PIL image's: copied)
@@ -279,7 +352,13 @@ class Crops:
   def decoded(self, data: bytes, image_shape, position: int):
     """The photo decoded (a JPEG at the smallest DCT scale that keeps the box's pixels: an array
     by simplejpeg, else PIL's image; upright, its EXIF orientation applied) and its box (left,
-    top, right, bottom) in those pixels."""
+    top, right, bottom) in those pixels.
+
+    Args:
+      data: the photo's bytes.
+      image_shape: the resize's [H, W, C].
+      position: the example's stream position.
+    """
     height, width, channels = image_shape
     mode = "L" if channels == 1 else "RGB"
     full = jpeg_size(data, self.max_pixels)
@@ -306,8 +385,13 @@ class Crops:
 
 
 def resized(image, box, image_shape) -> np.ndarray:
-  """`box` (left, top, right, bottom) of `image` (PIL's, or an array) resized to `image_shape`
-  by PIL (bilinear)."""
+  """A box of an image resized by PIL (bilinear).
+
+  Args:
+    image: PIL's image, or an array.
+    box: (left, top, right, bottom).
+    image_shape: the resized [H, W, C].
+  """
   height, width, channels = image_shape
   if isinstance(image, np.ndarray):
     image = Image.fromarray(image[..., 0] if channels == 1 else image)

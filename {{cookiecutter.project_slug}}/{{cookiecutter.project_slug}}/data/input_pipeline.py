@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from . import batches, sources
-from .batches import Elements, count_bad_records, default_workers, shares
+from .batches import Elements, count_bad_records, default_workers, split
 from .sources import DatasetInfo
 
 
@@ -79,11 +79,18 @@ class HostMemory:
 
 def host_memory(config, info: DatasetInfo, num_processes: int = 1,
                 iterators: int = 2) -> HostMemory:
-  """The input's expected host memory on each process, for a resolved `config` (k, batch): its
-  buffers, not the process's own runtime (Python, JAX, Grain: ~0.5 GiB a process). Crops sent
-  packed count as their expected pixels (`info.crop_pixels`; unknown: the canvas, the most);
-  the elements placed ahead on the devices as their rooms where the devices are this host's CPU,
-  elsewhere as what is sent (the rooms are then the devices' memory)."""
+  """The input's expected host memory on each process: its buffers, not the process's own
+  runtime (Python, JAX, Grain: ~0.5 GiB a process). Crops sent packed count as their expected
+  pixels (`info.crop_pixels`; unknown: the canvas, the most); the elements placed ahead on the
+  devices as their rooms where the devices are this host's CPU, elsewhere as what is sent (the
+  rooms are then the devices' memory).
+
+  Args:
+    config: the run's config, resolved (k, the batch).
+    info: the data's DatasetInfo.
+    num_processes: the processes the global batch is read by.
+    iterators: the iterators open at once (training's and evaluation's).
+  """
   room = math.prod(info.canvas or info.image_shape[:2])  # (packed crops: room for the largest)
   pixel = info.image_shape[2] * np.dtype(info.pixel_dtype).itemsize
   box = 6 * 4 + 4 if info.canvas else 0  # (and its offset)
@@ -92,7 +99,7 @@ def host_memory(config, info: DatasetInfo, num_processes: int = 1,
       pixels * pixel + box + 4 + 1 + 4) for pixels in (info.crop_pixels or room, room))
   if jax.default_backend() != "cpu":
     placed = element
-  unit = element // shares(config, local_batch_size)
+  unit = element // split(config, local_batch_size)["shares"]
   workers = default_workers(config)
   ahead = config.prefetch_batches + config.read_threads + 1
   main = (unit * (0 if workers else ahead) * iterators + element * (iterators + 1)
@@ -112,10 +119,18 @@ def available_memory() -> int:
 
 
 def start_worker(worker_index: int, num_workers: int, main: int) -> None:
-  """In each Grain worker, as it starts: Ctrl-C (SIGINT, sent to the whole process group) is left
-  to the main process (it saves, then stops the workers), so no worker prints a traceback; and
-  the worker ends within a second of its main process (`main`, its id), however that ended
-  (SIGKILL, the OOM killer), even before the worker started: a thread watches its parent."""
+  """Run in each Grain worker as it starts (Grain's `worker_init_fn`).
+
+  Ctrl-C (SIGINT, sent to the whole process group) is left to the main process (it saves, then
+  stops the workers), so no worker prints a traceback; and the worker ends within a second of
+  its main process, however that ended (SIGKILL, the OOM killer), even before the worker
+  started: a thread watches its parent.
+
+  Args:
+    worker_index: Grain's (unused).
+    num_workers: Grain's (unused).
+    main: the main process's id.
+  """
   del worker_index, num_workers
   signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -150,11 +165,17 @@ class Iterator:
 
 def as_iterator(elements: Elements, config, put=None, num_workers: int | None = None,
                 shared_memory: bool = True) -> Iterator:
-  """An iterator over `elements`, read by `num_workers` worker processes (default:
-  `default_workers`), which hand their images over in shared memory (`shm`; pickled where there
-  is none, or without `shared_memory`). With `put`, which takes an element's shares (a list), a
-  background thread places them on the devices, `config.prefetch_to_device` ahead; without,
-  elements are stacked on the host. Close it to stop the workers."""
+  """An iterator over `elements`; close it to stop its workers.
+
+  Args:
+    elements: the elements (`batches.train_batches`, `batches.eval_batches`).
+    config: the run's config (`read_threads`, `prefetch_batches`, `prefetch_to_device`).
+    put: places an element's shares (a list) on the devices, from a background thread,
+      `config.prefetch_to_device` ahead; None: the elements are stacked on the host.
+    num_workers: the worker processes that read them; None: `default_workers`.
+    shared_memory: whether the workers hand their images over in shared memory (`shm`); else,
+      or where there is none, pickled.
+  """
   read_options = grain.ReadOptions(num_threads=config.read_threads,
                                    prefetch_buffer_size=config.prefetch_batches)
   workers = default_workers(config) if num_workers is None else num_workers

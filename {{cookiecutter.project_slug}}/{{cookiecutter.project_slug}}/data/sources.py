@@ -132,9 +132,18 @@ def host_crops(config, canvas: tuple[int, int] | None = None) -> "dict[str, Crop
 
 
 def canvas(config, resize_shorter: int, image_shape) -> tuple[int, int] | None:
-  """The (height, width) that holds any crop of photos stored at `resize_shorter` with the
-  pixels its resize reads around it (`Crops.cut`), for `config.resize_on_device`; else None. A
-  crop's longest side: the shorter side times the widest aspect drawn (`augment_crop_ratio`)."""
+  """The (height, width) that holds any crop of the photos with the pixels its resize reads.
+
+  A crop's longest side is the shorter side times the widest aspect drawn (`augment_crop_ratio`);
+  the resize reads around it as `Crops.cut` cuts.
+
+  Args:
+    config: the run's config.
+    resize_shorter: the photos' shorter side as stored.
+    image_shape: the model's input [H, W, C].
+  Returns:
+    (height, width) where `config.resize_on_device`; else None.
+  """
   if not config.get("resize_on_device"):
     return None
   low, high = config.augment_crop_ratio if config.augment_crop else (1, 1)
@@ -144,10 +153,18 @@ def canvas(config, resize_shorter: int, image_shape) -> tuple[int, int] | None:
 
 
 def crop_pixels(config, image_shape, sizes, splits=("train", "eval")) -> int:
-  """A crop's expected pixels as the host cuts them (`Crops.cut`: its box and the pixels its
-  resize reads around it, `image_files.window`) from photos of `sizes` ((width, height) as
-  stored: metadata.json's sample): training's mean (16 draws a photo) or evaluation's, the larger
-  of `splits`' (one unit size serves both iterators)."""
+  """A crop's expected pixels as the host cuts them.
+
+  `Crops.cut` cuts its box and the pixels its resize reads around it (`image_files.window`).
+
+  Args:
+    config: the run's config.
+    image_shape: the model's input [H, W, C].
+    sizes: the photos' (width, height) as stored (metadata.json's sample).
+    splits: the splits to take the larger of (one unit size serves both iterators).
+  Returns:
+    The larger of training's mean (16 draws a photo) and evaluation's, in pixels.
+  """
   from .image_files import window
 
   crops, draws = host_crops(config), {"train": 16, "eval": 1}
@@ -184,8 +201,16 @@ def get_datasets(config) -> tuple[dict, DatasetInfo]:
 
 
 def say_scarce(counts, names, config) -> None:
-  """Says once, as a warning, which classes hold fewer training images than their share of a
-  batch (the global batch over the classes): each epoch shows such a class less than the others."""
+  """Says once, as a warning, which classes hold fewer training images than their share of a batch.
+
+  A class's share is the global batch over the classes: each epoch shows a class below it less
+  than the others.
+
+  Args:
+    counts: each class's training images.
+    names: the classes' names.
+    config: the run's config (or write_arrayrecord.py's, which has no batch: nothing said).
+  """
   batch = config.run.global_batch_size if "run" in config else config.get("batch_size", 0)
   if not batch:  # (write_arrayrecord.py's check: no batch yet)
     return

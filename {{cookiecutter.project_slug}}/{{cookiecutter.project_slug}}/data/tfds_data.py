@@ -58,7 +58,16 @@ def builder(config):
 
 
 class Source:
-  """A split as a Grain source: `take` decodes a batch of its images."""
+  """A TFDS split as a Grain source: `take` decodes a batch of its images.
+
+  Args:
+    data_source: the split (`tfds.data_source`'s).
+    image_key: its images' feature.
+    label_key: its labels' feature.
+    image_shape: the images' [H, W, C].
+    crops: a `Crops` for photos cropped on the host; None: none.
+    name: the split's name, in the log's lines.
+  """
 
   def __init__(self, data_source, image_key: str, label_key: str, image_shape, crops=None,
                name: str = "tfds"):

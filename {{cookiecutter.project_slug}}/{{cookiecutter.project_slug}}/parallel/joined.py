@@ -22,8 +22,16 @@ from . import sharding
 
 def join(address: str, joining: dict, process_id: int | None, num_processes: int | None,
          join_timeout: int, heartbeat: int) -> None:
-  """Joins the job at `address` (`joining`: jax.distributed.initialize's arguments beyond the
-  process id and count), waiting up to `join_timeout` seconds."""
+  """Joins the job (jax.distributed.initialize).
+
+  Args:
+    address: the coordinator's.
+    joining: jax.distributed.initialize's arguments beyond the process id and count.
+    process_id: this process's; None: the cluster's.
+    num_processes: the job's; None: the cluster's.
+    join_timeout: the seconds it waits for the others.
+    heartbeat: the seconds after which a silent process is lost.
+  """
   # (JAX's own timeout a little later than ours: at its own it aborts, with a C++ stack dump.)
   with joining_said(address, process_id, num_processes, join_timeout):
     jax.distributed.initialize(num_processes=num_processes, process_id=process_id, **joining,
@@ -44,7 +52,14 @@ def join(address: str, joining: dict, process_id: int | None, num_processes: int
 @contextlib.contextmanager
 def joining_said(address: str, process_id: int | None, num_processes: int | None, seconds: int):
   """Says at once that this process waits for the job's coordinator; if the job has not formed
-  within `seconds` (--join_timeout_seconds), ends the process with one line naming the address."""
+  in time, ends the process with one line naming the address.
+
+  Args:
+    address: the coordinator's.
+    process_id: this process's; None: the cluster's.
+    num_processes: the job's; None: the cluster's.
+    seconds: the time it waits (--join_timeout_seconds).
+  """
   who = ("a process" if process_id is None else f"process {process_id}") + (
       "" if num_processes is None else f" of {num_processes}")
   logging.info("Joining the job at %s as %s; waiting up to %d s for the others "

@@ -54,9 +54,15 @@ def unreplicate(tree):
 
 
 def shard_batch(batch, num_devices: int, axis: int = 0):
-  """`[global, ...]` -> `[num_devices, global // num_devices, ...]` for every leaf; with
-  `axis=1`, stacked batches `[k, global, ...]` -> `[num_devices, k, global // num_devices, ...]`.
-  NumPy views: no copy."""
+  """`[global, ...]` -> `[num_devices, global // num_devices, ...]` for every leaf (NumPy views:
+  no copy).
+
+  Args:
+    batch: the batch's arrays.
+    num_devices: the devices it is split over.
+    axis: the batch's axis; 1: stacked batches `[k, global, ...]` ->
+      `[num_devices, k, global // num_devices, ...]`.
+  """
 
   def split(x):
     size = x.shape[axis]
@@ -165,10 +171,16 @@ def on_devices(step):
 
 
 def compiled(train, evaluate, mesh: Mesh, devices=None) -> dict:
-  """`dispatch.Steps`' fields under pmap, for the steps over stacked batches that `train` and
-  `evaluate` take (`on_devices`' steps): each compiled for `devices` (default: the local ones).
-  State and batch: one slice a device (axis 0); metrics: one value, the same everywhere. The
-  state is placed as `replicate` places it, and given back as `mesh`'s."""
+  """`dispatch.Steps`' fields under pmap. State and batch: one slice a device (axis 0); metrics:
+  one value, the same everywhere. The state is placed as `replicate` places it, and given back
+  as `mesh`'s.
+
+  Args:
+    train: the train step over stacked batches (`on_devices`' step).
+    evaluate: the eval step, the same.
+    mesh: the devices' mesh.
+    devices: the devices compiled for; None: the local ones.
+  """
   mapped = functools.partial(jax.pmap, axis_name=PMAP_AXIS, in_axes=(0, None, 0),
                              devices=devices)
   local = sharding.replicated(local_devices_mesh())

@@ -64,9 +64,16 @@ def data_sharded(mesh: Mesh) -> NamedSharding:
 
 def state_shardings(state, mesh: Mesh, min_size: int = 0):
   """Where each leaf of the model and optimizer state lives: replicated, or, on a mesh with an
-  'fsdp' axis, split along its largest dimension that the axis divides (leaves of at least
-  `min_size` elements: `config.fsdp_min_size`). Shapes are all it reads: it works on traced
-  and abstract values."""
+  'fsdp' axis, split along its largest dimension that the axis divides. Shapes are all it
+  reads: it works on traced and abstract values.
+
+  Args:
+    state: the state (or its shapes).
+    mesh: the devices' mesh.
+    min_size: the fewest elements of a leaf that is split (`config.fsdp_min_size`).
+  Returns:
+    A NamedSharding for each leaf.
+  """
   size = dict(mesh.shape).get(FSDP_AXIS, 1)
 
   def where(x):
@@ -80,8 +87,14 @@ def state_shardings(state, mesh: Mesh, min_size: int = 0):
 
 
 def place_state(state, mesh: Mesh, min_size: int = 0):
-  """A state that every process holds in full (the same values everywhere) -> global arrays
-  placed as `state_shardings` says: each device receives only its own slice."""
+  """Global arrays of a state that every process holds in full (the same values everywhere),
+  placed as `state_shardings` says: each device receives only its own slice.
+
+  Args:
+    state: the state, in host or device memory.
+    mesh: the devices' mesh.
+    min_size: as `state_shardings`'.
+  """
 
   def place(x, sharding):
     if sharding.spec == P():
@@ -147,9 +160,18 @@ def _shares(sharding: NamedSharding, shape: tuple[int, int]):
 
 
 def padded(pieces: list, devices: list, nbytes: int, axis: int) -> list:
-  """Each device's bytes of `batches.sent` (`pieces`, placed on `devices`, one each, stacked on
-  `axis`) padded back to `nbytes` there, in one program over this process's devices: the shape
-  the steps were compiled for (compiled once a length: `batches.SIZES` at most)."""
+  """Each device's bytes of `batches.sent` padded back, there, to the shape the steps were
+  compiled for: one program over this process's devices (compiled once a length: `batches.SIZES`
+  at most).
+
+  Args:
+    pieces: the bytes, one array a device.
+    devices: the devices they are on.
+    nbytes: the length they are padded to.
+    axis: the axis of the bytes.
+  Returns:
+    The padded arrays, one a device.
+  """
   mesh = Mesh(np.array(devices), ("pieces",))
   where = NamedSharding(mesh, P(*[None] * axis, "pieces"))
   shape = list(pieces[0].shape)

@@ -35,8 +35,14 @@ WORKERS = dict(image_shape=(224, 224, 3), batch_size=256, steps_per_dispatch=4, 
 
 
 def measure_pipeline(config, is_tiny: bool, seconds: float = 3.0) -> dict:
-  """Images/s of the Grain iterator alone over `config`'s synthetic images, resized to
-  PIPELINE, placing each element on the devices (spmd)."""
+  """Images/s of the Grain iterator alone over synthetic images, resized to PIPELINE, placing
+  each element on the devices (spmd).
+
+  Args:
+    config: the run's config (its workers).
+    is_tiny: --tiny's smaller sizes.
+    seconds: the time measured.
+  """
   config = config.copy_and_resolve_references()
   config.dataset = "synthetic"
   config.synthetic.image_shape = PIPELINE["image_shape"]
@@ -58,7 +64,14 @@ def measure_pipeline(config, is_tiny: bool, seconds: float = 3.0) -> dict:
 
 
 def write_jpeg_folder(folder: str, num_images: int, size: int, num_classes: int = 4):
-  """Smooth random RGB images (a JPEG's usual content), one subfolder per class."""
+  """Writes smooth random RGB JPEGs (a photo's usual content), one subfolder per class.
+
+  Args:
+    folder: where.
+    num_images: how many.
+    size: their side.
+    num_classes: the subfolders.
+  """
   rng = np.random.default_rng(0)
   for i in range(num_images):
     os.makedirs(directory := os.path.join(folder, f"class{i % num_classes}"), exist_ok=True)
@@ -68,7 +81,13 @@ def write_jpeg_folder(folder: str, num_images: int, size: int, num_classes: int 
 
 def measure_decoding(config, is_tiny: bool, seconds: float = 3.0) -> dict:
   """Images/s of the Grain iterator over JPEG files kept encoded (`write_arrayrecord.py
-  --keep_encoded`), decoded by `config`'s worker processes."""
+  --keep_encoded`), decoded by the worker processes.
+
+  Args:
+    config: the run's config (its workers).
+    is_tiny: --tiny's smaller sizes.
+    seconds: the time measured.
+  """
   config = config.copy_and_resolve_references()
   config.dataset, config.batch_size = "arrayrecord", DECODING["batch_size"]
   config.num_epochs = 1000  # never runs out
@@ -133,6 +152,7 @@ class Staged:
     self.bytes = self.crop_bytes = self.slots = 0
 
   def __call__(self, shares, *args, **kwargs):
+    """`put(shares, *args, **kwargs)`, the bytes counted and, while `on`, copied first."""
     shares = [shares] if isinstance(shares, dict) else shares
     self.crop_bytes += sum(int(share["filled"].sum()) for share in shares if "filled" in share)
     shares = batches.sent(shares)
@@ -166,7 +186,14 @@ def deliver(iterator, elements: int, sampler: PeakMemory | None = None,
   they fill; else the placed arrays'), the wall time, and the CPU time of the main process (its
   threads: receiving, placing) and of its process tree (its workers too), `sampler`'s own and
   the CPU devices' (`devices_cpu_seconds`) left out. A count, not a window of time: a large
-  batch's figures hold as a small one's."""
+  batch's figures hold as a small one's.
+
+  Args:
+    iterator: the input's iterator, placing each element.
+    elements: how many are measured, after a first one.
+    sampler: samples the process tree's memory; None: not sampled.
+    put: the placing function, whose sent bytes are counted; None: the placed arrays' bytes.
+  """
   jax.block_until_ready(next(iterator))  # workers started, first element read
   start, main, tree = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF), cpu_seconds()
   sampled = sampler.cpu if sampler else 0.0
@@ -203,9 +230,14 @@ def main_process_cost(delivered: dict) -> dict:
 def measure_workers(config, is_tiny: bool, elements: int = 6) -> dict:
   """WORKERS' uint8 arrays in ArrayRecord files, read by `config`'s worker processes (at least
   one) as training reads them and placed on the devices (spmd): images/s, and the main
-  process's cost per GB delivered (`main_process_cost`), over `elements` elements of k = 4
-  batches; the same with the shares pickled (where
-  there is no /dev/shm; before shared memory, the only way)."""
+  process's cost per GB delivered (`main_process_cost`), over elements of k = 4 batches; the
+  same with the shares pickled (where there is no /dev/shm; before shared memory, the only way).
+
+  Args:
+    config: the run's config (its workers).
+    is_tiny: --tiny's smaller sizes.
+    elements: how many are measured.
+  """
   config = config.copy_and_resolve_references()
   config.dataset, config.num_epochs, config.parallelism = "arrayrecord", 10**6, "spmd"
   config.batch_size = WORKERS["batch_size"]
@@ -292,7 +324,13 @@ def cpu_seconds() -> float:
 
 
 def pil_loop(encoded, image_shape, seconds: float) -> float:
-  """Images per CPU-second of PIL opening, decoding and resizing `encoded()`'s images in turn."""
+  """Images per CPU-second of PIL opening, decoding and resizing images in turn.
+
+  Args:
+    encoded: () -> the images' bytes.
+    image_shape: the resize's [H, W, C].
+    seconds: the CPU time measured.
+  """
   height, width, channels = image_shape
   done, start = 0, time.process_time()
   while time.process_time() - start < seconds:
@@ -304,8 +342,16 @@ def pil_loop(encoded, image_shape, seconds: float) -> float:
 
 
 def measure_input(config, splits, info, num_batches: int, rate: float) -> dict:
-  """`measure_data`'s figures of one way of reading the data (`config`'s), over `num_batches`
-  batches (in elements of k), and half as many again with the staging copy."""
+  """`measure_data`'s figures of one way of reading the data, and half as many batches again
+  with the staging copy.
+
+  Args:
+    config: the run's config (the way it reads the data).
+    splits: the data's splits.
+    info: its DatasetInfo.
+    num_batches: the batches measured (in elements of k).
+    rate: the images/s whose cores are counted.
+  """
   memory = PeakMemory()
   memory.start()
   timed_padding()
@@ -341,8 +387,15 @@ def measure_data(config, num_batches: int, rate: float, image_folder: str | None
   second and per CPU-second (this process and its Grain workers), the main process's cost per
   GB (`main_process_cost`), the cores that feed `rate` images/s, the peak resident memory of
   the process tree (and `input_pipeline.host_memory`'s expectation of the buffers), the PIL loop
-  over `image_folder`'s files (or the stored images, when encoded). Photos whose crops the
-  devices resize: the same again with the host resizing them (`host_resize_...`), in this run."""
+  over the photos. Photos whose crops the devices resize: the same again with the host
+  resizing them (`host_resize_...`), in this run.
+
+  Args:
+    config: the run's config (`data_dir`).
+    num_batches: the training batches measured.
+    rate: the images/s whose cores are counted.
+    image_folder: the photos' files, for the PIL loop; None: the stored images, when encoded.
+  """
   config = plan.resolved(config)
   config.num_epochs = 10**6  # never runs out
   splits, info = sources.get_datasets(config)
@@ -378,8 +431,17 @@ def measure_data(config, num_batches: int, rate: float, image_folder: str | None
 
 def main(config, data_dir: str, num_batches: int, rate: float, image_folder: str | None,
          out: str):
-  """`benchmark.py --data_dir`: `measure_data` on `data_dir` read as `config.dataset` reads it
-  ('arrayrecord' for the digits' and synthetic configs), printed and written to `out` (JSON)."""
+  """`benchmark.py --data_dir`: `measure_data`, printed and written as JSON.
+
+  Args:
+    config: the run's config.
+    data_dir: the data, read as `config.dataset` reads it ('arrayrecord' for the digits' and
+      synthetic configs).
+    num_batches: the training batches measured.
+    rate: the images/s whose cores are counted.
+    image_folder: as `measure_data`'s.
+    out: the JSON file.
+  """
   config.data_dir = data_dir
   if sources.SOURCES[config.dataset].in_memory:
     config.dataset = "arrayrecord"

@@ -18,8 +18,13 @@ from ..training import dispatch, optim
 def measure_default_run(is_tiny: bool, project: str, env: dict[str, str]) -> dict:
   """`python train.py --config=configs/default.py` (tiny.py with --tiny) as a whole process,
   cold: no persistent compilation cache. Its wall time, what its log says of it, and the time
-  from the start to its first-calls line (the start-up: imports, data, state, compiling). Run in
-  `project` (its folder), with `env` less the compilation cache."""
+  from the start to its first-calls line (the start-up: imports, data, state, compiling).
+
+  Args:
+    is_tiny: tiny.py's config instead.
+    project: the project's folder, where it runs.
+    env: its environment (less the compilation cache).
+  """
   name = "tiny" if is_tiny else "default"
   env = {k: v for k, v in env.items() if k != "JAX_COMPILATION_CACHE_DIR"}
   with tempfile.TemporaryDirectory() as workdir:
@@ -49,8 +54,15 @@ def measure_dispatch(config, is_tiny: bool, ema_decay: float, calls: int = 200) 
   """The host time of a call that hands the ResNet-50 training state (`config`:
   configs/imagenet.py's; with --tiny the ResNet-18) to a compiled function and gets it back (as a
   step does; the function does nothing): as an nnx.State, and as the flat list of arrays that the
-  loop holds (`dispatch.make`'s put_state); without and with the moving average (`ema_decay`). The
-  median of `calls` calls; {} when model.py (yours) has no such ResNet."""
+  loop holds (`dispatch.make`'s put_state); without and with the moving average. {} when
+  model.py (yours) has no such ResNet.
+
+  Args:
+    config: configs/imagenet.py's.
+    is_tiny: the ResNet-18 instead.
+    ema_decay: the moving average's.
+    calls: the calls whose median is taken.
+  """
   config = config.copy_and_resolve_references()
   config.model.name = "resnet18" if is_tiny else "resnet50"
   if config.model.name not in getattr(plan.model_module(config), "MODELS", ()):

@@ -88,8 +88,14 @@ class Runner:
 
 
 def measure_steps(config, paths, ema: str, ema_decay: float) -> dict:
-  """Every path's compile time and median step time, the paths (and spmd with the moving
-  average, named `ema`) taking turns."""
+  """Every path's compile time and median step time, the paths taking turns.
+
+  Args:
+    config: the run's config.
+    paths: the parallelisms measured.
+    ema: the name of spmd with the moving average, measured too.
+    ema_decay: its decay.
+  """
   with_ema = config.copy_and_resolve_references()
   with_ema.ema_decay = ema_decay
   runners = {path: Runner(config, path) for path in paths} | {ema: Runner(with_ema, "spmd")}

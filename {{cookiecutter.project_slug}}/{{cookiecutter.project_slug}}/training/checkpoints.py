@@ -21,9 +21,13 @@ from .damaged import DAMAGED, leaf_name, newest_intact, put_aside
 
 
 class Checkpoints:
-  """The checkpoints of the run in `workdir` (`checkpoint_manager`, written as `config` says),
-  which `claim` holds (runs.Claim: renewed as saves are checked; None: a reader's). Any error
-  of a save, whenever Orbax reports it, is raised as SaveFailed, in one line."""
+  """A run's checkpoints; any error of a save, whenever Orbax reports it, raised as SaveFailed.
+
+  Args:
+    workdir: the run's workdir.
+    config: the run's config (`checkpoint_manager`).
+    claim: the run's hold on the workdir (runs.Claim, renewed as saves are checked); None.
+  """
 
   def __init__(self, workdir: str, config, claim=None):
     self.workdir, self.claim = workdir, claim
@@ -51,9 +55,14 @@ class Checkpoints:
             "(the log of the run that put them aside said why): this run would start over from "
             f"step 0. To start over here, remove or rename {damaged}; or use a new --workdir.")
       return 0, init()
+
+    def restore(step):  # in `abstract`'s shapes, dtypes and shardings, once it fits
+      check_checkpoint_fits(self.manager, step, abstract, workdir)
+      return self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+          abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))))["state"]
+
     step, state = newest_intact(
-        sorted(self.manager.all_steps(), reverse=True),
-        lambda s: restore_state(self.manager, s, abstract, workdir),
+        sorted(self.manager.all_steps(), reverse=True), restore,
         lambda s, why: logging.warning("checkpoint %d in %s %s: kept in %s; resuming from an "
                                        "older one", s, workdir, why, self.put_aside(s, why)),
         functools.partial(changed_leaf, self.manager))
@@ -79,13 +88,14 @@ class Checkpoints:
           "access), then run the same command.") from None
 
   def save(self, step: int, state) -> None:
-    """Starts saving `state` as checkpoint `step`, in the background. A save off the interval
-    (the last step's, a stop's) may wait for the one before it without Orbax's advice to
-    checkpoint less often: no interval would avoid that wait."""
+    """Starts saving `state` and its `checksums` as checkpoint `step`, in the background. A save
+    off the interval (the last step's, a stop's) may wait for the one before it without Orbax's
+    advice to checkpoint less often: no interval would avoid that wait."""
     off_interval = step % self.every != 0
     with (saving(self.workdir),
           _without(ORBAX_WAIT_ADVICE) if off_interval else contextlib.nullcontext()):
-      save(self.manager, step, state)
+      self.manager.save(step, force=True, args=ocp.args.Composite(
+          state=ocp.args.PyTreeSave(state), checksums=ocp.args.JsonSave(checksums(state))))
 
   def check(self) -> None:
     """Raises SaveFailed if a save in the background has failed since the last call."""
@@ -125,11 +135,15 @@ def array_handlers():
 
 
 def checkpoint_manager(workdir: str, config=None, create: bool = True):
-  """The checkpoints of `workdir`: with the run's `config`, written as it says (kept: the newest
-  `max_checkpoints_to_keep`, and each of a step that `keep_checkpoint_every_steps` divides);
-  without, read (`create=False`: never make the directory). Each holds the state and its
-  `checksums`. Orbax writes each checkpoint to a temporary directory and renames it when
-  complete, so a checkpoint cut short by a kill is never restored."""
+  """Orbax's manager of a workdir's checkpoints, each the state and its `checksums`, written to a
+  temporary directory and renamed when complete: one cut short by a kill is never restored.
+
+  Args:
+    workdir: the workdir.
+    config: the run's config: written as it says (kept: the newest `max_checkpoints_to_keep`,
+      and each of a step that `keep_checkpoint_every_steps` divides); None: read, all kept.
+    create: whether the directory is made (a reader's: never).
+  """
   policy = None  # (read: every one kept)
   if config:
     every = config.get("keep_checkpoint_every_steps", 0)
@@ -170,12 +184,6 @@ def checksums(state) -> dict[str, int]:
           for (path, _), value in zip(named, sums, strict=True)}
 
 
-def save(checkpoints, step: int, state) -> None:
-  """Saves `state` (in the background) with its `checksums`."""
-  checkpoints.save(step, force=True, args=ocp.args.Composite(
-      state=ocp.args.PyTreeSave(state), checksums=ocp.args.JsonSave(checksums(state))))
-
-
 # Orbax's warning when a save first waited over a second for the one before it.
 ORBAX_WAIT_ADVICE = "consider checkpointing less frequently"
 
@@ -183,8 +191,7 @@ ORBAX_WAIT_ADVICE = "consider checkpointing less frequently"
 @contextlib.contextmanager
 def _without(message: str):
   """absl's log records that contain `message` are dropped inside."""
-  def keep(record) -> bool:
-    return message not in record.getMessage()
+  keep = lambda record: message not in record.getMessage()  # noqa: E731
   logger = logging.get_absl_logger()
   logger.addFilter(keep)
   try:
@@ -198,10 +205,15 @@ def checksums_file(checkpoints, step: int) -> epath.Path:
 
 
 def changed_leaf(checkpoints, step: int, state) -> str | None:
-  """Why checkpoint `step` is not what it saved, by its checksums: a leaf of `state` (or of a
-  part of it: those leaves alone) that differs, or its checksum file damaged; else None (also for
-  a checkpoint saved without checksums, by an older version: said, restored unchecked). Every
-  process computes the sums together; each reads the saved ones from the file itself."""
+  """Why a checkpoint is not what it saved, by its checksums: a leaf that differs, or its
+  checksum file damaged; else None (also for one saved without checksums, by an older version:
+  said, restored unchecked). The processes sum together; each reads the saved sums itself.
+
+  Args:
+    checkpoints: Orbax's manager.
+    step: the checkpoint's step.
+    state: its state as restored (or a part of it: those leaves alone).
+  """
   path = checksums_file(checkpoints, step)
   if not path.exists():
     return None
@@ -241,23 +253,26 @@ LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Barrier t
              "stopped sending heartbeats")
 
 
-def stored_shape(x) -> tuple:
-  """A leaf's shape as Orbax stores it: a typed PRNG key (a Dropout's stream, `nnx.Rngs`) as its
-  raw key data (key<fry>[] is stored as uint32[2]); any other leaf as it is."""
-  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-    return tuple(jax.eval_shape(jax.random.key_data, x).shape)
-  return tuple(x.shape)
-
-
 def shapes(tree) -> dict[str, tuple]:
-  """Each leaf's stored shape (`stored_shape`), by name: a checkpoint's metadata or a state."""
-  return {leaf_name(path): stored_shape(x)
+  """Each leaf's shape as Orbax stores it, by name (of a checkpoint's metadata or a state): a
+  typed PRNG key (a Dropout's stream, `nnx.Rngs`) as its raw key data (key<fry>[] is stored as
+  uint32[2]); any other leaf as it is."""
+  key = lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)  # noqa: E731
+  return {leaf_name(path): tuple(jax.eval_shape(jax.random.key_data, x).shape if key(x)
+                                 else x.shape)
           for path, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def check_checkpoint_fits(checkpoints, step: int, abstract_state, workdir: str) -> None:
-  """Raises ConfigError if the checkpoint of `step` holds a different model or optimizer; a
-  checkpoint without its metadata is damage (FileNotFoundError), not another model."""
+  """Raises ConfigError if a checkpoint holds another model or optimizer (without its metadata:
+  FileNotFoundError, damage).
+
+  Args:
+    checkpoints: Orbax's manager.
+    step: the checkpoint's step.
+    abstract_state: the state this config and model build, abstract.
+    workdir: the workdir (named in the error).
+  """
   if not (epath.Path(checkpoints.directory) / str(step) / "state" / "_METADATA").exists():
     raise FileNotFoundError("its metadata, state/_METADATA, is missing")  # (Orbax's file)
   saved = shapes(checkpoints.item_metadata(step)["state"])
@@ -275,10 +290,3 @@ def check_checkpoint_fits(checkpoints, step: int, abstract_state, workdir: str) 
         f"model{f' ({more} more leaves differ)' if more else ''}; use a new --workdir, or the "
         f"config and model that wrote it (model.py in the workdir is a copy of the run's "
         "model).")
-
-
-def restore_state(checkpoints, step: int, abstract, workdir: str):
-  """The state of checkpoint `step`, in the shapes, dtypes and shardings of `abstract`."""
-  check_checkpoint_fits(checkpoints, step, abstract, workdir)
-  return checkpoints.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-      abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))))["state"]

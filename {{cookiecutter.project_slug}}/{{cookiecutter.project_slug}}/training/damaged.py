@@ -65,11 +65,16 @@ ORBAX_RESTORE_BARRIER = "_Checkpointer:restore"
 
 
 def damage(restore, step: int, changed=None) -> tuple[object, str | None]:
-  """`restore(step)`, and what is wrong with checkpoint `step` (None: nothing) on any process: it
-  cannot be read, it is not what was saved (`changed(step, state)`: why, or None), or it holds
-  non-finite values. A model that does not fit raises, as before. Every
-  process takes the same collectives: first whether each could read its part, then, all having
-  read, the checksums and whether a value is non-finite."""
+  """A checkpoint's state, and what is wrong with it on any process (None: nothing): it cannot be
+  read, it is not what was saved, or it holds non-finite values. A model that does not fit
+  raises, as before. Every process takes the same collectives: first whether each could read
+  its part, then, all having read, the checksums and whether a value is non-finite.
+
+  Args:
+    restore: step -> its state.
+    step: the checkpoint's step.
+    changed: (step, state) -> why it is not what was saved, or None; None: not checked.
+  """
   state, why = None, None
   try:
     state = restore(step)
@@ -97,9 +102,14 @@ def damage(restore, step: int, changed=None) -> tuple[object, str | None]:
 
 
 def newest_intact(steps, restore, damaged, changed=None) -> tuple[int | None, object]:
-  """The first of `steps` (newest first) that `restore(step)` reads back intact (`damage`), and
-  its state; `damaged(step, why)` is called for each one before it that is not. (None, None):
-  none is."""
+  """The first checkpoint read back intact (`damage`), and its state; (None, None): none is.
+
+  Args:
+    steps: the checkpoints' steps, newest first.
+    restore: step -> its state.
+    damaged: (step, why), called for each one before it that is not intact.
+    changed: as `damage`'s.
+  """
   for step in steps:
     state, why = damage(restore, step, changed)
     if why is None:
@@ -112,8 +122,16 @@ DAMAGED = "damaged_checkpoints"  # in the workdir: checkpoints that could not be
 
 
 def put_aside(checkpoints, step: int, workdir: str) -> str:
-  """Moves checkpoint `step` out of the checkpoints (a new one of that step will be saved) into
-  `workdir`/damaged_checkpoints/, where it is kept. Returns where (process 0 moves it)."""
+  """Moves a checkpoint out of the checkpoints (a new one of that step will be saved) into
+  the workdir's damaged_checkpoints/, where it is kept (process 0 moves it).
+
+  Args:
+    checkpoints: Orbax's manager.
+    step: the checkpoint's step.
+    workdir: the run's workdir.
+  Returns:
+    Where it is kept.
+  """
   aside = epath.Path(workdir) / DAMAGED / str(step)
   for n in itertools.count(2):  # a step put aside before (saved again since, damaged again)
     if not aside.exists():

@@ -32,8 +32,17 @@ def step_options(run_plan, crop_on_device: bool = True) -> dict:
 
 
 def backend_forms(step, platform: str, config):
-  """`step` (one batch's) traced in the platform's own forms of the same math, where it has any:
-  the one place a backend's module is chosen (BENCHMARKS.md, "The train step's forms")."""
+  """A step traced in the platform's own forms of the same math, where it has any.
+
+  The one place a backend's module is chosen (BENCHMARKS.md, "The train step's forms").
+
+  Args:
+    step: the train step on one batch.
+    platform: "gpu", "cpu" or "tpu" (the TPU's forms are the stock ones).
+    config: the run's config.
+  Returns:
+    `step`, traced with the platform's forms in place of the stock ones.
+  """
   if platform == "gpu":
     from ..backends import gpu
 
@@ -68,10 +77,17 @@ def substituted(swaps):
 
 
 def on_resized(step, image_shape, canvas):
-  """`step` on a batch whose photos' crops, cut on the host and sent end to end with their "box"
-  and "offset" (`batches.pack`; `canvas`: the largest), are first unpacked and resized on the
-  devices to `image_shape` and scaled as the model takes pixels (steps.forward): a stage before
-  the step."""
+  """A step whose batch's crops are first resized on the devices: a stage before the step.
+
+  Args:
+    step: a train or eval step on one batch.
+    image_shape: the model's input [H, W, C].
+    canvas: the largest crop [H, W], that the crops sent end to end (`batches.pack`, with their
+      "offset" and "box") are unpacked into.
+  Returns:
+    `step` on the crops resized to `image_shape` and scaled as the model takes pixels
+    (steps.forward).
+  """
 
   def resized_step(graphdef, state, running, batch, **kwargs):
     batch = dict(batch)
@@ -85,9 +101,16 @@ def on_resized(step, image_shape, canvas):
 
 
 def one_batch_steps(run_plan, platform: str, info=None):
-  """The train and eval steps on one batch (steps.py's, as partials of everything but the
-  graphdef, state, metrics and batch), composed for the platform (`backend_forms`), the
-  parallelism (pmap: `pmap.on_devices`) and the data (photos' crops: `on_resized`)."""
+  """The train and eval steps on one batch, composed for the platform, parallelism and data.
+
+  Args:
+    run_plan: the run's plan (`plan.make_plan`).
+    platform: the devices' platform (`backend_forms`).
+    info: the data's DatasetInfo (photos' crops: `on_resized`); None: the images as stored.
+  Returns:
+    steps.py's train and eval steps, as partials of everything but the graphdef, state, metrics
+    and batch (pmap: `pmap.on_devices`).
+  """
   options = step_options(run_plan, not (info and info.crops_on_host))
   train = backend_forms(functools.partial(train_step, **options), platform, run_plan.config)
   evaluate = functools.partial(eval_step, config=options["config"], recipe=options["recipe"])
@@ -102,9 +125,20 @@ def one_batch_steps(run_plan, platform: str, info=None):
 
 
 def k_steps(step, state, running, batches, unroll: bool = False):
-  """`step(state, running, batch)` -> `(state, running)`, run once per batch of the batches
-  stacked on a leading axis (`lax.scan`; `unroll`: as straight-line code). Photos' crops packed
-  (`batches.pack`: "offset"): the one "image" holds every batch's, given to each."""
+  """A step run once per batch of batches stacked on a leading axis (`lax.scan`).
+
+  Photos' crops packed (`batches.pack`: "offset"): the one "image" holds every batch's, given to
+  each.
+
+  Args:
+    step: (state, running, batch) -> (state, running).
+    state: the state.
+    running: the metrics so far.
+    batches: k batches stacked, [k, B, ...].
+    unroll: whether the k steps are written out as straight-line code.
+  Returns:
+    (state, running) after the k steps.
+  """
   if "offset" in batches:
     packed, batches, one = batches["image"][0], dict(batches), step
     del batches["image"]
@@ -134,11 +168,20 @@ class Steps(NamedTuple):
 
 def make(graphdef, run_plan, mesh, unroll: bool | None = None, pmap_devices=None,
          info=None) -> Steps:
-  """The train and eval steps of the plan's (`plan.make_plan`) `config.parallelism`, each over
-  stacked batches. `unroll` (None:
-  on the CPU alone, whose convolution gradients run far slower inside a loop) writes the k steps
-  out; `pmap_devices`: pmap's (aot.py: a topology's); `info`: the data's DatasetInfo (photos
-  cropped on the host: the recipe's crop off; crops in a canvas resized to its image_shape)."""
+  """The train and eval steps of the plan's `config.parallelism`, each over stacked batches.
+
+  Args:
+    graphdef: the graph of the state's objects.
+    run_plan: the run's plan (`plan.make_plan`).
+    mesh: the devices' mesh (jit's).
+    unroll: whether the k steps are written out; None: on the CPU alone, whose convolution
+      gradients run far slower inside a loop.
+    pmap_devices: pmap's devices (aot.py: a topology's); None: the mesh's.
+    info: the data's DatasetInfo (photos cropped on the host: the recipe's crop off; crops sent
+      packed: resized on the devices to its image_shape).
+  Returns:
+    The compiled `Steps`.
+  """
   config, platform = run_plan.config, (pmap_devices or mesh.devices.flat)[0].platform
   compiler_options = run_plan.xla_options or None  # (jit's; pmap takes none)
   unroll = platform == "cpu" if unroll is None else unroll
@@ -190,9 +233,16 @@ def make(graphdef, run_plan, mesh, unroll: bool | None = None, pmap_devices=None
 
 
 def compile_eval(compiled: Steps, state, eval_batches, collection) -> float:
-  """Compiles the eval step (its metrics: `collection`) now, not mid-training, for the first and
-  the last (shorter) element; returns the seconds it took (a call returns once compiled and
-  dispatched)."""
+  """Compiles the eval step now, not mid-training, for the first and the last (shorter) element.
+
+  Args:
+    compiled: the steps.
+    state: the state, in the steps' layout.
+    eval_batches: the eval split's elements.
+    collection: the eval metrics' class.
+  Returns:
+    The seconds it took (a call returns once compiled and dispatched).
+  """
   start = time.perf_counter()
   for element in {len(e["mask"]): e for e in (eval_batches[0], eval_batches[-1])}.values():
     compiled.eval(state, compiled.empty(collection), compiled.put_batch(element))
@@ -213,9 +263,18 @@ def summarize(running) -> dict[str, float]:
 
 
 def evaluate(compiled: Steps, state, iterator, num_batches: int, config, collection):
-  """The metrics (`collection`: the plan's `metrics.eval`, or more) over the next
-  `num_batches` elements of `iterator` (`input_pipeline.as_iterator`: the eval split once),
-  merged on the devices."""
+  """The eval metrics over the next elements of an iterator, merged on the devices.
+
+  Args:
+    compiled: the steps.
+    state: the state, in the steps' layout.
+    iterator: the elements (`input_pipeline.as_iterator`: the eval split once).
+    num_batches: how many elements to take.
+    config: the run's config.
+    collection: the metrics' class (the plan's `metrics.eval`, or more).
+  Returns:
+    The running metrics, on the devices.
+  """
   running = compiled.empty(collection)
   every = sync_every(config)
   for i in range(1, num_batches + 1):

@@ -14,9 +14,15 @@ from .damaged import damage, leaf_name
 
 def init_from(source: str, abstract, init):
   """Fine-tuning: a function like `init` whose model parameters and batch statistics are those of
-  the latest checkpoint in `source` (its moving average's, when it kept one); the optimizer is
-  fresh. Leaves of another shape (a classifier for other classes) stay fresh and are logged; a leaf
-  absent on either side raises ConfigError before anything is read."""
+  a run's latest checkpoint (its moving average's, when it kept one); the optimizer is fresh.
+  Leaves of another shape (a classifier for other classes) stay fresh and are logged; a leaf
+  absent on either side raises ConfigError before anything is read.
+
+  Args:
+    source: the run's workdir (`config.init_from`).
+    abstract: the state's abstract value.
+    init: builds the state.
+  """
   checkpoints = checkpoint_manager(absolute(source), create=False)
   step = checkpoints.latest_step()
   if step is None:

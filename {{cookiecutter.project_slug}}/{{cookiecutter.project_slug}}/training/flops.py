@@ -48,13 +48,26 @@ def _flops(jaxpr) -> int:
 def model_flops(fn, *args, axis_env=None) -> int:
   """FLOPs of the matrix products and convolutions of `fn(*args)` (forward and backward), from
   its jaxpr: the same on every backend, whatever the compiler fuses or hands to a library.
-  `axis_env`: the named axes that `fn`'s collectives use, with their sizes (pmap's)."""
+
+  Args:
+    fn: the function.
+    *args: its arguments (abstract values will do).
+    axis_env: the named axes that `fn`'s collectives use, with their sizes (pmap's).
+  """
   return _flops(jax.make_jaxpr(fn, axis_env=axis_env)(*args).jaxpr)
 
 
 class Speed:
   """FLOP/s and model FLOP utilisation (MFU) from the FLOPs of the step's matrix products and
-  convolutions, counted in its jaxpr (the same on every backend)."""
+  convolutions, counted in its jaxpr (the same on every backend).
+
+  Args:
+    graphdef: the state's graph.
+    state: the state (or its abstract value).
+    image_shape: the stored images' [H, W, C].
+    run_plan: the run's plan.
+    devices: the devices whose peak the FLOP/s are measured against; None: all.
+  """
 
   def __init__(self, graphdef, state, image_shape, run_plan, devices=None):
     # Under pmap, traced with its axis (of size 1: the global batch on one device), for models

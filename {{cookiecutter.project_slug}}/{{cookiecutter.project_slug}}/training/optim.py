@@ -17,7 +17,14 @@ from ..parallel import sharding
 def create_model(run_plan, image_shape, num_classes, rngs: nnx.Rngs) -> nnx.Module:
   """The model that the plan's model module (model.py) builds for this data, its plain
   nnx.BatchNorm layers masked (`layers.masked`), in groups of `config.batch_norm_devices`
-  devices. Raises ConfigError for a BatchNorm the mask cannot reach where that is set."""
+  devices. Raises ConfigError for a BatchNorm the mask cannot reach where that is set.
+
+  Args:
+    run_plan: the run's plan (its config and model module).
+    image_shape: the input images' [H, W, C].
+    num_classes: the number of classes.
+    rngs: the parameters' random streams.
+  """
   config = run_plan.config
   devices = config.run.num_devices if "run" in config else jax.device_count()
   groups = devices // (config.get("batch_norm_devices") or devices)
@@ -86,9 +93,18 @@ def check_model(run_plan, info) -> None:
 
 
 def model_fix(error: Exception, config, image_shape, module) -> tuple[str, str]:
-  """Where in model.py `check_model` says the model's `error` was, and what it says of it, with
+  """Where in model.py `check_model` says the model's error was, and what it says of it, with
   NNX's convention where one was missed: an axis that the path does not have, a mode given as
-  an argument, the images' layout."""
+  an argument, the images' layout.
+
+  Args:
+    error: what the model raised.
+    config: the run's config.
+    image_shape: the input images' [H, W, C].
+    module: the model's module.
+  Returns:
+    (the file and line, what follows it in the one-line message).
+  """
   where, said = errors.where(error, module.__file__), errors.one_line(error)
   if "unbound axis name" in said:
     return where, (
@@ -115,7 +131,14 @@ def model_fix(error: Exception, config, image_shape, module) -> tuple[str, str]:
 
 def build_state(run_plan, image_shape, num_classes, num_train_steps: int) -> tuple:
   """The training state's objects: (model, optimizer), and with `config.ema_decay` a third, the
-  moving average of the model (a copy of it, which the train step moves and evaluation uses)."""
+  moving average of the model (a copy of it, which the train step moves and evaluation uses).
+
+  Args:
+    run_plan: the run's plan.
+    image_shape: the input images' [H, W, C].
+    num_classes: the number of classes.
+    num_train_steps: the run's steps (the optimizer's schedule).
+  """
   config = run_plan.config
   model = create_model(run_plan, image_shape, num_classes, nnx.Rngs(config.seed))
   optimizer = nnx.Optimizer(model, run_plan.recipe.optimizer(config, num_train_steps),
@@ -130,10 +153,18 @@ def build_state(run_plan, image_shape, num_classes, num_train_steps: int) -> tup
 
 
 def initial_state(run_plan, info, mesh, num_train_steps: int):
-  """The model and optimizer's graph (`build_state`), their state's abstract value (shapes,
-  dtypes, shardings; fsdp splits the average like the parameters) and a function that builds
-  the state: under jit, each shard where it lives, so that no host and no device ever holds more
-  of it than its share (the same values as built eagerly)."""
+  """How the state is built: under jit, each shard where it lives, so that no host and no
+  device ever holds more of it than its share (the same values as built eagerly).
+
+  Args:
+    run_plan: the run's plan.
+    info: the data's DatasetInfo (its image shape and classes).
+    mesh: the devices' mesh.
+    num_train_steps: the run's steps.
+  Returns:
+    The objects' graph (`build_state`), their state's abstract value (shapes, dtypes,
+    shardings; fsdp splits the average like the parameters), and a function that builds it.
+  """
 
   def build():
     return build_state(run_plan, info.image_shape, info.num_classes, num_train_steps)

@@ -1,6 +1,6 @@
 """What a run reports, in one place (`Report`): its metrics to the writers (writers.py), the log's
 progress lines and bar, the loop's clock (`Clock`), a profile (`Profiler`), what the run is about
-to do (`log_run`, `log_state`) and each log interval's rates (`train_summary`)."""
+to do (`log_run`; the state: `Report`) and each log interval's rates (`Report.train`)."""
 
 import contextlib
 import platform
@@ -19,11 +19,18 @@ from . import flops, steps, writers
 
 
 class Report:
-  """The run's reporting: `writer` (TensorBoard, W&B; on process 0 alone), `clock`, `progress`
-  (the log's lines and bar), `profiler`; each log interval's rates from the step's FLOPs
-  (`speed`: `flops.Speed`) and its learning rate from the recipe's `schedule`. Made once the
-  state is restored or built (`graphdef`, `state`), it logs what the run will do (`log_run`: the
-  devices, the data, the input, the batch) and the state (`log_state`)."""
+  """The run's reporting: `writer` (TensorBoard, W&B; process 0's), `clock`, `progress` (the
+  log's lines and bar), `profiler`. Made once the state is restored or built, it logs what the
+  run will do (`log_run`), and the model and its state.
+
+  Args:
+    run_plan: the run's plan.
+    workdir: where the writers write, and the profile.
+    data: the run's data (`input_pipeline.Data`: its info, steps and memory).
+    first_step: the step the run starts from (0: a new run).
+    graphdef: the state's graph.
+    state: the state.
+  """
 
   def __init__(self, run_plan, workdir: str, data, first_step: int, graphdef, state):
     config, info, num_train_steps = run_plan.config, data.info, data.num_train_steps
@@ -33,7 +40,19 @@ class Report:
     self.schedule = jax.jit(run_plan.recipe.schedule(config, num_train_steps))
     self.schedule(0)
     self.speed = flops.Speed(graphdef, state, info.image_shape, run_plan)
-    log_state(config, graphdef, state, self.speed, num_train_steps)
+    # The model, its size and where its state lives; the steps and their FLOPs.
+    logging.info("%d steps of %d examples, %d per call; %.3g FLOPs a step, peak %s",
+                 num_train_steps, config.run.global_batch_size, config.run.steps_per_dispatch,
+                 self.speed.flops_per_step,
+                 f"{self.speed.peak:.3g} FLOP/s" if self.speed.peak else "unknown")
+    model = nnx.merge(graphdef, state)[0]
+    logging.info("%s: %s parameters; model and optimizer state: %.3g MB a device (%s; a whole "
+                 "copy: %.3g MB)", type(model).__name__,
+                 f"{sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))):,}",
+                 sharding.bytes_per_device(state) / 1e6, config.parallelism,
+                 sum(x.nbytes for x in jax.tree.leaves(state)) / 1e6)
+    if warning := steps.mask_warning(model):
+      logging.warning("%s", warning)
     is_main = jax.process_index() == 0
     self.writer = writers.create_writer(workdir, write=is_main, config=config,
                                         new_run=first_step == 0)
@@ -44,10 +63,21 @@ class Report:
     self.workdir, self.is_main = workdir, is_main
 
   def train(self, step: int, since: int, summary: dict[str, float]) -> None:
-    """Writes and logs the metrics of training steps `since`..`step` (`dispatch.summarize`'s), with
-    the rates of the lap that ends now."""
-    lap = self.clock.lap(step, since)
-    summary = train_summary(summary, step, since, lap, self.speed, self.schedule)
+    """Writes and logs the metrics of training steps, with the rates of the lap that ends now
+    (from the step's FLOPs) and the learning rate of the last update.
+
+    Args:
+      step: the interval's last step.
+      since: its first.
+      summary: its metrics (`dispatch.summarize`'s).
+    """
+    lap, summary = self.clock.lap(step, since), dict(summary)
+    if lap.steps:  # no rate for an interval that holds only the compiling call
+      summary["examples_per_sec"] = summary["examples"] * lap.steps / (step - since + 1) / (
+          lap.seconds)
+      summary.update(self.speed.report(lap.steps / lap.seconds))
+      summary["input_wait_fraction"] = lap.waited / lap.seconds
+    summary["learning_rate"] = float(self.schedule(step - 1))  # of update n = step - 1
     self.writer.write_scalars(step, {f"train_{name}": v for name, v in summary.items()})
     self.progress.report(step, since, summary, lap)
 
@@ -116,7 +146,8 @@ class Clock:
 
   def eta(self, step: int, num_steps: int) -> str:
     rate = (step - self.first_step) / max(time.perf_counter() - self.first_time, 1e-9)
-    return _minutes((num_steps - step) / rate) if rate else "?"
+    seconds = (num_steps - step) / rate if rate else 0
+    return f"{int(seconds // 60)}:{int(seconds % 60):02d}" if rate else "?"
 
   def whole_loop(self, last_step: int, batch_size: int) -> dict[str, float]:
     """Training throughput of the whole loop (input pipeline, logging, evaluation, checkpoints),
@@ -130,21 +161,31 @@ class Clock:
             "loop_host_us_per_step": 1e6 * (time.thread_time() - self.cpu) / num_steps}
 
 
-def _minutes(seconds: float) -> str:
-  return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
-
-
 def draw_bar(done: int, total: int, text: str = "", width: int = 30):
-  """`[=====     ] done/total text` on stderr (a terminal), over the one drawn before."""
+  """`[=====     ] done/total text` on stderr (a terminal), over the one drawn before.
+
+  Args:
+    done: the work done.
+    total: all of it.
+    text: what follows the count.
+    width: the bar's characters.
+  """
   full = width * done // max(total, 1)
   sys.stderr.write(f"\r[{'=' * full}{' ' * (width - full)}] {done}/{total} {text}\033[K")
   sys.stderr.flush()
 
 
 class Progress:
-  """One log line per log interval (step, loss, accuracy, the recipe's other `metrics`,
-  examples/s, ETA) and, when stderr is a terminal, a progress bar between them, redrawn at most
-  4 times a second. The writers get `steps_per_sec` (of each lap) and `uptime`."""
+  """One log line per log interval and, on a terminal, a progress bar between them (redrawn at
+  most 4 times a second). The writers get `steps_per_sec` (of each lap) and `uptime`.
+
+  Args:
+    num_steps: the run's steps.
+    writer: the run's writers.
+    clock: the loop's clock.
+    show: whether the bar is drawn (process 0's, on a terminal).
+    metrics: the recipe's metrics, each logged (after the step, loss and accuracy).
+  """
 
   def __init__(self, num_steps: int, writer: writers.Writers, clock: Clock, show: bool = True,
                metrics: tuple[str, ...] = ("loss", "accuracy")):
@@ -159,7 +200,7 @@ class Progress:
       draw_bar(step, self.num_steps, f"ETA {self.clock.eta(step, self.num_steps)}")
 
   def log(self, message: str, *args, level: int = logging.INFO):
-    """A log line, printed above the bar."""
+    """A log line (absl's `message % args`, at `level`), printed above the bar."""
     self.close()
     logging.log(level, message, *args)
 
@@ -170,8 +211,14 @@ class Progress:
       sys.stderr.flush()
 
   def report(self, step: int, since: int, summary: dict[str, float], lap: Lap):
-    """The log line of the training steps `since`..`step` (timed by `lap`), and a warning for
-    skipped steps."""
+    """The log line of the training steps `since`..`step`, and a warning for skipped steps.
+
+    Args:
+      step: the interval's last step.
+      since: its first.
+      summary: its metrics and rates (`Report.train`'s).
+      lap: its time on the clock.
+    """
     self.writer.write_scalars(step, {"steps_per_sec": lap.steps / max(lap.seconds, 1e-9),
                                      "uptime": time.perf_counter() - self.clock.created})
     rate = summary.get("examples_per_sec")  # none for the compiling call alone
@@ -220,9 +267,16 @@ class Profiler:
 
 
 def log_run(config, info, recipe, memory, num_train_steps: int, workdir: str) -> None:
-  """What a run is about to do: the software and devices, where it writes, the data and the
-  input's workers (`memory`: `input_pipeline.host_memory`), the batch and the schedule (`recipe`:
-  the run's recipe module)."""
+  """Logs what a run will do: the software, devices, workdir, data, input, batch and schedule.
+
+  Args:
+    config: the run's config.
+    info: the data's DatasetInfo.
+    recipe: the run's recipe module.
+    memory: `input_pipeline.host_memory`'s.
+    num_train_steps: the run's steps.
+    workdir: the run's workdir.
+  """
   devices = jax.device_count()
   logging.info("jax %s, flax %s, Python %s; %d %s device%s%s", jax.__version__, flax.__version__,
                platform.python_version(), devices, jax.default_backend(), "s" * (devices > 1),
@@ -244,33 +298,3 @@ def log_run(config, info, recipe, memory, num_train_steps: int, workdir: str) ->
                "" if config.lr_scaling == "none" else f" ({config.lr_scaling} scaling of "
                f"{config.learning_rate:g} at batch {config.base_batch_size})",
                recipe.warmup_steps(config, num_train_steps), config.schedule)
-
-
-def log_state(config, graphdef, state, speed, num_train_steps: int) -> None:
-  """The model, its size and where its state lives; the steps and their FLOPs (`speed`:
-  `flops.Speed`)."""
-  logging.info("%d steps of %d examples, %d per call; %.3g FLOPs a step, peak %s",
-               num_train_steps, config.run.global_batch_size, config.run.steps_per_dispatch,
-               speed.flops_per_step, f"{speed.peak:.3g} FLOP/s" if speed.peak else "unknown")
-  model = nnx.merge(graphdef, state)[0]
-  logging.info("%s: %s parameters; model and optimizer state: %.3g MB a device (%s; a whole "
-               "copy: %.3g MB)", type(model).__name__,
-               f"{sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))):,}",
-               sharding.bytes_per_device(state) / 1e6, config.parallelism,
-               sum(x.nbytes for x in jax.tree.leaves(state)) / 1e6)
-  if warning := steps.mask_warning(model):
-    logging.warning("%s", warning)
-
-
-def train_summary(summary: dict, step: int, since: int, lap: "Lap", speed, schedule) -> dict:
-  """The metrics of steps `since`..`step` (`summary`, `dispatch.summarize`'s), with their rates
-  over `lap` (`speed`: `flops.Speed`) and the learning rate of the last update (`schedule`)."""
-  summary = dict(summary)
-  if lap.steps:  # no rate for an interval that holds only the compiling call
-    summary["examples_per_sec"] = summary["examples"] * lap.steps / (step - since + 1) / (
-        lap.seconds)
-    summary.update(speed.report(lap.steps / lap.seconds))
-    summary["input_wait_fraction"] = lap.waited / lap.seconds
-  # The rate of the interval's last update (n = step - 1), from the schedule.
-  summary["learning_rate"] = float(schedule(step - 1))
-  return summary

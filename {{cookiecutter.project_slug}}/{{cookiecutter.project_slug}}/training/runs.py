@@ -42,10 +42,20 @@ def prepare(config: ml_collections.ConfigDict, workdir: str) -> tuple[Plan, str]
 
 def start_or_resume(workdir: str, config, info: sources.DatasetInfo, abstract, init
                     ) -> tuple[Checkpoints, int, object]:
-  """The run's checkpoints (`checkpoints.Checkpoints`), the step it starts from and its state:
-  the workdir's latest checkpoint's, else `init`'s (fine-tuned from `config.init_from`'s run:
-  finetune.py, read first, so that a mismatch stops the run before its workdir is touched).
-  Writes the workdir's description (`write_description`)."""
+  """Starts a run in its workdir, or resumes it, and writes the workdir's description
+  (`write_description`).
+
+  Args:
+    workdir: the run's workdir.
+    config: the run's config (`config.init_from`: a run to fine-tune from, read first, so that
+      a mismatch stops the run before its workdir is touched: finetune.py).
+    info: the data's DatasetInfo.
+    abstract: the state's abstract value (shapes, dtypes, shardings).
+    init: builds the state.
+  Returns:
+    The run's `checkpoints.Checkpoints`, the step it starts from, and its state: the workdir's
+    latest checkpoint's, else `init`'s.
+  """
   if config.init_from:
     from .finetune import init_from
 
@@ -149,8 +159,14 @@ def stale(holder: dict) -> str | None:
 
 
 def write_description(workdir: str, config, info: sources.DatasetInfo) -> None:
-  """config.json, data.json and a copy of the model's source, `MODEL_FILE` (process 0): what
-  `trained.Restored` needs besides a checkpoint, whatever model.py comes to hold."""
+  """Writes what `trained.Restored` needs besides a checkpoint, whatever model.py comes to hold
+  (process 0): config.json, data.json and a copy of the model's source, `MODEL_FILE`.
+
+  Args:
+    workdir: the run's workdir.
+    config: the run's config.
+    info: the data's DatasetInfo.
+  """
   if jax.process_index() != 0:
     return
   names = info.class_names or tuple(str(i) for i in range(info.num_classes))

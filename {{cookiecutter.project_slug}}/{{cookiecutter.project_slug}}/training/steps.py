@@ -35,12 +35,18 @@ AUGMENT_STREAM = 0x61756720  # b"aug "
 
 
 def forward(model, batch, config, augment=None) -> jax.Array:
-  """The model's float32 logits `[B, K]` of a batch. Its input: the stored pixels as float32
-  (integers divided by 255, floats as they are), in training augmented by `augment` (the
-  recipe's) with one key an example, made from the seed and its place in the data stream alone
-  (so any batching, device or process count, and any resume draw the same for it). The mask
-  (`batch["mask"]`) reaches every layers.BatchNorm (`layers.BATCH_MASK`), and the model when it
-  takes one (`takes_mask`)."""
+  """The model's float32 logits `[B, K]` of a batch's pixels as float32 (integers / 255).
+
+  Each example's augmentation key comes from the seed and its place in the stream alone (any
+  batching, device or process count, or resume draws the same). The mask reaches every
+  layers.BatchNorm (`layers.BATCH_MASK`), and the model when it takes one.
+
+  Args:
+    model: the model, in train or eval mode.
+    batch: one batch (the module's docstring).
+    config: the run's config (its seed keys the augmentation).
+    augment: the recipe's `augment`, in training; None: the images as they are.
+  """
   images_BHWC = batch["image"].astype(jnp.float32)
   if jnp.issubdtype(batch["image"].dtype, jnp.integer):
     images_BHWC = images_BHWC / 255.0
@@ -58,10 +64,17 @@ def forward(model, batch, config, augment=None) -> jax.Array:
 
 
 def loss_and_metrics(model, batch, config, recipe, collection, train: bool = True):
-  """The SUM of the real examples' losses (the recipe's, in float32; normalised later by the
-  global count), and `collection` (a CLU collection's class) of their metrics. In training
-  (`train`) the images are augmented and the loss is training's. The recipe's loss of one
-  example is the padding's too: masked out here, whatever it is."""
+  """The float32 sum of a batch's real examples' losses (normalised later by the global count),
+  and `collection` of their metrics; the padding's losses are masked out, whatever they are.
+
+  Args:
+    model: the model.
+    batch: one batch (the module's docstring).
+    config: the run's config.
+    recipe: the recipe module (its `loss` and `augment`).
+    collection: the CLU collection class of the metrics.
+    train: whether the images are augmented and the loss is training's.
+  """
   logits_BK = forward(model, batch, config, recipe.augment if train else None)
   cross_entropy_B = recipe.loss(logits_BK, batch["label"], config, train=False)
   losses_B = (recipe.loss(logits_BK, batch["label"], config, train=True) if train
@@ -80,13 +93,20 @@ def micro_batches(batch, num: int):
 
 
 def accumulated_gradients(grad_fn, model, batch, num_micro_batches: int, sum_devices=None):
-  """`grad_fn(model, batch)` (the gradient of the summed loss, and metrics), summed over `batch`
-  in `num_micro_batches` pieces run in one loop (gradient accumulation). A piece without a real
-  example (over all devices under pmap) adds nothing and leaves the model's state (BatchNorm
-  statistics, RNG counters) as it was. With `sum_devices` (pmap's) the sums are those of every
-  device: each piece's summed over the devices before the pieces are added up, the order in which
-  XLA sums spmd's, so the two agree to the bit (summed after, they part by rounding, which
-  training amplifies)."""
+  """`grad_fn`'s gradient and metrics summed over a batch's pieces, in one loop (accumulation).
+
+  A piece without a real example (over all devices under pmap) adds nothing and leaves the
+  model's state (BatchNorm statistics, RNG counters) as it was. Each piece's sums are summed over
+  the devices before the pieces are added up, the order in which XLA sums spmd's: the two agree
+  to the bit (summed after, they part by rounding, which training amplifies).
+
+  Args:
+    grad_fn: (model, batch) -> (the gradient of the summed loss, metrics).
+    model: the model; its state is left as the last piece with a real example left it.
+    batch: one batch (the module's docstring).
+    num_micro_batches: the number of pieces (`micro_batches`).
+    sum_devices: pmap's sum over the devices; None where the arrays are global (jit).
+  """
   micro = micro_batches(batch, num_micro_batches)
   # A forward pass changes BatchNorm's statistics and the RNG counters, never the parameters:
   # only that part of the model is carried from micro-batch to micro-batch.
@@ -125,10 +145,19 @@ def state_sums_of_squares(updates, params) -> tuple:
 
 
 def update_if(applied, update, current, old):
-  """`update(current)` -> (state, norms) where `applied`, else `old`: by selecting each leaf, no
-  conditional for the device to wait on (cpu.py's: under lax.cond); the parameters' norm read
-  from the state kept (a TPU's program is smallest so, aot.py: 2,475 kernels a v5e:2x4 ResNet-50
-  step, against 2,552 from the update's state; gpu.py reads the update's)."""
+  """`update(current)` where `applied`, else `old`, selected leaf by leaf: no conditional for the
+  device to wait on (cpu.py's: lax.cond). The parameters' norm is read from the state kept (a
+  TPU's program is smallest so, aot.py: 2,475 kernels a v5e:2x4 ResNet-50 step, against 2,552
+  from the update's state; gpu.py reads the update's).
+
+  Args:
+    applied: a boolean scalar, whether the step is applied.
+    update: current -> (updated state, (the update's squared norm, _)).
+    current: the state as the forward pass left it.
+    old: the state before the step.
+  Returns:
+    The state kept, and (the update's squared norm, the kept parameters' squared norm).
+  """
   updated, (updates_squared, _) = update(current)
   kept = jax.tree.map(lambda new, old: jnp.where(applied, new, old), updated, old)
   return kept, (updates_squared, sum_of_squares(nnx.filter_state(kept[0], nnx.Param)))
@@ -143,11 +172,19 @@ def train_step(graphdef, state, running, batch, *, config, recipe, collection, s
   loss over their number, the update, the moving average; a non-finite step, or a batch of
   padding alone, leaves the state as it was.
 
-  Args: `graphdef`, `state`: the split (model, optimizer[, average]); `running`: the metrics so
-    far; `batch`: one batch (the module's docstring); `config`, `recipe`, `collection`:
-    `dispatch.step_options`; `sum_devices`: sums a tree over the devices where each holds a share
-    of the batch (pmap's; jit's arrays are global).
-  Returns: the new state, and `running` merged with this step's metrics."""
+  Args:
+    graphdef: the graph of (model, optimizer[, average]).
+    state: their state.
+    running: the training metrics so far.
+    batch: one batch (the module's docstring).
+    config: the run's config (`dispatch.step_options`).
+    recipe: the recipe module (`dispatch.step_options`).
+    collection: the CLU collection class of a step's metrics (`dispatch.step_options`).
+    sum_devices: sums a tree over the devices where each holds a share of the batch (pmap's);
+      None where the arrays are global (jit).
+  Returns:
+    The new state, and `running` merged with this step's metrics.
+  """
   model, optimizer, *average = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
   model.train()
   grads, step_metrics = gradients(model, batch, config, recipe, collection, sum_devices)
@@ -171,9 +208,16 @@ def train_step(graphdef, state, running, batch, *, config, recipe, collection, s
 
 
 def gradients(model, batch, config, recipe, collection, sum_devices=None):
-  """The gradient of the batch's summed loss and the forward pass's metrics (`collection`),
-  summed over every device (`sum_devices`: pmap's; spmd sums them itself); with
-  `config.grad_accum_steps` > 1 accumulated over that many pieces of the batch."""
+  """The gradient of a batch's summed loss and the forward pass's metrics, over every device.
+
+  Args:
+    model: the model, in train mode.
+    batch: one batch (the module's docstring).
+    config: the run's config; with `grad_accum_steps` > 1, accumulated over that many pieces.
+    recipe: the recipe module.
+    collection: the CLU collection class of the metrics.
+    sum_devices: pmap's sum over the devices; None where the arrays are global (jit).
+  """
   grad_fn = nnx.grad(functools.partial(loss_and_metrics, config=config, recipe=recipe,
                                        collection=collection), has_aux=True)
   if config.grad_accum_steps > 1:
@@ -183,9 +227,14 @@ def gradients(model, batch, config, recipe, collection, sum_devices=None):
 
 
 def move_average(ema, model, n, config) -> None:
-  """Moves the moving average `ema` (a copy of the model) of `AVERAGED` variables towards
-  `model`'s by 1 - `ema_decay`, or with `ema_warmup` by 1 - min(`ema_decay`, (1 + n) / (10 + n))
-  at update n (as TensorFlow's)."""
+  """Moves `ema`, a moving average of `AVERAGED` variables, towards `model`'s, in place.
+
+  Args:
+    ema: the average, a copy of the model.
+    model: the model after the update.
+    n: the number of updates before this one.
+    config: by 1 - `ema_decay`, or with `ema_warmup` by 1 - min(`ema_decay`, (1 + n) / (10 + n)).
+  """
   decay = config.ema_decay
   if config.ema_warmup:
     decay = jnp.minimum(decay, (1 + n) / (10 + n))
@@ -194,10 +243,15 @@ def move_average(ema, model, n, config) -> None:
 
 
 def step_summary(train_metrics, step_metrics, finite, squares):
-  """A training step's metrics (`train_metrics`: `metrics.Collections.train`): the forward
-  pass's, whether the step was non-finite (a step of padding alone is not counted), and the
-  global norms (`squares`: the squared norms of the summed gradient, before clipping, of the
-  update and of the parameters), averaged over the steps that applied theirs."""
+  """A training step's metrics: the forward pass's, the non-finite count (padding alone: not
+  counted), the norms (averaged over the steps that applied theirs).
+
+  Args:
+    train_metrics: the collection class (`metrics.Collections.train`).
+    step_metrics: the forward pass's metrics.
+    finite: whether the step was finite.
+    squares: the squared global norms of the summed gradient (unclipped), update, parameters.
+  """
   count = step_metrics.loss.count
   real = count > 0
   applied, bad = finite & real, real & ~finite
@@ -212,9 +266,17 @@ def step_summary(train_metrics, step_metrics, finite, squares):
 
 
 def eval_step(graphdef, state, running, batch, *, config, recipe, sum_devices=None):
-  """`running` merged with the metrics of the model on one batch: the first object of the state
-  (model, optimizer), (model,) or (model, optimizer, average), the moving average in the last;
-  `sum_devices` as train_step's."""
+  """`running` merged with the eval metrics of one batch.
+
+  Args:
+    graphdef: the graph of (model, optimizer), (model,) or (model, optimizer, average).
+    state: their state; the moving average is evaluated where there is one, else the model.
+    running: the eval metrics so far.
+    batch: one batch (the module's docstring).
+    config: the run's config.
+    recipe: the recipe module.
+    sum_devices: as train_step's.
+  """
   objects = nnx.merge(graphdef, state)
   model = objects[2] if len(objects) > 2 else objects[0]
   model.eval()
@@ -223,8 +285,14 @@ def eval_step(graphdef, state, running, batch, *, config, recipe, sum_devices=No
 
 
 def probabilities(graphdef, state, images_BHWC, mask_B=None) -> jax.Array:
-  """Class probabilities (float32 `[batch, classes]`) of stored images, as evaluation computes
-  the logits (eval mode, the mask given when the model takes one)."""
+  """Class probabilities (float32 `[B, K]`) of stored images, as evaluation computes the logits.
+
+  Args:
+    graphdef: the model's graph.
+    state: its state.
+    images_BHWC: images as stored.
+    mask_B: False on padding (given to a model that takes a mask); None: all real.
+  """
   model = nnx.merge(graphdef, state)
   model.eval()
   mask_B = jnp.ones(images_BHWC.shape[:1], bool) if mask_B is None else mask_B

@@ -48,10 +48,16 @@ def stop_signals():
 
 def stop_now(received: list, checkpoints, dispatch: int, can_agree: bool):
   """What stops the loop after this call (a signal number or a name), or None. Processes stop
-  together: on JAX's preemption service at the step that it names (`checkpoints`: the run's
-  checkpoints.Checkpoints, which asks it); else, with several processes
-  (which the platform connects without that service), at a step where they can agree
-  (`can_agree`: one where the loop waits for results anyway), through a collective."""
+  together: on JAX's preemption service at the step that it names; else, with several
+  processes (which the platform connects without that service), at a step where they can agree,
+  through a collective.
+
+  Args:
+    received: the signals received so far.
+    checkpoints: the run's checkpoints.Checkpoints (which asks the preemption service).
+    dispatch: the call's number.
+    can_agree: whether the processes can agree now (the loop waits for results anyway).
+  """
   if preemption_service():
     if not checkpoints.reached_preemption(dispatch):
       return None
@@ -65,9 +71,15 @@ def stop_now(received: list, checkpoints, dispatch: int, can_agree: bool):
 
 
 def check_finite(nonfinite, since: int, config, checkpoints) -> None:
-  """Raises if a step from `since` on was not finite (`nonfinite`: the interval's
-  `metrics.NonFinite`), unless such steps may be skipped (`checkpoints`: the run's
-  checkpoints.Checkpoints, whose save in the background ends first)."""
+  """Raises NonFiniteLoss if a step of the interval was not finite, unless
+  `config.skip_nonfinite_steps`.
+
+  Args:
+    nonfinite: the interval's `metrics.NonFinite`.
+    since: the interval's first step.
+    config: the run's config.
+    checkpoints: the run's checkpoints.Checkpoints, whose save in the background ends first.
+  """
   if nonfinite.count and not config.skip_nonfinite_steps:
     latest, directory = checkpoints.wait()
     raise NonFiniteLoss(

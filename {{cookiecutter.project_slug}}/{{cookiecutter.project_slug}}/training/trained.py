@@ -64,10 +64,18 @@ def project_module(name: str) -> bool:
 
 
 def use_runs_model(workdir: str, config, runs_code: bool = False) -> tuple[str, str]:
-  """Which code builds the run's model, in a phrase, and what to add to the error of a model that
-  does not fit the checkpoint. Today's `config.model.module` (model.py); where it differs from
-  the copy the run kept (`MODEL_FILE`), that copy only with `runs_code` (--use_runs_model: it
-  executes the workdir's file), loaded as a module of its own, named in `config.model.module`."""
+  """Which code builds the run's model: today's `config.model.module` (model.py), or, where it
+  differs from the copy the run kept (`MODEL_FILE`), that copy, with `runs_code` alone (it
+  executes the workdir's file), loaded as a module of its own, named in `config.model.module`.
+
+  Args:
+    workdir: the run's workdir.
+    config: the run's config, as read from it.
+    runs_code: --use_runs_model's.
+  Returns:
+    That code, in a phrase, and what to add to the error of a model that does not fit the
+    checkpoint.
+  """
   name = config.model.get("module", "model")
   saved = epath.Path(workdir) / MODEL_FILE
   if not saved.exists():
@@ -100,9 +108,15 @@ def center_ratio(run) -> float:
 
 
 def restore_model(checkpoints, step: int, abstract, workdir: str):
-  """The model of checkpoint `step` (its moving average, when the run kept one: what evaluation
-  used), in the shapes, dtypes and shardings of `abstract` (a whole state's); the optimizer's
-  leaves are never read (Orbax's placeholders)."""
+  """The model of a checkpoint (its moving average, when the run kept one: what evaluation
+  used); the optimizer's leaves are never read (Orbax's placeholders).
+
+  Args:
+    checkpoints: Orbax's manager.
+    step: the checkpoint's step.
+    abstract: a whole state's abstract value, whose shapes, dtypes and shardings it takes.
+    workdir: the run's workdir (named in errors).
+  """
   check_checkpoint_fits(checkpoints, step, abstract, workdir)
   keep = "2/" if len(abstract) > 2 else "0/"
   skip = lambda path, x: x if leaf_name(path).startswith(keep) else ocp.PLACEHOLDER  # noqa: E731
@@ -123,7 +137,14 @@ def device_memory_bytes(device) -> int | None:
 
 def check_fits_devices(abstract_model, mesh, config, workdir: str) -> None:
   """Raises ConfigError, before anything is read, when the model as the run placed it (split by
-  fsdp, else whole) is larger than a device of `mesh` holds, saying what it needs."""
+  fsdp, else whole) is larger than a device holds, saying what it needs.
+
+  Args:
+    abstract_model: the model's abstract state, placed.
+    mesh: the devices' mesh.
+    config: the run's config.
+    workdir: the run's workdir (named in the error).
+  """
   memory = device_memory_bytes(mesh.local_devices[0])  # only this process's report it
   need = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
              for x in jax.tree.leaves(abstract_model))
@@ -138,9 +159,16 @@ def check_fits_devices(abstract_model, mesh, config, workdir: str) -> None:
 
 class Restored:
   """A workdir's checkpoint: the config and data it was trained with, and its model alone
-  (`graphdef`, `state`; the moving average when the run kept one), placed on `mesh` (default: every
-  device) as the run placed it (split by fsdp, else whole on each), built by today's model.py, or
-  by the run's own copy of it where the two differ with `runs_model` (`use_runs_model`)."""
+  (`graphdef`, `state`; the moving average when the run kept one), placed as the run placed it
+  (split by fsdp, else whole on each device).
+
+  Args:
+    workdir: the run's workdir.
+    step: the checkpoint's step; None: the latest.
+    mesh: the devices' mesh; None: every device.
+    runs_model: build it by the run's own copy of model.py where the two differ
+      (`use_runs_model`); else by today's.
+  """
 
   def __init__(self, workdir: str, step: int | None = None, mesh=None, runs_model: bool = False):
     self.config, self.info = read_description(workdir)

@@ -10,7 +10,13 @@ class WandbWriter:
   """Scalars and hyperparameters to a Weights & Biases run (the `wandb` extra), one W&B run per
   workdir: its id is kept in `workdir/wandb_run_id`, so a resumed run logs to the same one. W&B
   reads its own variables (WANDB_MODE=offline, WANDB_ENTITY, ...); its files go into the
-  workdir unless WANDB_DIR names a place. Images stay TensorBoard's."""
+  workdir unless WANDB_DIR names a place. Images stay TensorBoard's.
+
+  Args:
+    workdir: the run's workdir.
+    project: the W&B project.
+    config: the run's config, as its hyperparameters.
+  """
 
   def __init__(self, workdir: str, project: str, config: dict):
     id_file = epath.Path(workdir) / "wandb_run_id"

@@ -79,9 +79,15 @@ class Writers:
 
 
 def create_writer(workdir: str, write: bool = True, config=None, new_run: bool = False) -> Writers:
-  """TensorBoard event files in `workdir` and, when `config.wandb_project` names one, a W&B run
-  (`WandbWriter`); with `new_run`, the config as their hyperparameters (TensorBoard's HPARAMS
-  tab). Nothing when `write` is False (processes other than 0): the log gets `Progress`'s lines."""
+  """The run's writers: TensorBoard event files and, when `config.wandb_project` names one, a W&B
+  run (`WandbWriter`).
+
+  Args:
+    workdir: where the event files go.
+    write: False: none (processes other than 0; the log gets `Progress`'s lines).
+    config: the run's config.
+    new_run: whether the config is written as the run's hyperparameters (TensorBoard's HPARAMS).
+  """
   if not write:
     return Writers([])
   chosen = [TensorBoardWriter(workdir)]
