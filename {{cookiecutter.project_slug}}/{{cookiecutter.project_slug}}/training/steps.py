@@ -168,22 +168,14 @@ AVERAGED = (nnx.Param, nnx.BatchStat)
 
 
 def train_step(graphdef, state, running, batch, *, config, recipe, collection, sum_devices=None):
-  """One optimizer step on one batch, in train mode: the gradient of the real examples' summed
-  loss over their number, the update, the moving average; a non-finite step, or a batch of
-  padding alone, leaves the state as it was.
+  """One train-mode step on the real examples' mean loss, and the moving average (none where it
+  is not finite or the batch is padding alone); returns the new state and `running` merged.
 
   Args:
-    graphdef: the graph of (model, optimizer[, average]).
-    state: their state.
-    running: the training metrics so far.
-    batch: one batch (the module's docstring).
-    config: the run's config (`dispatch.step_options`).
-    recipe: the recipe module (`dispatch.step_options`).
-    collection: the CLU collection class of a step's metrics (`dispatch.step_options`).
-    sum_devices: sums a tree over the devices where each holds a share of the batch (pmap's);
-      None where the arrays are global (jit).
-  Returns:
-    The new state, and `running` merged with this step's metrics.
+    graphdef, state: the split (model, optimizer[, average]).
+    running, batch: the training metrics so far; one batch (the module's docstring).
+    config, recipe, collection: `dispatch.step_options`.
+    sum_devices: pmap's sum over the devices of their shares; None where arrays are global (jit).
   """
   model, optimizer, *average = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
   model.train()
