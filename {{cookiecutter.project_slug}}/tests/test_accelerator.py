@@ -16,7 +16,7 @@ import pytest
 from conftest import ACCELERATOR_ENV
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytestmark = pytest.mark.accelerator
+pytestmark = [pytest.mark.accelerator, pytest.mark.slow]  # (processes, full trainings)
 
 PROBE = "import jax; print(jax.default_backend(), jax.devices()[0].device_kind, sep='|')"
 

@@ -142,6 +142,7 @@ def test_a_small_share_bad_is_read_around(tmp_path, caplog):
   assert len([r for r in caplog.records if r.getMessage().startswith("skipped ")]) == 12
 
 
+@pytest.mark.slow  # (a full training; fast: a run that reads around bad records to its end)
 def test_more_than_a_small_share_bad_stops_in_one_line(tmp_path):
   """30% of the training records garbled: the run stops with one line, naming the share."""
   bad = {i: "garbage" for i in range(0, 360, 3)}

@@ -231,6 +231,7 @@ def test_the_resnet_comparison_is_a_section_of_its_own_that_the_whole_benchmark_
   assert open(path).read() == "# Benchmarks\n\n## Train step\n\nnew\n\n" + again
 
 
+@pytest.mark.slow  # (a process)
 def test_kernels_are_a_gpu_streams_kernels_a_step_summed_by_kind(tmp_path):
   """`--kernels`' reading of a profile (here a made one, as jax.profiler writes a GPU's: a plane
   a device, a line a stream): two steps of a convolution, a reduction, a selection and a memset;

@@ -104,6 +104,7 @@ fi
 """
 
 
+@pytest.mark.slow  # (processes)
 def test_the_tpu_pod_script_runs_train_py_on_every_host_with_the_arguments(tmp_path):
   """gcloud (a stand-in that records its arguments and copies what scp is given into a folder,
   as onto a host): the project copied to every worker, all that train.py needs (there, `import

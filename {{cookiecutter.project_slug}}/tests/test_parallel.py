@@ -166,7 +166,7 @@ def test_fsdp_equals_spmd_equals_single_device(tiny_config, fsdp_devices):
   assert split == 3 * (6 if fsdp_devices == 2 else 5)
 
 
-@pytest.mark.slow  # (fast: each path = one device, and the recipe runs' metrics agree)
+@pytest.mark.slow  # (fast: each path = one device, the tests above, with the recipe off)
 def test_every_path_equals_one_device_with_the_recipe_on(straight_runs):
   """conftest's RECIPE (adamw on the weights only, warmup, clipping, label smoothing, flips,
   crops, the moving average): spmd, pmap and fsdp over 8 devices give the state and the
@@ -271,6 +271,7 @@ print((kib("VmHWM") - before) * 1024 / x.nbytes, sharding.bytes_per_device(repli
 """
 
 
+@pytest.mark.slow  # (a process)
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux's /proc only")
 def test_replicate_holds_one_copy_per_device():
   """Never a device with more than its one copy: at most one copy per device and one on the

@@ -241,6 +241,7 @@ def test_a_stop_signal_on_an_eval_step_saves_first_and_leaves_the_evaluation(
   assert result["examples"] == 360 and len(evaluated) == 2  # steps 20 and 23
 
 
+@pytest.mark.slow  # (a full training; fast: a skipped step, test_steps.py)
 def test_nonfinite_loss_stops_naming_the_step_and_the_last_good_checkpoint(tiny_config, tmp_path):
   tiny_config.checkpoint_every_steps = 5
   bad_step = digits_with_a_nan(tmp_path / "data", tiny_config)

@@ -193,6 +193,7 @@ def test_every_backends_forms_give_the_same_state_and_metrics(tiny_config):
       assert select_metrics[name] == pytest.approx(value, nan_ok=True, rel=rel, abs=0), name
 
 
+@pytest.mark.slow  # (compiles each backend's programs)
 def test_a_model_of_stock_layers_gets_each_backends_forms(tiny_config):
   """The shipped ResNet, written with nnx.max_pool and nnx.BatchNorm alone: the GPU's train step
   (`dispatch.one_batch_steps` for "gpu") takes the max pool's gradient by slices (no

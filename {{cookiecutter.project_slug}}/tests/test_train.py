@@ -91,6 +91,7 @@ def test_train_and_evaluate_writes_metrics_and_checkpoints(tiny_config, tmp_path
   assert checkpoints.all_steps() == [10, 20, last_step]
 
 
+@pytest.mark.slow  # (a full training; fast: the step's FLOPs, test_steps.py)
 def test_profile_and_mfu_on_demand(tiny_config, tmp_path):
   tiny_config.profile_first_step, tiny_config.profile_num_steps = 3, 4
   tiny_config.peak_flops_per_device = 1e12
@@ -102,8 +103,9 @@ def test_profile_and_mfu_on_demand(tiny_config, tmp_path):
     assert scalars["train_mfu"][step] == pytest.approx(flops_per_sec / 8e12, rel=1e-5)
 
 
-# (fast: fsdp's end as spmd's, resumed on the way: test_resume_across_spmd_fsdp_and_pmap)
-@pytest.mark.parametrize("parallelism", ["pmap", pytest.param("fsdp", marks=pytest.mark.slow)])
+# Slow: the other paths' full trainings (fast: each path's steps = one device's, test_parallel.py).
+@pytest.mark.slow
+@pytest.mark.parametrize("parallelism", ["pmap", "fsdp"])
 def test_every_path_ends_with_the_same_eval_metrics_as_spmd(straight_runs, parallelism):
   spmd, other = straight_runs["spmd"][1], straight_runs[parallelism][1]
   assert spmd["examples"] == other["examples"] == 360
@@ -360,11 +362,12 @@ def test_a_shrunk_resnet_ends_alike_on_every_path(tmp_path, batch_norm_devices, 
   assert results["spmd"]["accuracy"] > 0.3  # it learns (0.1: chance)
 
 
-# (Every pair but two in the slow tier; spmd -> fsdp -> pmap: also in the next test.)
+# (Every pair but spmd's own in the slow tier; spmd -> fsdp -> pmap: also in the next test.)
 @pytest.mark.parametrize("first, second", [
-    ("spmd", "spmd"), ("pmap", "spmd"),
+    ("spmd", "spmd"),
     *[pytest.param(*pair, marks=pytest.mark.slow) for pair in (
-        ("pmap", "pmap"), ("fsdp", "fsdp"), ("spmd", "pmap"), ("spmd", "fsdp"), ("fsdp", "pmap"))]])
+        ("pmap", "spmd"), ("pmap", "pmap"), ("fsdp", "fsdp"), ("spmd", "pmap"), ("spmd", "fsdp"),
+        ("fsdp", "pmap"))]])
 def test_resume_from_a_checkpoint_of_either_path(straight_runs, tmp_path, first, second):
   """A workdir holding only the step-20 checkpoint of a `first` run, resumed by `second`."""
   first_workdir, expected = straight_runs[first]
@@ -381,6 +384,7 @@ def test_resume_from_a_checkpoint_of_either_path(straight_runs, tmp_path, first,
     assert resumed["accuracy"] == pytest.approx(expected["accuracy"], abs=1e-9)
 
 
+@pytest.mark.slow  # (the other paths' full trainings)
 def test_resume_across_spmd_fsdp_and_pmap(straight_runs, tmp_path):
   """spmd's step-20 checkpoint resumed under fsdp, whose own step-40 checkpoint is resumed under
   pmap: the end of the uninterrupted spmd run."""
@@ -416,6 +420,7 @@ def test_resume_with_another_steps_per_dispatch(straight_runs, tmp_path, paralle
   assert min(trained) == 21 and sum(trained.values()) == 2 * 1437 - 20 * 64
 
 
+@pytest.mark.slow  # (two full trainings)
 def test_a_resume_keeps_the_runs_config(tiny_config, tmp_path, caplog):
   """A resume with another learning rate is refused in one line naming it, the workdir
   untouched; with it in resume_may_change, it is taken and logged. How a run runs (its log
@@ -994,6 +999,7 @@ def test_the_state_is_built_in_shards_with_the_values_of_an_eager_build(tiny_con
   assert kernel.addressable_shards[0].data.size == kernel.size // 8
 
 
+@pytest.mark.slow  # (a full training, 4 s of it asleep)
 def test_rates_leave_out_evaluation_and_checkpoints(tiny_config, tmp_path, monkeypatch):
   """An evaluation that takes 2 s (at steps 10 and 20) does not lower the training rates of the
   log intervals that follow it (steps 11-15 and 21-23). (The final one, at step 23, is quick.)"""
@@ -1227,6 +1233,7 @@ def test_a_save_that_fails_stops_the_run_in_one_line(tmp_path, how):
         f"{elapsed:.1f} s in all: {last[:160]}")
 
 
+@pytest.mark.slow  # (two full trainings)
 def test_every_nth_checkpoint_is_kept_across_a_resume(tiny_config, tmp_path, caplog):
   """keep_checkpoint_every_steps=20 with max_checkpoints_to_keep=1: after 1 epoch (23 steps)
   the checkpoints of 20 and 23; resumed to 2 epochs, 20, 40 and 45: the kept ones survive the

@@ -159,7 +159,8 @@ def test_predictions_agree_with_evaluation_and_are_named_by_the_folders(folder_r
     np.testing.assert_allclose(result["per_class_accuracy"], np.diag(counts) / counts.sum(1))
 
 
-@pytest.mark.parametrize("parallelism", ["spmd", "pmap", "fsdp"])
+@pytest.mark.parametrize("parallelism", [  # (slow: the other paths' full trainings)
+    "spmd", *[pytest.param(name, marks=pytest.mark.slow) for name in ("pmap", "fsdp")]])
 def test_every_path_evaluates_its_checkpoint_as_training_did(straight_runs, parallelism):
   """The model alone is restored (its moving average: the recipe keeps one), placed as the run
   placed it: fsdp's split over the devices, the others whole on each."""
@@ -175,7 +176,7 @@ def test_every_path_evaluates_its_checkpoint_as_training_did(straight_runs, para
   assert result["loss"] == pytest.approx(metrics["loss"], rel=1e-6)
 
 
-@pytest.mark.parametrize("parallelism", ["spmd", "fsdp"])
+@pytest.mark.parametrize("parallelism", ["spmd", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_a_model_larger_than_the_devices_is_refused_saying_what_it_needs(straight_runs,
                                                                          parallelism, monkeypatch):
   """Devices that hold less than the model as the run placed it (whole, or an eighth by fsdp):
@@ -252,6 +253,7 @@ def load_exported(python, where) -> np.ndarray:
   return np.load(where / "probs.npy")
 
 
+@pytest.mark.slow  # (a process; fast: test_your_model.py exports and reads back)
 def test_the_exported_model_runs_without_flax_or_the_project(folder_run, tmp_path):
   wanted = exported(folder_run, tmp_path, 13)
   probs = load_exported(sys.executable, tmp_path)
@@ -282,6 +284,7 @@ def test_the_exported_model_loads_in_a_fresh_venv_of_what_the_readme_names(folde
                              atol=1e-5)
 
 
+@pytest.mark.slow  # (fsdp's full training)
 def test_an_fsdp_runs_export_holds_its_whole_arrays_and_answers_as_it_does(straight_runs,
                                                                           tmp_path):
   """The arrays split over the devices are written whole, one entry each, beside a program that
