@@ -84,7 +84,9 @@ class ResidualBlock(nnx.Module):
     else:
       shapes = [(3, width, strides), (3, width, 1)]
     widths = [in_features] + [out for _, out, _ in shapes]
-    self.convs = nnx.List([conv(widths[i], out, (size, size), strides=stride)
+    # (padded by half the kernel on every side, as torchvision pads: its weights fit, exactly)
+    self.convs = nnx.List([conv(widths[i], out, (size, size), strides=stride,
+                                padding=((size // 2, size // 2),) * 2)
                            for i, (size, out, stride) in enumerate(shapes)])
     self.norms = nnx.List([norm(out) for _, out, _ in shapes[:-1]]
                           + [norm(widths[-1], scale_init=nnx.initializers.zeros)])
@@ -144,7 +146,7 @@ class ResNet(nnx.Module):
 
   def __call__(self, images_BHWC, example_mask=None):
     x = nnx.relu(self.stem_norm(self.stem(images_BHWC), mask=example_mask))
-    x = nnx.max_pool(x, window_shape=(3, 3), strides=(2, 2), padding="SAME")
+    x = nnx.max_pool(x, window_shape=(3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
     for block in self.blocks:
       x = block(x, example_mask)
     return self.head(x.mean(axis=(1, 2)))

@@ -54,12 +54,14 @@ def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   # The devices' layout; the data (this process's rows of each batch), read and described.
   mesh = sharding.make_mesh(config)
   logging.info("reading the data: config.dataset=%r", config.dataset)  # (each phase: a line)
+  stopping.phase("reading the data")  # (each phase bounded by the watchdog: stopping.Watchdog)
   data = input_pipeline.Input(config, sharding.process_rows(mesh, config.run.global_batch_size))
   info, num_train_steps = data.info, data.num_train_steps
   logging.info("checking model.py on the data's images %s", list(info.image_shape))
   optim.check_model(run_plan, info)  # model.py on this data, abstractly: before any compile
   # The state: built, or restored (the workdir's latest checkpoint), and the steps that take it.
   logging.info("building the model and optimizer state, or restoring it from %s", workdir)
+  stopping.phase("building the model and optimizer state, or restoring it")
   graphdef, abstract, init = optim.initial_state(run_plan, info, mesh, num_train_steps)
   saved, first_step, state = runs.start_or_resume(workdir, config, info, abstract, init)
   # What the run reports (process 0 writes): what it will do, its metrics, progress, a profile.
@@ -73,6 +75,7 @@ def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   # The input: its workers start here; the eval step compiled on its first and last batches.
   data.start(first_step, compiled.put_batch)
   logging.info("compiling the steps (or loading them from the compilation cache)")
+  stopping.phase("compiling the evaluation step (or loading it from the compilation cache)")
   return Run(run_plan, workdir, data, first_step, state, compiled, saved, reporting,
              dispatch.compile_eval(compiled, state, data.eval_batches, run_plan.metrics.eval))
 
@@ -80,8 +83,7 @@ def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
 def train_loop(run: Run, received: list):
   """The steps from the run's first to its last, logging, evaluating and saving on the way;
   returns the last step, its state, the last evaluation's metrics (None if stopped before one)
-  and what stopped the run early (`stopping.stop_now`: a signal in `received`, or a preemption
-  notice), or None."""
+  and what stopped the run early (`stopping.stop_now`: a signal in `received`), or None."""
   config, compiled, saved, reporting = run.plan.config, run.compiled, run.checkpoints, run.report
   clock, progress, profiler = reporting.clock, reporting.progress, reporting.profiler
   k, num_train_steps, state = config.run.steps_per_dispatch, run.data.num_train_steps, run.state
@@ -93,10 +95,16 @@ def train_loop(run: Run, received: list):
   while step < num_train_steps:
     done = min((step // k + 1) * k, num_train_steps)  # `done` counts finished updates
     profiler.before(step, done)
+    steps = f"step {done}" if done == step + 1 else f"steps {step + 1}-{done}"
+    stopping.phase(f"the call of {steps}", "call")  # (its input and results too)
     with clock.waiting():  # for the input: an input-bound loop shows here
       batches = next(run.data.train)
+    if not clock.started:  # (a call returns once compiled and dispatched)
+      stopping.phase("compiling the training step (or loading it from the compilation cache)")
     with profiler.annotate(done):
       state, running = compiled.train(state, running, batches)
+    if not clock.started:
+      stopping.phase(f"the first call ({steps})", "call")
     if every and done // every > step // every:
       jax.block_until_ready(running)
     step = done
@@ -107,8 +115,7 @@ def train_loop(run: Run, received: list):
       progress.log("first calls (compiling, or loading from the cache): train %.2f s, eval "
                    "%.2f s", clock.start(step), run.eval_compile_s)
     is_last = step == num_train_steps
-    stopped_by = stopping.stop_now(received, saved, -(-step // k),  # (its dispatch)
-                                   can_agree=step % config.log_every_steps == 0)
+    stopped_by = stopping.stop_now(received, can_agree=step % config.log_every_steps == 0)
     log_now = step % config.log_every_steps == 0 or is_last
     if log_now or step % config.checkpoint_every_steps == 0 or stopped_by:
       saved.check()  # an asynchronous save that failed since: stop here
@@ -124,13 +131,16 @@ def train_loop(run: Run, received: list):
       jax.block_until_ready(state)  # the steps queued so far are training time
       with clock.paused():  # left out of the training rates
         if save_now:  # first: asynchronous, it writes while the evaluation runs
+          stopping.phase(f"saving checkpoint {step}", "save")
           saved.save(step, compiled.get_state(state))
         if evaluate_now:
+          stopping.phase(f"the evaluation at step {step}", "evaluation")
           eval_metrics = dispatch.summarize(dispatch.evaluate(compiled, state, *eval_split))
           reporting.eval(step, eval_metrics)
     if stopped_by:
       break
   if eval_metrics is None and not stopped_by:  # nothing left to train: the restored state's
+    stopping.phase(f"the evaluation at step {step}", "evaluation")
     eval_metrics = dispatch.summarize(dispatch.evaluate(compiled, state, *eval_split))
   return step, state, eval_metrics, stopped_by
 
@@ -147,7 +157,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     with (stopping.stop_signals() as received, contextlib.closing(run.data),
           contextlib.closing(run.report.progress)):
       step, state, eval_metrics, stopped_by = train_loop(run, received)
+    stopping.phase("the last save", "save")
     run.checkpoints.close()
+    stopping.phase(None)
   if stopped_by:
     run.report.end()
     logging.warning("%s", stopping.Stopped(stopped_by, step, num_train_steps, workdir))
@@ -165,9 +177,13 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints and metrics g
 
 def main(argv):
   del argv
-  process.start(_CONFIG.value)  # the log, the compilation cache; one of several processes: joined
-  with process.exits():  # an error: one line
-    train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  # From here on every wait is bounded and a signal is honoured in every phase (its thread:
+  # "watchdog"), each ending the run in one line.
+  with stopping.Watchdog(_CONFIG.value):
+    stopping.phase("joining the job, where this is one process of several")
+    process.start(_CONFIG.value)  # the log, the compilation cache; several processes: joined
+    with process.exits():  # an error: one line
+      train_and_evaluate(_CONFIG.value, _WORKDIR.value)
 
 
 if __name__ == "__main__":

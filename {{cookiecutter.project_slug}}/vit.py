@@ -90,7 +90,8 @@ class Block(nnx.Module):
 
   def __call__(self, x_BTD):
     x_BTD = x_BTD + self.dropout(self.attention(self.attention_norm(x_BTD)))
-    y_BTF = self.dropout(nnx.gelu(self.mlp_in(self.mlp_norm(x_BTD))))
+    # (GELU exact, with erf, as timm's and PyTorch's: their weights fit, exactly)
+    y_BTF = self.dropout(nnx.gelu(self.mlp_in(self.mlp_norm(x_BTD)), approximate=False))
     return x_BTD + self.dropout(self.mlp_out(y_BTF))
 
 

@@ -99,7 +99,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.num_epochs = 50
   config.seed = 0
   # Fine-tuning: the model's parameters and batch statistics from the latest checkpoint of this
-  # other run's workdir (leaves of another shape, and the optimizer, start afresh); '': none.
+  # other run's workdir (leaves of another shape, and the optimizer, start afresh); or from
+  # pretrained weights in timm's or torchvision's names (model.py's ResNets, vit.py's ViTs): a
+  # .safetensors or .pth file, or hf-hub:ORG/NAME (training/pretrained.py); '': none.
   config.init_from = ""
 
   # Parallelism: 'spmd' (jax.jit over a device mesh), 'pmap' (the legacy jax.pmap) or 'fsdp'
@@ -121,6 +123,13 @@ def get_config() -> ml_collections.ConfigDict:
   # The cache is trusted code: never a directory that others can write.
   config.compilation_cache_dir = "~/.cache/jax_compilation_cache"
   config.compilation_cache_min_seconds = 0.5
+  # The watchdog (training/stopping.py): no wait lasts forever. Set-up and compiles may take
+  # `watchdog_compile_s`; a call of the loop, an evaluation or a save `watchdog_factor` times the
+  # slowest of its kind so far, at least `watchdog_floor_s`. Past its bound the run ends in one
+  # line, exit 75, which clusters/slurm.sbatch requeues; the same command resumes. 0: no bound.
+  config.watchdog_compile_s = 1800
+  config.watchdog_floor_s = 300
+  config.watchdog_factor = 20.0
 
   # Performance reports. MFU needs the peak FLOP/s of one device: looked up from the device
   # kind (bf16, dense) when 0.

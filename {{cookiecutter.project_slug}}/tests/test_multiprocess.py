@@ -289,7 +289,7 @@ def test_a_signal_to_launch_reaches_every_process_which_saves_and_stops(tmp_path
         os.kill(pid, signal.SIGKILL)
   assert launcher.returncode == 143, stderr[-3000:]
   assert f"launch.py: {signal.Signals(signum).name}; passed on to every process" in stderr
-  stops = re.findall(r"Stopped by (?:SIGTERM|a preemption notice) after step (\d+)", stderr)
+  stops = re.findall(r"Stopped by SIGTERM after step (\d+)", stderr)
   steps = sorted(int(d.name) for d in (tmp_path / "checkpoints").iterdir() if d.name.isdigit())
   assert not [pid for pid in below if alive(pid)]
   print(f"stopped: {stops}; checkpoints {steps}")
@@ -317,33 +317,29 @@ def test_a_sigkill_of_launch_ends_every_process_it_started(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("service", [True, False], ids=["preemption_service", "no_service"])
-def test_sigterm_to_one_process_stops_all_at_the_same_step(tmp_path, service):
-  """SIGTERM to process 1. JAX's preemption service (on by default) tells process 0, and both
-  stop at the step it names. Processes that no such service connects (here: it is turned off)
-  catch SIGTERM themselves and agree, at the next log step, to stop there together and save."""
-  processes = start_pair(tmp_path, **({} if service else
-                                      {"JAX_ENABLE_PREEMPTION_SERVICE": "false"}))
+def test_sigterm_to_one_process_stops_all_at_the_same_step(tmp_path):
+  """SIGTERM to process 1 alone: each process catches SIGTERM itself (its watchdog's, from its
+  first line: JAX's preemption service, which would take it from Python, is off) and they agree,
+  at the next log step, to stop there together and save."""
+  processes = start_pair(tmp_path)
   try:
     processes[1].send_signal(signal.SIGTERM)
     stderrs = [p.communicate(timeout=120)[1] for p in processes]
   finally:
     stop_all(processes)
   assert [p.returncode for p in processes] == [143, 143], stderrs[0][-3000:]
-  marker = "Stopped by" if service else "Stopped by SIGTERM"
-  stops = [line for err in stderrs for line in err.splitlines() if marker in line]
+  stops = [line for err in stderrs for line in err.splitlines() if "Stopped by SIGTERM" in line]
   assert len(stops) == 2
   step = int(stops[0].split("after step ")[1].split()[0])
   assert all(f"after step {step} of" in line for line in stops)  # both at the same step
-  assert service or step % 5 == 0  # without the service: a log step
+  assert step % 5 == 0  # a log step
   assert (tmp_path / "checkpoints" / str(step)).is_dir()
 
 
 @pytest.mark.slow
 def test_ctrl_c_on_two_processes_saves_as_sigterm_does(tmp_path):
-  """Ctrl-C (SIGINT to every process, as a terminal or srun sends it) on processes that JAX's
-  preemption service connects: it is passed on as SIGTERM, so both stop at the step the service
-  names, save it, and exit 130; the same command then resumes from it."""
+  """Ctrl-C (SIGINT to every process, as a terminal or srun sends it): both stop at the step they
+  agree on, save it, and exit 130."""
   processes = start_pair(tmp_path)
   try:
     for p in processes:

@@ -1058,13 +1058,14 @@ def test_checkpoints_are_written_by_one_replica_on_cpu_and_by_all_on_tpu(monkeyp
   assert handler()._use_replica_parallel is True  # Orbax's default there
 
 
-def test_signals_are_caught_when_no_preemption_service_takes_them(monkeypatch):
-  """Several processes without JAX's distributed runtime (a TPU pod that libtpu joins by itself)
-  have no preemption service: SIGTERM must still stop the loop and save, not kill."""
+def test_signals_are_caught_by_the_loop_without_a_watchdog(monkeypatch):
+  """A run called in place (train_and_evaluate, no watchdog: train.py's main has one), on one
+  process or several: SIGTERM must still stop the loop and save, not kill."""
   monkeypatch.setattr(jax, "process_count", lambda: 2)
-  assert not stopping.preemption_service()
-  with stopping.stop_signals():
+  with stopping.stop_signals() as received:
     assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None)
+    assert stopping.stop_now([signal.SIGTERM], can_agree=False) is None  # (agreed at a log step)
+    assert received == []
   assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 

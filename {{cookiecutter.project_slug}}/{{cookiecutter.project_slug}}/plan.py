@@ -130,6 +130,7 @@ FREE_ON_RESUME = (
     "num_workers", "read_threads", "prefetch_batches", "prefetch_to_device", "grad_accum_steps",
     "steps_per_dispatch", "init_from", "parallelism", "fsdp_devices", "fsdp_min_size",
     "print_shardings", "xla_options", "compilation_cache_dir", "compilation_cache_min_seconds",
+    "watchdog_compile_s", "watchdog_floor_s", "watchdog_factor",
     "peak_flops_per_device", "profile_first_step", "profile_num_steps", "wandb_project",
     "log_every_steps", "eval_every_steps", "checkpoint_every_steps", "max_checkpoints_to_keep",
     "skip_nonfinite_steps", "cpu_sync_every_steps", "per_device_batch_size", "resume_may_change",

@@ -43,16 +43,47 @@ def run(main) -> None:
   app.run(main, flags_parser=errors.parse_flags)
 
 
+# The jaxlib releases on which a process of several hangs at the first program with a collective
+# that it loads from the persistent compilation cache (measured on the CPU: BENCHMARKS.md, "Known
+# problems"); there such a run compiles every program instead.
+CACHE_HANGS_WITH_SEVERAL_PROCESSES = ("0.12.1",)
+
+
 def start(config) -> None:
   """A run's process, before anything is compiled: its log kept to progress and metrics; JAX's
   compilation cache in `config.compilation_cache_dir`; the job joined (one of several)."""
   logging.get_absl_handler().addFilter(_QuietLibraries())
+  cache(config)
+  initialize()
+
+
+def cache(config) -> None:
+  """JAX's persistent compilation cache in `config.compilation_cache_dir`
+  (JAX_COMPILATION_CACHE_DIR, where set, is JAX's own; `join` may turn either off)."""
   if config.compilation_cache_dir and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     jax.config.update("jax_compilation_cache_dir",
                       os.path.expanduser(config.compilation_cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs",
                       config.compilation_cache_min_seconds)
-  initialize()
+
+
+def no_cache_where_it_hangs() -> None:
+  """For a process of several on a jaxlib that hangs loading programs from the compilation cache
+  (`CACHE_HANGS_WITH_SEVERAL_PROCESSES`): the cache off (any entry point's, and
+  JAX_COMPILATION_CACHE_DIR's), said in one line."""
+  if jax.config.jax_compilation_cache_dir and (
+      jaxlib_version() in CACHE_HANGS_WITH_SEVERAL_PROCESSES):
+    jax.config.update("jax_enable_compilation_cache", False)
+    if _PROCESS_ID.value in (None, 0):  # (once: process 0 logs)
+      logging.warning("The compilation cache is off for this run: on jaxlib %s a process of "
+                      "several hangs at the first program it loads from it (BENCHMARKS.md: "
+                      "Known problems). Every program compiles anew.", jaxlib_version())
+
+
+def jaxlib_version() -> str:
+  from jaxlib import version
+
+  return version.__version__
 
 
 # Where a GPU's or TPU's device files are (NVIDIA; WSL's; AMD's; Cloud TPU's).
@@ -71,8 +102,15 @@ def cpu_where_no_accelerator() -> None:
 
 def initialize() -> None:
   """Joins JAX's distributed runtime when this is one of several processes (joined.py); else does
-  nothing. A launcher that JAX does not find ends the process in one line naming the fix. First,
-  the CPU alone where there is no accelerator (`cpu_where_no_accelerator`)."""
+  nothing."""
+  if job := find_job():
+    join(*job)
+
+
+def find_job() -> tuple[str, dict] | None:
+  """The job this process is one of (its coordinator's address, and jax.distributed.initialize's
+  arguments), or None. A launcher that JAX does not find ends the process in one line naming the
+  fix. First, the CPU alone where there is no accelerator (`cpu_where_no_accelerator`)."""
   cpu_where_no_accelerator()
   if address := _COORDINATOR.value:
     host = address.rsplit(":", 1)[0]
@@ -86,8 +124,15 @@ def initialize() -> None:
     except ValueError as e:
       raise SystemExit(f"error: {e}") from None
     if joining is None:
-      return
+      return None
     address = distributed.coordinator()
+  return address, joining
+
+
+def join(address: str, joining: dict) -> None:
+  """Joins the job (joined.py) that `find_job` found, the cache first made safe for it
+  (`no_cache_where_it_hangs`)."""
+  no_cache_where_it_hangs()
   from .parallel import joined
 
   joined.join(address, joining, _PROCESS_ID.value, _NUM_PROCESSES.value, _JOIN_TIMEOUT.value,

@@ -33,6 +33,9 @@ def join(address: str, joining: dict, process_id: int | None, num_processes: int
     heartbeat: the seconds after which a silent process is lost.
   """
   # (JAX's own timeout a little later than ours: at its own it aborts, with a C++ stack dump.)
+  # SIGTERM stays the run's (stopping.Watchdog: honoured in every phase, a hung one too), not
+  # JAX's preemption service's, which would take it from Python and act only between steps.
+  jax.config.update("jax_enable_preemption_service", False)
   with joining_said(address, process_id, num_processes, join_timeout):
     jax.distributed.initialize(num_processes=num_processes, process_id=process_id, **joining,
                                heartbeat_timeout_seconds=heartbeat,

@@ -109,10 +109,6 @@ class Checkpoints:
     with saving(self.workdir):
       self.manager.close()
 
-  def reached_preemption(self, dispatch: int) -> bool:
-    """Whether JAX's preemption service stops every process after this dispatch."""
-    return self.manager.reached_preemption(dispatch)
-
   def wait(self) -> tuple[int | None, str]:
     """Waits for the save in the background; returns the latest checkpoint's step, and where."""
     with saving(self.workdir):

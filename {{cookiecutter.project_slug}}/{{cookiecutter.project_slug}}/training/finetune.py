@@ -1,5 +1,5 @@
 """Fine-tuning (`config.init_from`): a new run whose model starts as another run's latest
-checkpoint."""
+checkpoint, or as pretrained weights (pretrained.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,10 @@ def init_from(source: str, abstract, init):
     abstract: the state's abstract value.
     init: builds the state.
   """
+  from . import pretrained  # (its own reading: a file of weights, or the Hub's)
+
+  if pretrained.is_weights(source):
+    return pretrained.init_from(source, abstract, init)
   checkpoints = checkpoint_manager(absolute(source), create=False)
   step = checkpoints.latest_step()
   if step is None:

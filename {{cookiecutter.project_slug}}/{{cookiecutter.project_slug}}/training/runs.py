@@ -20,6 +20,7 @@ from etils import epath
 from .. import errors, plan, rules
 from ..data import sources
 from ..plan import CONFIG_FILE, Plan
+from . import stopping
 from .checkpoints import Checkpoints, absolute, checkpoint_manager
 
 CLAIM_FILE = "claimed.json"  # the run that holds the workdir (`Claim`)
@@ -61,6 +62,7 @@ def start_or_resume(workdir: str, config, info: sources.DatasetInfo, abstract, i
 
     init = init_from(config.init_from, abstract, init)
   claim = Claim(workdir)
+  stopping.at_exit(claim.close)  # (however the watchdog ends the process)
   try:
     saved = Checkpoints(workdir, config, claim)
     first_step, state = saved.restore_or_init(abstract, init)
