@@ -189,6 +189,9 @@ def read(selector, timeout: float) -> None:
 
 
 def main(argv):
+  for flag in (_NUM_PROCESSES, _DEVICES, _GPUS):
+    if flag.value is not None and flag.value < 1:  # (0 processes would end 0, having done nothing)
+      raise SystemExit(f"error: --{flag.name}={flag.value}: give 1 or more.")
   sys.exit(launch(argv[1:], _NUM_PROCESSES.value, _DEVICES.value, _TIMEOUT.value, _SCRIPT.value,
                   _GPUS.value))
 

@@ -669,3 +669,15 @@ def test_launch_gives_each_process_its_gpus_and_a_share_of_the_cores(tmp_path):
   assert refused.stderr.strip().splitlines()[-1] == (
       "error: 3 processes of 2 GPUs need 6; this machine shows 4 (CUDA_VISIBLE_DEVICES, else "
       "/dev/nvidia*): give fewer --num_processes or --gpus_per_process."), refused.stderr
+
+
+@pytest.mark.parametrize("flag", ["--num_processes=0", "--num_processes=-1",
+                                  "--devices_per_process=0", "--gpus_per_process=0"])
+def test_launch_refuses_a_count_below_one_in_one_line(flag):
+  """launch.py --num_processes=0 (or -1) ended 0 having started and said nothing: a count below
+  one is now one `error:` line and a non-zero exit, before anything starts."""
+  done = subprocess.run([sys.executable, "launch.py", flag, "--", "--config=configs/tiny.py",
+                         "--workdir=unused"], cwd=PROJECT, capture_output=True, text=True,
+                        timeout=60)
+  assert done.returncode == 1, done.stderr
+  assert done.stderr.strip().splitlines() == [f"error: {flag}: give 1 or more."], done.stderr

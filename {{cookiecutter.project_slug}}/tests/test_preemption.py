@@ -253,6 +253,10 @@ def test_nonfinite_loss_stops_naming_the_step_and_the_last_good_checkpoint(tiny_
   last_step, state = final_state(tmp_path / "run")
   assert last_step == last_good and all(np.isfinite(x).all() for x in state.values()
                                         if x.dtype.kind == "f")
+  tiny_config.checkpoint_every_steps = 100  # none before the bad step: said, not "step None"
+  with pytest.raises(stopping.NonFiniteLoss, match=f"at step {bad_step};") as error:
+    train.train_and_evaluate(tiny_config, str(tmp_path / "afresh"))
+  assert "and no checkpoint was saved before it (in " in str(error.value), str(error.value)
 
 
 @pytest.mark.slow  # (fast: test_steps.py skips a step by selection and under cond alike)

@@ -915,6 +915,11 @@ def test_a_workdir_is_held_by_one_run_at_a_time(tiny_config, tmp_path, monkeypat
       runs.Claim(str(workdir)).close()
     assert f"held by process {holder.pid} on elsewhere since then, not renewed for " in caplog.text
     assert not claim.exists()
+    claim.write_text(json.dumps(dict(host="elsewhere", pid=1, since="then", renewed="today")))
+    with caplog.at_level("WARNING"):  # (a "renewed" that is not a number: no ValueError)
+      runs.Claim(str(workdir)).close()
+    assert "held by process 1 on elsewhere since then, in a claim that cannot be read: taken " \
+           "over" in caplog.text
   finally:
     holder.kill()
     holder.wait()

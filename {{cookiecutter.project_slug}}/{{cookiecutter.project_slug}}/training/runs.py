@@ -156,7 +156,10 @@ def stale(holder: dict) -> str | None:
       return "which is no longer running"
     except (PermissionError, KeyError, ValueError, TypeError):
       pass
-  age = time.time() - float(holder.get("renewed", 0))
+  try:
+    age = time.time() - float(holder.get("renewed", 0))
+  except (TypeError, ValueError):  # ("renewed": "yesterday": not a claim this project wrote)
+    return "in a claim that cannot be read"
   return f"not renewed for {age:.0f} s" if age > STALE_AFTER_S else None
 
 

@@ -231,8 +231,9 @@ def check_finite(nonfinite, since: int, config, checkpoints) -> None:
   """
   if nonfinite.count and not config.skip_nonfinite_steps:
     latest, directory = checkpoints.wait()
+    saved = (f"the latest checkpoint, step {latest} in {directory}, was saved before it" if
+             latest is not None else f"no checkpoint was saved before it (in {directory})")
     raise NonFiniteLoss(
         f"non-finite loss or gradient at step {since + int(nonfinite.first)}; its update was "
-        f"not applied, and the latest checkpoint, step {latest} in {directory}, was saved "
-        "before it. Lower the learning rate, check the data, "
+        f"not applied, and {saved}. Lower the learning rate, check the data, "
         "or set --config.skip_nonfinite_steps=True.")
