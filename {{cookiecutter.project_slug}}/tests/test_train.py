@@ -660,7 +660,12 @@ BAD_CONFIGS = [
                                       "devices into groups for BatchNorm's statistics; use one "
                                       "of [1, 2, 4, 8] (0: the global batch)."),
     ("--config.init_from=configs", "config.init_from='configs' holds no checkpoints/; give the "
-                                   "--workdir of the training run to start from."),
+                                   "--workdir of the training run to start from, a .safetensors "
+                                   "or .pth file, or hf-hub:ORG/NAME."),
+    ("--config.init_from=absent.safetensors", "config.init_from='absent.safetensors': no such "
+                                              "file; give a .safetensors or .pth file of "
+                                              "pretrained weights, hf-hub:ORG/NAME, or a run's "
+                                              "workdir."),
     ("--config.per_device_batch_size=-8", "config.per_device_batch_size=-8 must be an integer "
                                           ">= 0."),
     ("--config.per_device_batch_size=3 --config.grad_accum_steps=2",
@@ -679,6 +684,8 @@ BAD_CONFIGS = [
     ("--config.model.name=vit", "config.model.name='vit' is none of shipped_model.py's ('cnn', "
                                 "'resnet18', 'resnet50'); choose one."),
     ("--config.grad_clip_norm=-1", "config.grad_clip_norm=-1.0 must be a number >= 0."),
+    ("--config.watchdog_floor_s=-1", "config.watchdog_floor_s=-1 must be a number >= 0."),
+    ("--config.watchdog_factor=0", "config.watchdog_factor=0.0 must be a positive number."),
     ("--config.dataset=synthetic --config.synthetic.image_shape=(2048,2048,3) "
      "--config.batch_size=8192 --config.num_workers=4", "the input would hold 960 GiB of "
      "this host's"),
