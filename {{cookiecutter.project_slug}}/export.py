@@ -86,6 +86,9 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   process.initialize()
+  if not os.path.isdir(folder := os.path.dirname(os.path.abspath(FLAGS.out))):
+    raise SystemExit(f"error: --out={FLAGS.out!r}: the folder {folder!r} does not exist; make "
+                     "it, or give a path in a folder that does.")  # (before the restore)
   with process.exits():
     run = trained.Restored(FLAGS.workdir, FLAGS.step, runs_model=FLAGS.use_runs_model)
   if process.is_first():

@@ -91,7 +91,8 @@ def main(argv):
   process.initialize()
   if FLAGS.top_k < 1:
     raise SystemExit(f"error: --top_k={FLAGS.top_k} must be 1 or more.")
-  paths = image_files.find_images(argv[1:])
+  with process.exits():  # (a path that is not there: one line, before the restore)
+    paths = image_files.find_images(argv[1:])
   if not paths:
     raise SystemExit("error: no image to classify: give image files (.jpg, .jpeg, .png) or "
                      "folders of them after the flags.")

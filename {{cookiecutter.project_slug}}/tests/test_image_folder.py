@@ -868,3 +868,20 @@ def test_a_class_with_fewer_images_than_its_share_of_a_batch_is_said_once(tmp_pa
     meta = json.load(f)
   assert sum(meta["train_class_counts"]) == meta["num_examples"]["train"]
   assert len(meta["train_class_counts"]) == len(meta["class_names"])
+
+
+@pytest.mark.parametrize("channels", [1, 3], ids=["gray", "rgb"])
+def test_a_16_bit_png_is_scaled_to_8_bits_not_clipped_white(channels):
+  """A 16-bit gray PNG (PIL's I;16): decoded as its top byte, on both of the decoders' paths
+  (decode_image: write_arrayrecord.py and predict.py; Crops, a photo kept whole), not clipped at
+  255 by PIL's convert (97% white)."""
+  wide = (np.arange(16 * 16, dtype=np.uint32).reshape(16, 16) * 257).astype(np.uint16)
+  encoded = io.BytesIO()
+  Image.fromarray(wide).save(encoded, format="PNG")  # (mode I;16)
+  data = encoded.getvalue()
+  assert Image.open(io.BytesIO(data)).mode.startswith("I")  # (16 bits in the file)
+  decoded = image_files.decode_image(data, (16, 16, channels))
+  top_byte = np.repeat((wide >> 8)[..., None], channels, axis=-1)
+  np.testing.assert_array_equal(decoded, top_byte)
+  image, _ = image_files.Crops().decoded(data, (16, 16, channels), position=0)
+  np.testing.assert_array_equal(np.asarray(image).reshape(16, 16, channels), top_byte)

@@ -367,6 +367,17 @@ def test_the_commands(folder_run, tmp_path):
     assert done.returncode == 1 and done.stderr.strip().splitlines() == [
         f"error: workdir {str(tmp_path)!r} holds no config.json: give the --workdir of a training "
         "run (train.py writes it at start)."], done.stderr
+  # A path that is not there (the README's `photos/3`, before there are photos), an --out in a
+  # folder that is not there: one line each, before the checkpoint is read.
+  done = script("predict.py", f"--workdir={workdir}", str(tmp_path / "photos" / "3"))
+  assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+      f"error: {str(tmp_path / 'photos' / '3')!r} does not exist; give image files or folders of "
+      "them."], done.stderr
+  out = tmp_path / "missing" / "model.npz"
+  done = script("export.py", f"--workdir={workdir}", f"--out={out}")
+  assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+      f"error: --out={str(out)!r}: the folder {str(out.parent)!r} does not exist; make it, or "
+      "give a path in a folder that does."], done.stderr
 
 
 @pytest.mark.slow

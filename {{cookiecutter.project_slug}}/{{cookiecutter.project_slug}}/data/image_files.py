@@ -97,6 +97,14 @@ def upright(image):
   return ImageOps.exif_transpose(image) if orientation(image) != 1 else image
 
 
+def eight_bit(image):
+  """A 16-bit gray image (PNG's: PIL's I;16 modes, or I) as 8 bits, scaled (its top byte): PIL's
+  convert would clip it at 255, a photo almost all white. Any other image: itself."""
+  if not (image.mode.startswith("I;16") or image.mode == "I"):
+    return image
+  return Image.fromarray((np.asarray(image, np.uint32) >> 8).clip(0, 255).astype(np.uint8))
+
+
 def decode_image(data: bytes, image_shape: tuple[int, int, int],
                  max_pixels: int = MAX_PIXELS) -> np.ndarray:
   """An encoded image (JPEG, PNG, ...) as uint8 [H, W, C]: upright (its EXIF orientation
@@ -110,7 +118,7 @@ def decode_image(data: bytes, image_shape: tuple[int, int, int],
   """
   height, width, channels = image_shape
   with open_image(data, max_pixels) as image:
-    image = upright(image).convert("L" if channels == 1 else "RGB")
+    image = eight_bit(upright(image)).convert("L" if channels == 1 else "RGB")
     if image.size != (width, height):
       image = ImageOps.fit(image, (width, height), Image.Resampling.BILINEAR)
     return np.asarray(image).reshape(height, width, channels)
@@ -378,7 +386,7 @@ class Crops:
       with opened:
         if not turned:  # (a photo held sideways: decoded whole, then turned)
           opened.draft(mode, wanted)  # (a JPEG only)
-        image = upright(opened).convert(mode)
+        image = eight_bit(upright(opened)).convert(mode)
       size = image.size
     sx, sy = size[0] / full[0], size[1] / full[1]  # 1 unless a JPEG decoded scaled
     return image, (left * sx, top * sy, right * sx, bottom * sy)
