@@ -30,12 +30,16 @@ class Watch:
   (`end`) said in one line when they say that the job lost a process."""
 
   def __init__(self, out):
-    self.out, self.held, self.held_bytes, self.partial = out, [], 0, b""
+    self.out, self.held, self.held_bytes, self.partial = out, [], 0, bytearray()
 
   def feed(self, data: bytes) -> None:
     """Passes on, or holds, each line that `data` completes (b"": the stream's end)."""
-    lines = (self.partial + data).splitlines(keepends=True)
-    self.partial = lines.pop() if data and lines and not lines[-1].endswith(b"\n") else b""
+    if data and b"\n" not in data and b"\r" not in data:  # a line not ended yet: kept, in
+      self.partial += data  # place (not joined anew at every read: quadratic in a long line)
+      return
+    lines = bytes(self.partial + data).splitlines(keepends=True)
+    self.partial = bytearray(
+        lines.pop() if data and lines and not lines[-1].endswith(b"\n") else b"")
     for line in lines:
       if self.held and (LOG_LINE.match(line) or self.held_bytes > HOLD_MAX_BYTES):
         self.pass_on()  # (not the end, or more than a dump: passed on as it was)
