@@ -9,9 +9,9 @@ sorted order), holding JPEG or PNG files (in subfolders too). With `train/` and 
 those are the two splits; otherwise `--eval_fraction` of each class is held out (seeded).
 Images are decoded to uint8 (upright: their EXIF orientation applied) and, with
 `--image_size=H[,W]`, scaled and center-cropped to it; without, images of several sizes are
-fitted so to a square of side FIT_SIDE (224), or the shortest side among them if less (said in
-one line; and those a crop loses more than a quarter of: a panorama). They keep 1 channel if all
-are gray, else they are RGB.
+fitted so to a square of side FIT_SIDE (224), or their typical (median) shorter side if less
+(said in one line; and those a crop loses more than a quarter of: a panorama). They keep 1
+channel if all are gray, else they are RGB.
 `--keep_encoded` stores each file's bytes as they are (smaller on disk): the Grain workers then
 decode, and resize, them while training. `--resize_shorter=S` (with `--image_size`, the size
 that training and evaluation crop to, e.g. 224 from 256) keeps each photo whole, with its
@@ -298,12 +298,15 @@ def write_image_folder(out_dir: str, folder: str, image_size: tuple[int, int] | 
     sizes = sorted({size for size, _ in headers})
     if image_size is None and len(sizes) == 1:
       image_size = sizes[0][::-1]
-    elif image_size is None:
-      side = min(FIT_SIDE, *(min(size) for size in sizes))
-      image_size = (side, side)
+    elif image_size is None:  # their typical (median) shorter side, not one thin crop's
+      shorter = sorted(min(size) for size, _ in headers)
+      side = min(FIT_SIDE, shorter[len(shorter) // 2])
+      image_size, smaller = (side, side), sum(s < side for s in shorter)
       print(f"the images have {len(sizes)} sizes ({sizes[0][1]}x{sizes[0][0]}, {sizes[1][1]}x"
-            f"{sizes[1][0]}, ...): each is scaled to cover {side}x{side} and centre-cropped "
-            "(--image_size=H,W for another size; --resize_shorter=S with it keeps them whole)")
+            f"{sizes[1][0]}, ...): each is scaled to cover {side}x{side} (their typical shorter "
+            f"side, at most {FIT_SIDE}" + (f"; {smaller} smaller scaled up" if smaller else "") +
+            ") and centre-cropped (--image_size=H,W for another size; --resize_shorter=S with it "
+            "keeps them whole)")
     if not resize_shorter:
       say_cropped(examples, image_size)
     channels = 1 if all(mode in image_files.GRAY_MODES for _, mode in headers) else 3

@@ -489,12 +489,23 @@ def test_the_held_out_split_and_the_tree_checks(tmp_path, capsys):
   Image.fromarray(np.zeros((6, 30), np.uint8)).save(tmp_path / "two" / "b" / "wide.png")
   write_arrayrecord.write_image_folder(str(tmp_path / "out"), str(tmp_path / "two"))
   assert capsys.readouterr().out.splitlines() == [
-      "the images have 3 sizes (6x6, 7x6, ...): each is scaled to cover 6x6 and centre-cropped "
-      "(--image_size=H,W for another size; --resize_shorter=S with it keeps them whole)",
+      "the images have 3 sizes (6x6, 7x6, ...): each is scaled to cover 6x6 (their typical "
+      "shorter side, at most 224) and centre-cropped (--image_size=H,W for another size; "
+      "--resize_shorter=S with it keeps them whole)",
       "images losing more than a quarter of their area to the centre crop to 6x6: 1; the most, "
       f"{tmp_path / 'two' / 'b' / 'wide.png'} (6x30), keeps 20% (--resize_shorter=S with "
       "--image_size keeps photos whole)"]
   assert json.loads((tmp_path / "out" / "metadata.json").read_text())["image_shape"] == [6, 6, 1]
+  # Photos of 20x20 and one thin crop (3x40): fitted to the photos' typical side, not the crop's.
+  Image.fromarray(np.zeros((3, 40), np.uint8)).save(tmp_path / "two" / "b" / "wide.png")
+  for path in (tmp_path / "two").rglob("[0-9]*.png"):
+    Image.fromarray(rng.integers(0, 256, (20, 20), dtype=np.uint8)).save(path)
+  write_arrayrecord.write_image_folder(str(tmp_path / "out20"), str(tmp_path / "two"))
+  assert capsys.readouterr().out.splitlines()[0].startswith(
+      "the images have 3 sizes (7x6, 20x20, ...): each is scaled to cover 20x20 (their typical "
+      "shorter side, at most 224; 2 smaller scaled up)")
+  assert json.loads((tmp_path / "out20" / "metadata.json").read_text())["image_shape"] == [
+      20, 20, 1]
   (tmp_path / "none").mkdir()
   with pytest.raises(ValueError, match="has no class folders"):
     write_arrayrecord.list_image_folder(str(tmp_path / "none"), 0.2)
