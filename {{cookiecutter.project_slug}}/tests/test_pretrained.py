@@ -8,6 +8,7 @@ import os
 
 import numpy as np
 import pytest
+from conftest import SHIPPED_MODEL
 from flax import nnx
 from safetensors.numpy import save_file
 
@@ -26,7 +27,9 @@ def torch():
 
 
 def ours(module: str, name: str, image_size: int = 224, num_classes: int = 1000, **model):
-  """model.py's or vit.py's `name` in float32, as `create_model` builds it for a run."""
+  """model.py's (the tests' own copy, whatever model.py holds: conftest.SHIPPED_MODEL) or vit.py's
+  `name` in float32, as `create_model` builds it for a run."""
+  module = SHIPPED_MODEL if module == "model" else module
   config = importlib.import_module("configs.default").get_config()
   config.model.update(name=name, module=module, dtype="float32", param_dtype="float32", **model)
   if module == "vit":
@@ -181,6 +184,7 @@ def test_train_py_starts_from_torchvision_weights_and_says_so(torch, tmp_path):
               tmp_path / "resnet18.safetensors")
   out = subprocess.run(
       [sys.executable, "train.py", "--config=configs/tiny.py", "--config.model.name=resnet18",
+       f"--config.model.module={SHIPPED_MODEL}",
        "--config.model.width=64", f"--config.init_from={path}", f"--workdir={tmp_path / 'run'}"],
       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True,
       text=True, timeout=600)
