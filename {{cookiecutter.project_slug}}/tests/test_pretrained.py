@@ -128,12 +128,12 @@ def test_another_class_count_and_image_size_a_new_head_and_resized_position_embe
 def test_a_file_of_another_architecture_is_refused_in_one_line_naming_the_key(tmp_path):
   """ResNet-18's weights with one convolution of another shape: one line naming the first key
   that does not fit, both shapes, and what to check."""
-  model = ours("model", "resnet18")
-  theirs = {"conv1.weight": np.zeros((64, 3, 5, 5), np.float32)}
+  model = ours("model", "resnet18", width=8)  # (narrow: built in a moment)
+  theirs = {"conv1.weight": np.zeros((8, 3, 5, 5), np.float32)}
   path = str(tmp_path / "other.safetensors")
   save_file(theirs, path)
-  with pytest.raises(ConfigError, match=r"conv1\.weight has shape \[64, 3, 5, 5\], which does "
-                     r"not fit this model's stem/kernel \[7, 7, 3, 64\]"):
+  with pytest.raises(ConfigError, match=r"conv1\.weight has shape \[8, 3, 5, 5\], which does "
+                     r"not fit this model's stem/kernel \[7, 7, 3, 8\]"):
     loaded(model, path)
   save_file({"encoder.weight": np.zeros(3, np.float32)}, path)
   with pytest.raises(ConfigError, match="none of its 1 keys fits this model"):
