@@ -53,15 +53,15 @@ def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   config = run_plan.config
   # The devices' layout; the data (this process's rows of each batch), read and described.
   mesh = sharding.make_mesh(config)
-  logging.info("reading the data: config.dataset=%r", config.dataset)  # (each phase: a line)
   stopping.phase("reading the data")  # (each phase bounded by the watchdog: stopping.Watchdog)
+  logging.info("reading the data: config.dataset=%r", config.dataset)  # (each phase: a line)
   data = input_pipeline.Input(config, sharding.process_rows(mesh, config.run.global_batch_size))
   info, num_train_steps = data.info, data.num_train_steps
   logging.info("checking model.py on the data's images %s", list(info.image_shape))
   optim.check_model(run_plan, info)  # model.py on this data, abstractly: before any compile
   # The state: built, or restored (the workdir's latest checkpoint), and the steps that take it.
-  logging.info("building the model and optimizer state, or restoring it from %s", workdir)
   stopping.phase("building the model and optimizer state, or restoring it")
+  logging.info("building the model and optimizer state, or restoring it from %s", workdir)
   graphdef, abstract, init = optim.initial_state(run_plan, info, mesh, num_train_steps)
   saved, first_step, state = runs.start_or_resume(workdir, config, info, abstract, init)
   # What the run reports (process 0 writes): what it will do, its metrics, progress, a profile.
@@ -74,8 +74,8 @@ def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
                                              compiled.put_batch(data.eval_batches[0])))
   # The input: its workers start here; the eval step compiled on its first and last batches.
   data.start(first_step, compiled.put_batch)
-  logging.info("compiling the steps (or loading them from the compilation cache)")
   stopping.phase("compiling the evaluation step (or loading it from the compilation cache)")
+  logging.info("compiling the steps (or loading them from the compilation cache)")
   return Run(run_plan, workdir, data, first_step, state, compiled, saved, reporting,
              dispatch.compile_eval(compiled, state, data.eval_batches, run_plan.metrics.eval))
 
@@ -103,8 +103,8 @@ def train_loop(run: Run, received: list):
       stopping.phase("compiling the training step (or loading it from the compilation cache)")
     with profiler.annotate(done):
       state, running = compiled.train(state, running, batches)
-    if not clock.started:
-      stopping.phase(f"the first call ({steps})", "call")
+    if not clock.started:  # (its collectives wait for the other processes' compiles: their bound)
+      stopping.phase(f"the first call ({steps}), the other processes' compiles included")
     if every and done // every > step // every:
       jax.block_until_ready(running)
     step = done

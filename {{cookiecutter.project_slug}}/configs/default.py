@@ -123,9 +123,10 @@ def get_config() -> ml_collections.ConfigDict:
   # The cache is trusted code: never a directory that others can write.
   config.compilation_cache_dir = "~/.cache/jax_compilation_cache"
   config.compilation_cache_min_seconds = 0.5
-  # The watchdog (training/stopping.py): no wait lasts forever. Set-up and compiles may take
-  # `watchdog_compile_s`; a call of the loop, an evaluation or a save `watchdog_factor` times the
-  # slowest of its kind so far, at least `watchdog_floor_s`. Past its bound the run ends in one
+  # The watchdog (training/stopping.py): no wait lasts forever. Set-up, compiles and the first
+  # call (which waits for every process's compile) may take `watchdog_compile_s`; a later call, an
+  # evaluation or a save `watchdog_factor` times the slowest of its kind so far, at least
+  # `watchdog_floor_s`. Past its bound the run ends in one
   # line, exit 75, which clusters/slurm.sbatch requeues; the same command resumes. 0: no bound.
   config.watchdog_compile_s = 1800
   config.watchdog_floor_s = 300

@@ -154,8 +154,8 @@ def test_the_cache_is_off_for_a_process_of_several_on_a_jaxlib_that_hangs():
   assert out.stderr.count("The compilation cache is off for this run") == 1, out.stderr
 
 
-# Bounds that end a hung run of the tests' size in a minute, not the defaults' half hour.
-BOUNDS = ("--config.watchdog_compile_s=300", "--config.watchdog_floor_s=60")
+# Bounds that end a hung run of the tests' size in two minutes, not the defaults' half hour.
+BOUNDS = ("--config.watchdog_compile_s=120", "--config.watchdog_floor_s=60")
 
 
 def launch(workdir, cache, *overrides: str) -> subprocess.Popen:
@@ -216,12 +216,12 @@ def test_the_readme_two_process_command_twice_on_one_warm_cache_then_sigterm_and
 def test_a_process_stopped_mid_run_ends_the_job_in_one_line_within_the_bound_then_resumes(
     tmp_path):
   """Process 1 of launch.py's 2 stopped (SIGSTOP) while training: process 0 waits in a collective
-  that process 1 never enters, past its watchdog's bound (5 s here): it ends in one line naming
+  that process 1 never enters, past its watchdog's bound (10 s here): it ends in one line naming
   the call, exit 75, and launch.py ends process 1 and exits 75, within the bound + 30 s, no
   process left. The same command then resumes from the latest checkpoint."""
   command = [sys.executable, "launch.py", "--num_processes=2", "--devices_per_process=4",
              "--timeout=400", "--", "--config=configs/tiny.py", *OWN, f"--workdir={tmp_path}",
-             "--config.num_epochs=500", "--config.watchdog_floor_s=5",
+             "--config.num_epochs=500", "--config.watchdog_floor_s=10",
              "--config.watchdog_factor=3", "--heartbeat_timeout_seconds=100"]
   launcher = subprocess.Popen(command, cwd=PROJECT, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
@@ -237,8 +237,8 @@ def test_a_process_stopped_mid_run_ends_the_job_in_one_line_within_the_bound_the
   assert launcher.returncode == stopping.HUNG_EXIT, stderr[-3000:]
   errors = [line for line in stderr.splitlines() if line.startswith("error:")]
   assert len(errors) == 1 and errors[0].startswith("error: process 0 of 2: the "), errors
-  assert "has not finished after 5 s" in errors[0], errors
-  assert elapsed <= 5 + 30, elapsed
+  assert "has not finished after 10 s" in errors[0], errors
+  assert elapsed <= 10 + 30, elapsed
   assert not [pid for pid in below if alive(pid)]
   latest = max(int(d.name) for d in (tmp_path / "checkpoints").iterdir() if d.name.isdigit())
   again = subprocess.Popen(command, cwd=PROJECT, stdout=subprocess.DEVNULL,

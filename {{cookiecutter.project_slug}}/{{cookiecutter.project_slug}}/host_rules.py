@@ -70,11 +70,15 @@ def _wandb(config, target):
 
 def _init_from(config, target):
   source = config.init_from
-  if source.startswith("hf-hub:") or source.endswith((".safetensors", ".pth", ".pt", ".bin")):
-    if not source.startswith("hf-hub:") and not os.path.isfile(source):
+  if not source:
+    return None
+  from .training.pretrained import HUB, is_weights  # (asked for: loaded now)
+
+  if is_weights(source):
+    if not source.startswith(HUB) and not os.path.isfile(source):
       return (f"config.init_from={source!r}: no such file; give a .safetensors or .pth file of "
               "pretrained weights, hf-hub:ORG/NAME, or a run's workdir.")
-  elif source and "://" not in source and not os.path.isdir(os.path.join(source, "checkpoints")):
+  elif "://" not in source and not os.path.isdir(os.path.join(source, "checkpoints")):
     return (f"config.init_from={source!r} holds no checkpoints/; give the --workdir of the "
             "training run to start from, a .safetensors or .pth file, or hf-hub:ORG/NAME.")
 

@@ -53,18 +53,12 @@ def start(config) -> None:
   """A run's process, before anything is compiled: its log kept to progress and metrics; JAX's
   compilation cache in `config.compilation_cache_dir`; the job joined (one of several)."""
   logging.get_absl_handler().addFilter(_QuietLibraries())
-  cache(config)
-  initialize()
-
-
-def cache(config) -> None:
-  """JAX's persistent compilation cache in `config.compilation_cache_dir`
-  (JAX_COMPILATION_CACHE_DIR, where set, is JAX's own; `join` may turn either off)."""
   if config.compilation_cache_dir and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     jax.config.update("jax_compilation_cache_dir",
                       os.path.expanduser(config.compilation_cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs",
                       config.compilation_cache_min_seconds)
+  initialize()
 
 
 def no_cache_where_it_hangs() -> None:
@@ -102,15 +96,9 @@ def cpu_where_no_accelerator() -> None:
 
 def initialize() -> None:
   """Joins JAX's distributed runtime when this is one of several processes (joined.py); else does
-  nothing."""
-  if job := find_job():
-    join(*job)
-
-
-def find_job() -> tuple[str, dict] | None:
-  """The job this process is one of (its coordinator's address, and jax.distributed.initialize's
-  arguments), or None. A launcher that JAX does not find ends the process in one line naming the
-  fix. First, the CPU alone where there is no accelerator (`cpu_where_no_accelerator`)."""
+  nothing. A launcher that JAX does not find ends the process in one line naming the fix. First,
+  the CPU alone where there is no accelerator (`cpu_where_no_accelerator`); before it joins, the
+  compilation cache made safe for a job (`no_cache_where_it_hangs`)."""
   cpu_where_no_accelerator()
   if address := _COORDINATOR.value:
     host = address.rsplit(":", 1)[0]
@@ -124,14 +112,8 @@ def find_job() -> tuple[str, dict] | None:
     except ValueError as e:
       raise SystemExit(f"error: {e}") from None
     if joining is None:
-      return None
+      return
     address = distributed.coordinator()
-  return address, joining
-
-
-def join(address: str, joining: dict) -> None:
-  """Joins the job (joined.py) that `find_job` found, the cache first made safe for it
-  (`no_cache_where_it_hangs`)."""
   no_cache_where_it_hangs()
   from .parallel import joined
 

@@ -214,13 +214,11 @@ def init_from(source: str, abstract, init):
   import jax
   import jax.numpy as jnp
 
+  from .checkpoints import shapes
   from .damaged import leaf_name
 
-  ours = {leaf_name(path)[2:].removesuffix("/value"): x.shape
-          for path, x in jax.tree_util.tree_leaves_with_path(abstract)
-          if leaf_name(path).startswith("0/")}
-  ours = {name: shape for name, shape in ours.items() if not name.startswith("rngs")
-          and "/rngs/" not in name}
+  ours = {name[2:].removesuffix("/value"): shape for name, shape in shapes(abstract).items()
+          if name.startswith("0/") and "rngs/" not in name}  # the model's, its RNG streams aside
   theirs = read(source)
   values, fresh = convert(theirs, ours, source)
   heads = [n for n in fresh if n.startswith("head/")]

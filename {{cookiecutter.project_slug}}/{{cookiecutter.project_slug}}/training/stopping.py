@@ -36,10 +36,10 @@ class Watchdog:
   phase's deadline and at every SIGTERM or SIGINT (through `signal.set_wakeup_fd`: at once, even
   while the main thread is inside XLA, where Python's handlers cannot run), and ends the process
   (`end`: the workdir's claim released first, `at_exit`) in one line:
-  - a phase past its bound: exit 75 (`HUNG_EXIT`). Set-up and compiles may take
-    `config.watchdog_compile_s`; a call of the loop, an evaluation or a save
-    `config.watchdog_factor` times the slowest of its kind so far, at least
-    `config.watchdog_floor_s` (0: no bound);
+  - a phase past its bound: exit 75 (`HUNG_EXIT`). Set-up, compiles and the first call (its
+    collectives wait for every process's compile) may take `config.watchdog_compile_s`; a later
+    call of the loop, an evaluation or a save `config.watchdog_factor` times the slowest of its
+    kind so far, at least `config.watchdog_floor_s` (0: no bound);
   - a signal in set-up or a compile (nothing new to save): at once, exit 128 + the signal;
   - a signal in the loop is the loop's (it stops after the call, having saved), but a call or
     an evaluation then has `GRACE_S` (or 3 times the slowest of its kind) more, at most;
