@@ -56,7 +56,8 @@ def export(run: trained.Restored) -> jax.export.Exported:
   def infer(arrays, images):
     arrays = [jax.random.wrap_key_data(x, impl=impl) if impl else x
               for x, impl in zip(arrays, impls, strict=True)]
-    return steps.probabilities(run.graphdef, jax.tree.unflatten(treedef, arrays), images)
+    return steps.probabilities(run.graphdef, jax.tree.unflatten(treedef, arrays), images,
+                               config=run.config)
 
   batch, = jax.export.symbolic_shape("batch")
   images = jax.ShapeDtypeStruct((batch, *run.info.image_shape), run.info.pixel_dtype)

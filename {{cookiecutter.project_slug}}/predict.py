@@ -48,7 +48,7 @@ def predict(run: trained.Restored, paths: list[str], batch_size: int = 0,
   height, width, channels = run.info.image_shape
   sharding = NamedSharding(run.mesh, P(run.mesh.axis_names))  # over every axis (fsdp's too)
   step = jax.jit(lambda graphdef, state, images, mask, rows: (
-      steps.probabilities(graphdef, state, images, mask), mask, rows),
+      steps.probabilities(graphdef, state, images, mask, run.config), mask, rows),
       static_argnums=0, out_shardings=NamedSharding(run.mesh, P()))  # every row, everywhere
   put = lambda x: jax.make_array_from_process_local_data(sharding, x)  # noqa: E731
   read = functools.partial(image_files.read_image, image_shape=run.info.image_shape,

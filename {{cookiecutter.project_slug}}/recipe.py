@@ -13,6 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from clu import metrics
 
@@ -122,7 +123,42 @@ def optimizer(config, num_train_steps: int) -> optax.GradientTransformation:
   chain = choose(optimizers, "optimizer", config)()
   if config.grad_clip_norm:
     chain.insert(0, optax.clip_by_global_norm(config.grad_clip_norm))
+  if (config.head_lr_multiplier != 1 or config.freeze_backbone
+      or config.layer_decay not in (0, 1)):
+    chain.append(optax.stateless(lambda updates, params=None: jax.tree.map(
+        lambda u, f: u * f.astype(u.dtype), updates, learning_rate_factors(updates, config))))
   return optax.chain(*chain) if len(chain) > 1 else chain[0]
+
+
+def learning_rate_factors(params, config):
+  """Each parameter's factor on the learning rate (fine-tuning: configs/finetune.py), as NumPy
+  arrays that broadcast against it: `head_lr_multiplier` on the head's (the arrays under an
+  attribute named `head`); with `freeze_backbone`, 0 on every other; else with `layer_decay` d
+  (BEiT's layer-wise decay, for ViTs) d^(L - i) on block i of L (under `blocks`: stacked on
+  their first axis, as vit.py's, or numbered), d^(L + 1) on the embeddings and the stem (names
+  holding `embed` or `stem`), 1 on the rest (the last norm)."""
+  def names(path):
+    return [getattr(key, "key", getattr(key, "name", None)) for key in path]
+
+  paths = [(names(path), x) for path, x in jax.tree_util.tree_leaves_with_path(params)]
+  stacked = any(n[0] == "blocks" and isinstance(n[1], str) for n, _ in paths)
+  depth = max([x.shape[0] if stacked else n[1] + 1 for n, x in paths if n[0] == "blocks"] or [0])
+  decay = config.layer_decay or 1.0
+
+  def factor(path, x):
+    path = names(path)
+    if "head" in path:
+      return np.asarray(config.head_lr_multiplier)
+    if config.freeze_backbone:
+      return np.asarray(0.0)
+    if path[0] == "blocks" and stacked:  # [depth, ...]: a factor a block
+      return (decay ** (depth - np.arange(depth))).reshape(-1, *[1] * (x.ndim - 1))
+    if path[0] == "blocks":
+      return np.asarray(decay ** (depth - path[1]))
+    return np.asarray(decay ** (depth + 1) if any(w in str(path[0]) for w in ("embed", "stem"))
+                      else 1.0)
+
+  return jax.tree_util.tree_map_with_path(factor, params)
 
 
 def peak_learning_rate(config) -> float:

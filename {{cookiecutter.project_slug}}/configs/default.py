@@ -80,6 +80,13 @@ def get_config() -> ml_collections.ConfigDict:
   config.weight_decay = 0.0
   config.grad_clip_norm = 0.0  # clip the gradient's global norm to this; 0: no clipping
   config.label_smoothing = 0.0  # the targets: 1 - this on the label, this / classes on all
+  # Fine-tuning (configs/finetune.py; recipe.learning_rate_factors): the head's learning rate
+  # times this; every other parameter frozen (the head alone trained); BEiT's layer-wise decay d
+  # of ViTs' rates (block i of L: d^(L - i); 0: none); BatchNorm kept on its running statistics.
+  config.head_lr_multiplier = 1.0
+  config.freeze_backbone = False
+  config.layer_decay = 0.0
+  config.freeze_batch_norm = False
   config.ema_decay = 0.0  # evaluate an exponential moving average of the parameters; 0: off
   # The average's decay at update n: min(ema_decay, (1 + n) / (10 + n)), so that a short run's
   # average is not its initialisation; False: ema_decay from the start. Kept in float32.
@@ -103,6 +110,11 @@ def get_config() -> ml_collections.ConfigDict:
   # pretrained weights in timm's or torchvision's names (model.py's ResNets, vit.py's ViTs): a
   # .safetensors or .pth file, or hf-hub:ORG/NAME (training/pretrained.py); '': none.
   config.init_from = ""
+  # The input normalised, (pixels in [0, 1] - mean) / std by channel, in training, evaluation,
+  # predict.py and export.py: () takes pretrained weights' (config.init_from: their config.json,
+  # else ImageNet's), else none.
+  config.input_mean = ()
+  config.input_std = ()
 
   # Parallelism: 'spmd' (jax.jit over a device mesh), 'pmap' (the legacy jax.pmap) or 'fsdp'
   # (spmd with the model and optimizer state split over the devices: for models larger than

@@ -361,7 +361,7 @@ def test_a_worker_packs_into_the_file_given_back_and_sends_it_as_it_is():
   and their offsets are those packed into zeros, bit for bit (an unreadable image left out), and
   the unit is sent in that file as it is, no other made; with no file given back, `empty` gives
   zeros, sent as any array."""
-  from nnx_data_parallel.data import shm
+  from {{cookiecutter.project_slug}}.data import shm
 
   shape, config = (224, 224, 3), default.get_config()
   config.update(augment_crop=True, resize_on_device=True)

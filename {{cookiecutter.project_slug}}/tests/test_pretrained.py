@@ -3,17 +3,23 @@ put into model.py's and vit.py's models through `config.init_from`, give PyTorch
 comparisons build PyTorch's models with random weights (nothing downloads) and need the `torch`
 extra: skipped, with the reason, without it. The rest needs no PyTorch."""
 
+import functools
 import importlib
+import json
 import os
 
+import jax
+import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 from conftest import SHIPPED_MODEL
 from flax import nnx
 from safetensors.numpy import save_file
 
+from {{cookiecutter.project_slug}} import plan
 from {{cookiecutter.project_slug}}.errors import ConfigError
-from {{cookiecutter.project_slug}}.training import finetune, pretrained
+from {{cookiecutter.project_slug}}.training import finetune, optim, pretrained, steps
 
 
 @pytest.fixture
@@ -192,4 +198,255 @@ def test_train_py_starts_from_torchvision_weights_and_says_so(torch, tmp_path):
   assert f"Fine-tuning from {path}: 100 of this model's leaves from its 122 keys; the head " \
          "started afresh (another class count: [512, 10])" in out.stderr, out.stderr[-3000:]
   assert "RGB kernels summed over the colours, for images of one channel" in out.stderr
+  assert ("the input normalised by mean (0.485, 0.456, 0.406), std (0.229, 0.224, 0.225) "
+          "(ImageNet's, the default: no config.json with them beside the weights)") in out.stderr
+  assert "the weights were trained on images of 224x224, these are 8x8" in out.stderr
   assert "Final eval" in out.stderr
+
+
+def timm_config(directory, mean, std, size=224) -> None:
+  """A config.json as timm's `save_for_hf` writes it beside model.safetensors (its keys that
+  matter here; the slow test below has timm write one)."""
+  given = dict(input_size=[3, size, size], crop_pct=0.95, mean=mean, std=std)
+  (directory / "config.json").write_text(json.dumps(dict(architecture="resnet50",
+                                                         pretrained_cfg=given)))
+
+
+def test_the_inputs_statistics_are_the_weights_own_else_imagenets(tmp_path, monkeypatch):
+  """config.init_from's mean and std: its config.json's (beside the file, or in its Hub repo,
+  read offline from a prepared cache), else ImageNet's, said; config.input_mean wins; a resumed
+  run keeps its own, whatever init_from says now."""
+  weights = tmp_path / "weights"
+  weights.mkdir()
+  save_file({"conv1.weight": np.zeros((1,), np.float32)}, str(weights / "model.safetensors"))
+  imagenet = dict(input_mean=(0.485, 0.456, 0.406), input_std=(0.229, 0.224, 0.225))
+  assert pretrained.input_statistics(str(weights / "model.safetensors")) == imagenet
+  assert "ImageNet's, the default" in pretrained.weights_config(
+      str(weights / "model.safetensors"))[1]
+  timm_config(weights, [0.5, 0.5, 0.5], [0.25, 0.5, 1.0])
+  source = str(weights / "model.safetensors")
+  pretrained.weights_config.cache_clear()
+  assert pretrained.input_statistics(source) == dict(input_mean=(0.5, 0.5, 0.5),
+                                                     input_std=(0.25, 0.5, 1.0))
+  config = importlib.import_module("configs.tiny").get_config()
+  config.init_from = source
+  assert plan.resolved(config).run.input_std == (0.25, 0.5, 1.0)
+  config.input_mean, config.input_std = (0.1,), (0.2,)
+  assert (plan.resolved(config).run.input_mean, plan.resolved(config).run.input_std) == (
+      (0.1,), (0.2,))
+  config.input_mean, config.input_std, config.init_from = (), (), ""
+  assert plan.resolved(config).run.input_mean == ()  # no weights: as the pixels are
+  saved = json.loads(plan.resolved(config).to_json())
+  saved["run"].update(input_mean=[0.5] * 3, input_std=[0.25] * 3)
+  assert plan.resolved(config, resuming=(saved, "w")).run.input_std == (0.25,) * 3
+  # hf-hub:ORG/NAME: the repo's config.json, from the cache, offline.
+  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+  import huggingface_hub.constants
+
+  monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+  monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+  repo = tmp_path / "hub" / "models--someone--vit"
+  snapshot = repo / "snapshots" / ("0" * 40)
+  snapshot.mkdir(parents=True)
+  (repo / "refs").mkdir()
+  (repo / "refs" / "main").write_text("0" * 40)
+  timm_config(snapshot, [0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
+  assert pretrained.input_statistics("hf-hub:someone/vit")["input_std"] == (0.5, 0.5, 0.5)
+
+
+def test_the_input_is_normalised_alike_in_training_evaluation_predict_and_export(tiny_config):
+  """steps.forward (training's and evaluation's) and steps.probabilities (predict.py's and
+  export.py's) give the model (pixels / 255 - mean) / std, by channel (gray images: the
+  colours' mean); () leaves the pixels as they are."""
+
+  seen = []
+
+  class Probe(nnx.Module):
+    def __call__(self, images):
+      seen.append(images)
+      return images.reshape(len(images), -1)[:, :3]
+
+  images = np.random.default_rng(0).integers(0, 256, (2, 4, 4, 3)).astype(np.uint8)
+  config = plan.resolved(tiny_config)
+  config.run.update(input_mean=(0.5, 0.25, 0.0), input_std=(0.5, 0.25, 2.0))
+  steps.forward(Probe(), {"image": images, "mask": np.ones(2, bool)}, config)
+  graphdef, state = nnx.split(Probe())
+  steps.probabilities(graphdef, state, images, config=config)
+  pixels = images.astype(np.float32) / np.float32(255)  # (float32, as the step computes)
+  want = (pixels - np.float32([0.5, 0.25, 0.0])) / np.float32([0.5, 0.25, 2.0])
+  for got in seen:
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-7)
+  steps.forward(Probe(), {"image": images[..., :1], "mask": np.ones(2, bool)}, config)
+  np.testing.assert_allclose(np.asarray(seen[-1]), (pixels[..., :1] - 0.25) / (2.75 / 3),
+                             rtol=1e-6, atol=1e-7)
+  config.run.update(input_mean=(), input_std=())
+  steps.forward(Probe(), {"image": images, "mask": np.ones(2, bool)}, config)
+  np.testing.assert_array_equal(np.asarray(seen[-1]), pixels)
+
+
+def test_layer_decay_the_heads_rate_and_a_frozen_backbone_scale_each_update(tiny_config):
+  """recipe.optimizer with sgd (no momentum): each update is -rate x factor x gradient, the factor
+  BEiT's d^(L - i) for block i of L (stacked on their first axis, as vit.py's, or numbered),
+  d^(L + 1) for the embeddings, head_lr_multiplier for the head, 1 for the last norm; a frozen
+  backbone moves the head alone."""
+  import recipe
+
+  config = importlib.import_module("configs.default").get_config()
+  config.update(optimizer="sgd", momentum=0.0, learning_rate=0.5, schedule="constant",
+                head_lr_multiplier=10.0, layer_decay=0.5)
+  config = plan_resolved(config)
+  one = functools.partial(np.ones, dtype=np.float32)
+  stacked = dict(embed=dict(kernel=one((2, 2))), blocks=dict(mlp=dict(kernel=one((3, 2)))),
+                 norm=dict(scale=one(2)), head=dict(kernel=one((2, 2))))
+  numbered = dict(stem=dict(kernel=one(2)), head=dict(bias=one(2)),
+                  blocks={i: dict(kernel=one(2)) for i in range(3)})
+  for params, want in (
+      (stacked, {"embed": 0.5 ** 4, "blocks": np.array([[0.125], [0.25], [0.5]]), "norm": 1.0,
+                 "head": 10.0}),
+      (numbered, {"stem": 0.5 ** 4, "blocks": {0: 0.125, 1: 0.25, 2: 0.5}, "head": 10.0})):
+    optimizer = recipe.optimizer(config, 10)
+    updates, _ = optimizer.update(params, optimizer.init(params), params)
+    expected = jax.tree.map(lambda p, f: -0.5 * f * p, params, broadcast(want, params))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), b, rtol=1e-6),
+                 updates, expected)
+  frozen = plan_resolved(config, freeze_backbone=True, layer_decay=0.0)
+  optimizer = recipe.optimizer(frozen, 10)
+  updates, _ = optimizer.update(stacked, optimizer.init(stacked), stacked)
+  assert all(not np.asarray(u).any() for name, tree in updates.items() if name != "head"
+             for u in jax.tree.leaves(tree))
+  np.testing.assert_allclose(np.asarray(updates["head"]["kernel"]), -5.0 * np.ones((2, 2)))
+
+
+def plan_resolved(config, **changes):
+
+  config = config.copy_and_resolve_references()
+  config.update(changes)
+  return plan.resolved(config)
+
+
+def broadcast(factors, params):
+  """A factor per subtree of `params` made one per leaf."""
+  if isinstance(params, dict):
+    return {k: broadcast(factors[k] if isinstance(factors, dict) else factors, v)
+            for k, v in params.items()}
+  return factors
+
+
+@pytest.mark.slow
+def test_every_path_fine_tunes_alike_from_the_same_weights(torch, tmp_path, tiny_config):
+  """configs/finetune.py's knobs (the head at 10x, BEiT's layer decay, the input normalised by
+  the weights' statistics) on a ViT-Ti from timm's weights (2 blocks of 4x4 patches, random, made
+  here): one device, spmd, pmap and fsdp start from the same weights and end three steps (one of
+  them padded) at the same state (test_vit.py's `assert_leaves_near`; SGD with momentum: Adam
+  would blow the rounding of gradients that are zero in exact arithmetic, attention's key bias,
+  up to whole steps, as test_vit.py says)."""
+  import timm
+  from test_parallel import batches, run
+  from test_vit import assert_leaves_near
+
+
+  torch_model = timm.create_model("vit_tiny_patch16_224", patch_size=4, img_size=8, in_chans=1,
+                                  depth=2, num_classes=10)
+  path = save(torch, torch_model.state_dict(), tmp_path / "vit.safetensors")
+  tiny_config.model.update(module="vit", name="vit_ti", patch=4, depth=2, scan=False)
+  tiny_config.update(init_from=path, optimizer="sgd", learning_rate=0.05, weight_decay=1e-4,
+                     head_lr_multiplier=10.0, layer_decay=0.65, grad_clip_norm=1.0,
+                     fsdp_min_size=0)
+  config = plan.resolved(tiny_config)
+  assert config.run.input_mean == (0.485, 0.456, 0.406)  # (no config.json: ImageNet's)
+  run_plan = plan.make_plan(ml_collections.FrozenConfigDict(config))
+  graphdef, state = nnx.split(optim.build_state(run_plan, (8, 8, 1), 10, 3))
+  state = finetune.init_from(path, state, lambda: state)()
+  np.testing.assert_array_equal(np.asarray(state[0]["embed"]["bias"][...]),
+                                torch_model.patch_embed.proj.bias.detach().numpy())
+  data = batches([64, 20, 64])
+  copy = lambda: jax.tree.map(jnp.copy, state)  # (the steps donate it)  # noqa: E731
+  single, _ = run(config, "single", data, graphdef, copy())
+  for parallelism in ("spmd", "pmap", "fsdp"):
+    trained, metrics = run(config, parallelism, data, graphdef, copy())
+    assert metrics["examples"] == 148
+    assert_leaves_near(trained, single)
+  moved = np.abs(np.asarray(single[0]["head"]["kernel"][...]) - np.asarray(
+      state[0]["head"]["kernel"][...])).max()
+  assert moved > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallelism", ["spmd", "pmap"])
+def test_frozen_batch_norm_trains_on_its_running_statistics_and_keeps_them(tiny_config,
+                                                                           parallelism):
+  """config.freeze_batch_norm: BatchNorm normalises by its running statistics in training too,
+  and leaves them as they were; the parameters train, alike on one device and on 8 (SGD: Adam
+  blows up the rounding of a gradient entry that is zero in exact arithmetic, test_vit.py)."""
+  import test_parallel as paths
+
+  tiny_config.freeze_batch_norm = True
+  graphdef, state = paths.batchnorm_state(paths.SGD, model_class=paths.StockBatchNormCNN)
+  data = paths.batches([64, 20])
+  single, _ = paths.run(tiny_config, "single", data, graphdef, jax.tree.map(jnp.copy, state))
+  trained, _ = paths.run(tiny_config, parallelism, data, graphdef, jax.tree.map(jnp.copy, state))
+  paths.assert_trees_close(trained, single, atol=1e-6)
+  for name in ("mean", "var"):
+    np.testing.assert_array_equal(np.asarray(trained[0]["norm"][name][...]),
+                                  np.asarray(state[0]["norm"][name][...]))
+  assert not np.array_equal(np.asarray(trained[0]["dense"]["kernel"][...]),
+                            np.asarray(state[0]["dense"]["kernel"][...]))
+
+
+@pytest.mark.slow
+def test_the_readmes_fine_tuning_command_trains_evaluates_and_predicts(torch, tmp_path):
+  """The README's "your photos from ImageNet's ResNet-50", its two lines as written but for the
+  paths, the weights and 1 epoch: timm's ResNet-50 (random weights) saved by timm's own
+  `save_for_hf` (model.safetensors and its config.json), a folder of 3 classes of 8 photos;
+  train.py starts from the weights, its log naming them, the head replaced and the input's mean
+  and std (from the config.json); evaluate.py and predict.py then read the run."""
+  import shlex
+  import subprocess
+  import sys
+
+  import timm
+  from PIL import Image
+  from timm.models import save_for_hf
+
+  project = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  readme = open(os.path.join(project, "README.md"), encoding="utf-8").read()
+  lines = [line for line in readme.splitlines() if "photos224" in line]
+  assert len(lines) == 2 and "configs/finetune.py" in lines[1], lines
+  weights = tmp_path / "resnet50"
+  save_for_hf(randomized(torch, timm.create_model("resnet50")), str(weights),
+              safe_serialization=True)
+  rng = np.random.default_rng(0)
+  for name, colour in (("cat", 0), ("dog", 1), ("fox", 2)):
+    (tmp_path / "photos" / name).mkdir(parents=True)
+    for i in range(8):
+      pixels = rng.integers(0, 96, (80, 72, 3), dtype=np.uint8)
+      pixels[..., colour] += 150
+      Image.fromarray(pixels).save(tmp_path / "photos" / name / f"{i}.jpg")
+  source, workdir = str(weights / "model.safetensors"), str(tmp_path / "run")
+  mine = {"hf-hub:timm/resnet50.a1_in1k": source, "data/photos224": str(tmp_path / "data"),
+          "=photos": f"={tmp_path / 'photos'}", "workdir_pretrained": workdir}
+
+  def python(*args):
+    out = subprocess.run([sys.executable, *args], cwd=project, capture_output=True, text=True,
+                         timeout=900, env=dict(os.environ, XLA_FLAGS=(
+                             "--xla_force_host_platform_device_count=8")))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+  def as_written(line):
+    for written, here in mine.items():
+      line = line.replace(written, here)
+    return shlex.split(line.split(".venv/bin/python ", 1)[1])
+
+  python(*as_written(lines[0]))
+  trained = python(*as_written(lines[1]), "--config.num_epochs=1",
+                   f"--config.model.module={SHIPPED_MODEL}").stderr
+  assert f"Fine-tuning from {source}: " in trained, trained[-3000:]
+  assert "the head started afresh (another class count: [2048, 3])" in trained
+  assert (f"the input normalised by mean (0.485, 0.456, 0.406), std (0.229, 0.224, 0.225) "
+          f"({weights / 'config.json'})") in trained
+  assert "Final eval" in trained and "the weights were trained on images of" not in trained
+  evaluated = python("evaluate.py", f"--workdir={workdir}")
+  assert "accuracy" in evaluated.stdout
+  predicted = python("predict.py", f"--workdir={workdir}", str(tmp_path / "photos" / "fox"))
+  assert predicted.stdout.count(".jpg") == 8, predicted.stdout

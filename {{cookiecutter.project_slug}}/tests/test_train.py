@@ -187,7 +187,8 @@ def test_the_runs_config_keeps_yours_and_says_what_it_comes_to(tiny_config, tmp_
   assert (config.batch_size, config.per_device_batch_size, config.steps_per_dispatch) == (
       100, 8, 0)
   assert config.run.to_dict() == dict(num_devices=8, global_batch_size=64,
-                                      per_device_batch_size=8, steps_per_dispatch=1)
+                                      per_device_batch_size=8, steps_per_dispatch=1,
+                                      input_mean=(), input_std=())  # (no pretrained weights)
   assert "run" not in tiny_config  # (a copy)
   with pytest.raises(AttributeError):  # frozen: what the run is, nothing changes it
     config.batch_size = 64
@@ -613,6 +614,11 @@ BAD_CONFIGS = [
     ("--config.num_epochs=-1", "config.num_epochs=-1 must be a positive integer."),
     ("--config.eval_every_steps=0", "config.eval_every_steps=0 must be a positive integer."),
     ("--config.learning_rate=0", "config.learning_rate=0.0 must be a positive number."),
+    ("--config.layer_decay=1.5", "config.layer_decay=1.5 must be a number in [0, 1]"),
+    ("--config.input_mean=(0.5,) --config.input_std=(0,)", "config.input_mean=(0.5,) and "
+     "config.input_std=(0,) must be () and (), or as many numbers as channels (std positive)"),
+    ("--config.input_mean=(0.5,)", "config.input_mean=(0.5,) and config.input_std=() must be () "
+                                   "and (), or as many"),
     ("--config.dataset=arrayrecord", "config.data_dir is empty; give the directory that "
                                      "write_arrayrecord.py wrote"),
     ("--config.dataset=arrayrecord --config.data_dir=/no/such/dir",
@@ -846,8 +852,8 @@ def test_a_config_file_that_is_not_there_is_one_line(tmp_path, monkeypatch):
   workdir = tmp_path / "run"
   error = run_in_process("--config=configs/defualt.py", f"--workdir={workdir}")
   assert error == ("error: --config='configs/defualt.py' is not a file; use one of "
-                   "configs/default.py, configs/imagenet.py, configs/tiny.py, "
-                   "configs/vit.py."), error
+                   "configs/default.py, configs/finetune.py, configs/imagenet.py, "
+                   "configs/tiny.py, configs/vit.py."), error
   assert not workdir.exists()
 
 

@@ -100,7 +100,8 @@ def resolved(config: ml_collections.ConfigDict, devices=None,
   """A copy of a valid config with what it comes to on the devices under names of its own,
   `config.run`; the keys you set keep their meaning. `run.num_devices`; `run.global_batch_size`,
   examples per optimizer step (`global_batch_size`), and `run.per_device_batch_size`, its share
-  a device; `run.steps_per_dispatch`, k (`config.steps_per_dispatch`, or when 0 the platform's).
+  a device; `run.steps_per_dispatch`, k (`config.steps_per_dispatch`, or when 0 the platform's);
+  `run.input_mean` and `input_std` (`input_statistics`).
 
   Args:
     config: a valid config.
@@ -115,13 +116,28 @@ def resolved(config: ml_collections.ConfigDict, devices=None,
     config.run = ml_collections.ConfigDict(dict(
         num_devices=len(devices), global_batch_size=batch,
         per_device_batch_size=batch // len(devices),
-        steps_per_dispatch=steps_per_dispatch(config, devices[0].platform)))
+        steps_per_dispatch=steps_per_dispatch(config, devices[0].platform),
+        **input_statistics(config, resuming[0])))
   saved, workdir = resuming
   if saved is not None:  # a resume
     config, changes = resumed(config, saved, workdir)
     for line in changes:
       logging.warning("%s", line)
   return config
+
+
+def input_statistics(config, saved: dict | None) -> dict:
+  """`run.input_mean` and `input_std` (steps.forward; (): none): the config's where set, else a
+  resumed run's own, else pretrained weights' (`config.init_from`: pretrained.py)."""
+  keys = ("input_mean", "input_std")
+  if not config.get("input_mean") and saved is not None:
+    return {key: tuple(saved.get("run", {}).get(key, ())) for key in keys}
+  if not config.get("input_mean") and config.get("init_from"):
+    from .training import pretrained  # (asked for: loaded now)
+
+    if pretrained.is_weights(config.init_from):
+      return pretrained.input_statistics(config.init_from)
+  return {key: tuple(config.get(key, ())) for key in keys}
 
 
 # Keys that a resumed run may change: how it runs, not what it computes (the rest, what it

@@ -5,7 +5,6 @@ host_rules.py those of the host (memory, /dev/shm) and the workdir."""
 
 import importlib.util
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -63,7 +62,11 @@ VALUE_RULES = (
      "must be a number >= 0."),
     (("label_smoothing", "ema_decay", "momentum"), _number(lambda v: 0 <= v < 1),
      "must be a number in [0, 1); 0 turns it off."),
-    (("augment_flip", "augment_crop", "nesterov", "ema_warmup", "resize_on_device"),
+    (("head_lr_multiplier",), _number(lambda v: v >= 0), "must be a number >= 0."),
+    (("layer_decay",), _number(lambda v: 0 <= v <= 1), "must be a number in [0, 1] (0.65-0.75 "
+     "for ViT-B, BEiT's); 0 turns it off."),
+    (("augment_flip", "augment_crop", "nesterov", "ema_warmup", "resize_on_device",
+      "freeze_backbone", "freeze_batch_norm"),
      lambda v: isinstance(v, bool), "must be True or False."),
     (("augment_crop_scale",), _pair(1), "must be (low, high) with 0 < low <= high <= 1, e.g. "
      "--config.augment_crop_scale='(0.5,1.0)'."),
@@ -97,14 +100,8 @@ def _value(config, key: str):
 
 
 class Target:
-  """What the rules check a config against, and what it comes to on the devices (`resolved`:
-  `run.steps_per_dispatch`, the batches).
-
-  Args:
-    config: the config.
-    devices: the devices the run will use.
-    workdir: its workdir; None: not checked.
-  """
+  """What the rules check a config against (the devices the run will use; its workdir, None: not
+  checked), and what the config comes to on them (`resolved`: `run.steps_per_dispatch`, ...)."""
 
   def __init__(self, config, devices, workdir: str | None):
     self.devices, self.workdir, self.num_devices = devices, workdir, len(devices)
@@ -118,24 +115,15 @@ class Target:
 def _dataset_name(config, target):
   if config.dataset in sources.SOURCES:
     return None
+  from .data.image_files import holds_image_folders
+
   fix = f"use one of {tuple(sources.SOURCES)}."
-  if config.data_dir and _holds_image_folders(config.data_dir):
+  if config.data_dir and holds_image_folders(config.data_dir):
     fix = (f"config.data_dir={config.data_dir!r} holds folders of images: write them as "
            f"ArrayRecord files first (python write_arrayrecord.py --image_folder="
            f"{config.data_dir} --out_dir=data/mine), then train on them with "
            "--config.dataset=arrayrecord --config.data_dir=data/mine.")
   return f"config.dataset={config.dataset!r} is unknown; {fix}"
-
-
-def _holds_image_folders(directory: str) -> bool:
-  """Whether `directory` (or its train/) holds class folders with image files in them."""
-  from .data.image_files import IMAGE_SUFFIXES
-
-  train = os.path.join(directory, "train")
-  root = train if os.path.isdir(train) else directory
-  return os.path.isdir(root) and any(entry.is_dir() and any(name.lower().endswith(IMAGE_SUFFIXES)
-                                    for name in os.listdir(entry.path))
-             for entry in os.scandir(root))
 
 
 def _data_dir_read(config, target):
@@ -145,6 +133,16 @@ def _data_dir_read(config, target):
             f"{', '.join(map(repr, readers[:-1]))} or {readers[-1]!r}, not {config.dataset!r}; "
             "add --config.dataset=arrayrecord, or leave data_dir empty (a source of your own "
             "that reads it says so in its line in sources.SOURCES: reads_data_dir=True).")
+
+
+def _input_statistics(config, target):
+  mean, std = config.get("input_mean", ()), config.get("input_std", ())
+  if not (all(isinstance(v, (tuple, list)) and all(map(_number(test), v))
+              for v, test in ((mean, math.isfinite), (std, lambda x: x > 0)))
+          and len(mean) == len(std) in (0, 1, 3)):
+    return (f"config.input_mean={mean!r} and config.input_std={std!r} must be () and (), or as "
+            "many numbers as channels (std positive), e.g. --config.input_mean='(0.485,0.456,"
+            "0.406)' --config.input_std='(0.229,0.224,0.225)'.")
 
 
 def _warmup(config, target):
@@ -268,7 +266,7 @@ def _dataset(config, target):  # the data source's own check (its module's `chec
   return sources.source(config.dataset).check(config)
 
 RULES = (_dataset_name, _model, _data_dir_read,
-         _warmup, _fsdp_devices, _batch_norm_devices, _xla_options,
+         _input_statistics, _warmup, _fsdp_devices, _batch_norm_devices, _xla_options,
          _intervals, _keep_every, _nesterov, _recipe, _batch_divides, _dataset,
          *host_rules.RULES)
 

@@ -237,6 +237,15 @@ def images_under(directory: str, suffixes: tuple[str, ...] = IMAGE_SUFFIXES) -> 
   return sorted(p for p in paths if p.lower().endswith(suffixes) and os.path.isfile(p))
 
 
+def holds_image_folders(directory: str) -> bool:
+  """Whether `directory` (or its train/) holds class folders with image files in them."""
+  train = os.path.join(directory, "train")
+  root = train if os.path.isdir(train) else directory
+  return os.path.isdir(root) and any(entry.is_dir() and any(name.lower().endswith(IMAGE_SUFFIXES)
+                                    for name in os.listdir(entry.path))
+             for entry in os.scandir(root))
+
+
 def read_image(path: str, image_shape, keep_encoded: bool = False,
                pixel_dtype: str = "uint8", center_ratio: float = 1.0,
                max_pixels: int = MAX_PIXELS) -> np.ndarray | bytes | str:

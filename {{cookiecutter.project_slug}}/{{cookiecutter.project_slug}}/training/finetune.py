@@ -12,21 +12,23 @@ from .checkpoints import absolute, checkpoint_manager, shapes
 from .damaged import damage, leaf_name
 
 
-def init_from(source: str, abstract, init):
+def init_from(source: str, abstract, init, run=None, image_shape=()):
   """Fine-tuning: a function like `init` whose model parameters and batch statistics are those of
   a run's latest checkpoint (its moving average's, when it kept one); the optimizer is fresh.
   Leaves of another shape (a classifier for other classes) stay fresh and are logged; a leaf
   absent on either side raises ConfigError before anything is read.
 
   Args:
-    source: the run's workdir (`config.init_from`).
+    source: the run's workdir (`config.init_from`), or pretrained weights (pretrained.py).
     abstract: the state's abstract value.
     init: builds the state.
+    run, image_shape: pretrained weights': `config.run` (the input's statistics) and the
+      images' [H, W, C] (said where they differ from the weights').
   """
   from . import pretrained  # (its own reading: a file of weights, or the Hub's)
 
   if pretrained.is_weights(source):
-    return pretrained.init_from(source, abstract, init)
+    return pretrained.init_from(source, abstract, init, run, image_shape)
   checkpoints = checkpoint_manager(absolute(source), create=False)
   step = checkpoints.latest_step()
   if step is None:

@@ -13,9 +13,13 @@ transposed, timm's fused qkv is split into the attention's query, key and value;
 running statistics come too. A head of another class count starts afresh, said; so does
 anything the file does not hold; the keys that are not used are named. A ViT's position
 embeddings are resized (bicubic, as timm does) to another image size, and RGB kernels summed
-for gray images (as timm's in_chans=1), each said.
+for gray images (as timm's in_chans=1), each said. The input is normalised as the weights were
+trained (`input_statistics`: timm's config.json beside the file or in the Hub's repo, else
+ImageNet's mean and std), in training, evaluation, predict.py and export.py alike.
 """
 
+import functools
+import json
 import os
 import re
 
@@ -27,6 +31,9 @@ from ..errors import ConfigError
 HUB = "hf-hub:"
 FILES = (".safetensors", ".pth", ".pt", ".bin")
 IGNORED = re.compile(r"(^|\.)num_batches_tracked$")  # BatchNorm's counter: nothing to map
+# What torchvision's and most of timm's ImageNet weights were trained on: their default.
+IMAGENET = dict(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), input_size=(3, 224, 224),
+                crop_pct=0.875)
 
 
 def is_weights(source: str) -> bool:
@@ -58,13 +65,13 @@ def read(source: str) -> dict[str, np.ndarray]:
           for name, value in state.items() if hasattr(value, "numpy")}
 
 
-def hub_file(repo: str) -> str:
-  """The local path of `repo`'s weights on the Hugging Face Hub, downloaded into its cache once
-  (HF_HOME; offline: HF_HUB_OFFLINE=1, the cache alone)."""
+def hub_file(repo: str, names=("model.safetensors", "pytorch_model.bin")) -> str:
+  """The local path of `repo`'s weights (the first of `names` it has) on the Hugging Face Hub,
+  downloaded into its cache once (HF_HOME; offline: HF_HUB_OFFLINE=1, the cache alone)."""
   import huggingface_hub
 
   missing = None
-  for name in ("model.safetensors", "pytorch_model.bin"):
+  for name in names:
     cached = huggingface_hub.try_to_load_from_cache(repo, name)
     if isinstance(cached, str):
       return cached
@@ -72,10 +79,36 @@ def hub_file(repo: str) -> str:
       return huggingface_hub.hf_hub_download(repo, name)
     except Exception as e:  # noqa: BLE001 (the next name; the first failure is said)
       missing = missing or e
-  raise ConfigError(f"config.init_from={HUB}{repo}: neither model.safetensors nor "
-                    f"pytorch_model.bin could be had ({type(missing).__name__}: "
+  raise ConfigError(f"config.init_from={HUB}{repo}: neither {' nor '.join(names)} could be had "
+                    f"({type(missing).__name__}: "
                     f"{str(missing).splitlines()[0] if str(missing) else ''}); check the name, "
                     "the network, or HF_HOME's cache.")
+
+
+@functools.cache
+def weights_config(source: str) -> tuple[dict, str]:
+  """What the weights were trained on (mean, std, input_size [C, H, W], crop_pct): timm's
+  `pretrained_cfg` in the config.json beside the file or in its Hub repo, else `IMAGENET`; and
+  where that came from."""
+  try:
+    path = (hub_file(source[len(HUB):], ("config.json",)) if source.startswith(HUB) else
+            os.path.join(os.path.dirname(os.path.abspath(source)), "config.json"))
+    with open(path) as f:
+      given = json.load(f)
+    given = given.get("pretrained_cfg", given)
+    if "mean" in given and "std" in given:
+      return {**IMAGENET, **given}, path
+  except (ConfigError, OSError, ValueError, AttributeError):
+    pass
+  return IMAGENET, "ImageNet's, the default: no config.json with them beside the weights"
+
+
+def input_statistics(source: str) -> dict:
+  """The mean and std (by channel, of pixels in [0, 1]) that the weights' input was normalised
+  with (`weights_config`): `config.run`'s input_mean and input_std."""
+  given, _ = weights_config(source)
+  return dict(input_mean=tuple(map(float, given["mean"])),
+              input_std=tuple(map(float, given["std"])))
 
 
 def hwio(w):
@@ -202,7 +235,7 @@ def resized_position_embedding(value: np.ndarray, shape: tuple) -> np.ndarray:
   return np.concatenate([value[:, :1], grid.reshape(1, new * new, width)], axis=1)
 
 
-def init_from(source: str, abstract, init):
+def init_from(source: str, abstract, init, run=None, image_shape=()):
   """Fine-tuning from pretrained weights: a function like `init` whose model (and moving
   average) starts as the weights; the optimizer is fresh. Everything is read and checked first.
 
@@ -210,6 +243,8 @@ def init_from(source: str, abstract, init):
     source: `config.init_from`: a file, or hf-hub:ORG/NAME.
     abstract: the state's abstract value.
     init: builds the state.
+    run: `config.run` (the input's statistics, said); None: not said.
+    image_shape: the images' [H, W, C]: a size other than the weights' is said.
   """
   import jax
   import jax.numpy as jnp
@@ -227,6 +262,19 @@ def init_from(source: str, abstract, init):
                f"{list(ours['head/kernel'])})" if heads else "",
                "; also afresh: " + ", ".join(n for n in fresh if n not in heads)
                if len(fresh) > len(heads) else "")
+  given, where = weights_config(source)
+  if run is not None:
+    mine = (tuple(run.input_mean), tuple(run.input_std)) == (
+        tuple(given["mean"]), tuple(given["std"]))
+    logging.info("Fine-tuning from %s: the input normalised by mean %s, std %s (%s)", source,
+                 tuple(run.input_mean), tuple(run.input_std),
+                 where if mine else "config.input_mean and input_std, not the weights'")
+  size = tuple(given["input_size"])[1:]
+  if image_shape and tuple(image_shape[:2]) != size:
+    logging.warning("config.init_from=%s: the weights were trained on images of %dx%d, these are "
+                    "%dx%d: they may do worse; write the photos at %d (write_arrayrecord.py "
+                    "--image_size=%d,%d) or set config.image_size", source, *size,
+                    *image_shape[:2], size[0], *size)
 
   def build():
     def take(path, x):

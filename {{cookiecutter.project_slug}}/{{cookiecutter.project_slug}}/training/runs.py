@@ -60,7 +60,7 @@ def start_or_resume(workdir: str, config, info: sources.DatasetInfo, abstract, i
   if config.init_from:
     from .finetune import init_from
 
-    init = init_from(config.init_from, abstract, init)
+    init = init_from(config.init_from, abstract, init, config.run, info.image_shape)
   claim = Claim(workdir)
   stopping.at_exit(claim.close)  # (however the watchdog ends the process)
   try:

@@ -35,7 +35,8 @@ AUGMENT_STREAM = 0x61756720  # b"aug "
 
 
 def forward(model, batch, config, augment=None) -> jax.Array:
-  """The model's float32 logits `[B, K]` of a batch's pixels as float32 (integers / 255).
+  """The model's float32 logits `[B, K]` of a batch's pixels as float32 (integers / 255),
+  augmented, normalised where `config.run.input_mean` is set (pretrained weights' statistics).
 
   Each example's augmentation key comes from the seed and its place in the stream alone (any
   batching, device or process count, or resume draws the same). The mask reaches every
@@ -55,6 +56,11 @@ def forward(model, batch, config, augment=None) -> jax.Array:
       key = jax.random.fold_in(jax.random.key(config.seed), AUGMENT_STREAM)
     keys_B = jax.vmap(lambda position: jax.random.fold_in(key, position))(batch["position"])
     images_BHWC = augment(images_BHWC, keys_B, config)
+  if config is not None and config.get("run", {}).get("input_mean"):  # (x - mean) / std
+    mean_C, std_C = (jnp.asarray(config.run[key]) for key in ("input_mean", "input_std"))
+    if images_BHWC.shape[-1] != mean_C.shape[0]:  # gray images, RGB statistics: their mean
+      mean_C, std_C = mean_C.mean(keepdims=True), std_C.mean(keepdims=True)
+    images_BHWC = (images_BHWC - mean_C) / std_C
   masked = {"example_mask": batch["mask"]} if layers.takes_mask(type(model)) else {}
   token = layers.BATCH_MASK.set(batch.get("mask"))  # every layers.BatchNorm's, unless given one
   try:
@@ -163,8 +169,7 @@ def update_if(applied, update, current, old):
   return kept, (updates_squared, sum_of_squares(nnx.filter_state(kept[0], nnx.Param)))
 
 
-# What the moving average of the parameters averages: every Param, and BatchNorm's statistics.
-AVERAGED = (nnx.Param, nnx.BatchStat)
+AVERAGED = (nnx.Param, nnx.BatchStat)  # what the moving average averages: BatchNorm's stats too
 
 
 def train_step(graphdef, state, running, batch, *, config, recipe, collection, sum_devices=None):
@@ -179,6 +184,8 @@ def train_step(graphdef, state, running, batch, *, config, recipe, collection, s
   """
   model, optimizer, *average = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
   model.train()
+  if config.get("freeze_batch_norm"):  # BatchNorm on its running statistics, left as they are
+    model.set_attributes(nnx.BatchNorm, use_running_average=True, raise_if_not_found=False)
   grads, step_metrics = gradients(model, batch, config, recipe, collection, sum_devices)
   count, grads_squared = step_metrics.loss.count, sum_of_squares(grads)
   # Not finite where an entry of the gradient is not (or overflows float32: beyond 1e19).
@@ -276,7 +283,7 @@ def eval_step(graphdef, state, running, batch, *, config, recipe, sum_devices=No
   return running.merge(step_metrics if sum_devices is None else sum_devices(step_metrics))
 
 
-def probabilities(graphdef, state, images_BHWC, mask_B=None) -> jax.Array:
+def probabilities(graphdef, state, images_BHWC, mask_B=None, config=None) -> jax.Array:
   """Class probabilities (float32 `[B, K]`) of stored images, as evaluation computes the logits.
 
   Args:
@@ -284,9 +291,10 @@ def probabilities(graphdef, state, images_BHWC, mask_B=None) -> jax.Array:
     state: its state.
     images_BHWC: images as stored.
     mask_B: False on padding (given to a model that takes a mask); None: all real.
+    config: the run's config (its input's normalisation); None: none.
   """
   model = nnx.merge(graphdef, state)
   model.eval()
   mask_B = jnp.ones(images_BHWC.shape[:1], bool) if mask_B is None else mask_B
-  logits_BK = forward(model, {"image": images_BHWC, "mask": mask_B}, None)
+  logits_BK = forward(model, {"image": images_BHWC, "mask": mask_B}, config)
   return jax.nn.softmax(logits_BK, axis=-1)
