@@ -599,3 +599,16 @@ def test_a_csv_source_of_image_files_written_from_the_protocol(tiny_config, tmp_
   tiny_config.num_epochs = 1
   result = train.train_and_evaluate(tiny_config, str(tmp_path / "workdir"))
   assert result["examples"] == 39
+
+
+def test_a_batch_larger_than_the_training_set_is_said_in_one_line(tiny_config, caplog):
+  """A global batch of 2048 on the digits' 1,437 training examples: said in one line, with how
+  often a step holds each example and the batch that fits (a multiple of the 8 devices)."""
+  tiny_config.batch_size = 2048
+  with caplog.at_level(logging.WARNING):
+    data = input_pipeline.Input(plan.resolved(tiny_config))
+  lines = [r.getMessage() for r in caplog.records if "than the training set" in r.getMessage()]
+  assert lines == ["the global batch of 2048 is larger than the training set's 1437 examples: a "
+                   f"step holds each about 1.4 times ({data.num_train_steps} steps in all); "
+                   "--config.batch_size=1432 fits it"], lines
+  data.close()

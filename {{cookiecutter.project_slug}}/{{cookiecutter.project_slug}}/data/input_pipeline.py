@@ -17,6 +17,7 @@ import time
 import grain
 import jax
 import numpy as np
+from absl import logging
 
 from . import batches, sources
 from .batches import Elements, count_bad_records, default_workers, split
@@ -33,8 +34,13 @@ class Input:
   def __init__(self, config, rows=None):
     self.config, self.rows, self.train, self.eval = config, rows, None, None
     self.splits, self.info = sources.get_datasets(config)
-    self.num_train_steps = batches.num_batches(
-        config.num_epochs * self.info.num_examples["train"], config.run.global_batch_size)
+    num_train, batch = self.info.num_examples["train"], config.run.global_batch_size
+    self.num_train_steps = batches.num_batches(config.num_epochs * num_train, batch)
+    if num_train < batch:  # (the epochs follow each other in the stream: a step spans several)
+      logging.warning("the global batch of %d is larger than the training set's %d examples: a "
+                      "step holds each about %.1f times (%d steps in all); --config.batch_size=%d "
+                      "fits it", batch, num_train, batch / num_train, self.num_train_steps, max(
+                          num_train // config.run.num_devices, 1) * config.run.num_devices)
     self.eval_batches = batches.eval_batches(self.splits["eval"], config, rows)
     self.memory = host_memory(config, self.info, jax.process_count())
 
