@@ -125,8 +125,13 @@ def optimizer(config, num_train_steps: int) -> optax.GradientTransformation:
     chain.insert(0, optax.clip_by_global_norm(config.grad_clip_norm))
   if (config.head_lr_multiplier != 1 or config.freeze_backbone
       or config.layer_decay not in (0, 1)):
-    chain.append(optax.stateless(lambda updates, params=None: jax.tree.map(
-        lambda u, f: u * f.astype(u.dtype), updates, learning_rate_factors(updates, config))))
+    def init(params):  # (the parts the factors name, checked as the state is built)
+      learning_rate_factors(params, config)
+      return optax.EmptyState()
+
+    chain.append(optax.GradientTransformation(init, lambda updates, state, params=None: (
+        jax.tree.map(lambda u, f: u * f.astype(u.dtype), updates,
+                     learning_rate_factors(updates, config)), state)))
   return optax.chain(*chain) if len(chain) > 1 else chain[0]
 
 
@@ -136,14 +141,25 @@ def learning_rate_factors(params, config):
   attribute named `head`); with `freeze_backbone`, 0 on every other; else with `layer_decay` d
   (BEiT's layer-wise decay, for ViTs) d^(L - i) on block i of L (under `blocks`: stacked on
   their first axis, as vit.py's, or numbered), d^(L + 1) on the embeddings and the stem (names
-  holding `embed` or `stem`), 1 on the rest (the last norm)."""
+  holding `embed` or `stem`), 1 on the rest (the last norm). A model without the part that an
+  option names raises ConfigError."""
   def names(path):
     return [getattr(key, "key", getattr(key, "name", None)) for key in path]
 
   paths = [(names(path), x) for path, x in jax.tree_util.tree_leaves_with_path(params)]
-  stacked = any(n[0] == "blocks" and isinstance(n[1], str) for n, _ in paths)
-  depth = max([x.shape[0] if stacked else n[1] + 1 for n, x in paths if n[0] == "blocks"] or [0])
+  blocks = [(n, x) for n, x in paths if n[0] == "blocks" and len(n) > 1]
+  stacked = any(isinstance(n[1], str) for n, _ in blocks)
+  depth = max([x.shape[0] if stacked else n[1] + 1 for n, x in blocks] or [0])
   decay = config.layer_decay or 1.0
+  if (config.head_lr_multiplier != 1 or config.freeze_backbone) and not any(
+      "head" in n for n, _ in paths):
+    raise ConfigError("config.head_lr_multiplier and freeze_backbone act on the classifier, the "
+                      "arrays under an attribute named `head`, which this model has none of; "
+                      "name its classifier `self.head` (as model.py's and vit.py's).")
+  if decay != 1 and not depth:
+    raise ConfigError(f"config.layer_decay={config.layer_decay} decays the rates of the blocks, "
+                      "the arrays under an attribute named `blocks` (vit.py's), which this model "
+                      "has none of; name them so, or 0 turns it off.")
 
   def factor(path, x):
     path = names(path)

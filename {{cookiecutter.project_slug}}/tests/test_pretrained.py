@@ -151,20 +151,27 @@ def test_a_missing_file_is_said_in_one_line(tmp_path):
     pretrained.read(str(tmp_path / "missing.safetensors"))
 
 
-def test_hf_hub_weights_are_read_from_a_prepared_cache_offline(tmp_path, monkeypatch):
-  """hf-hub:ORG/NAME reads Hugging Face's cache (here one the test writes, offline: nothing
-  downloads), as huggingface_hub lays it out."""
+def offline_hub(tmp_path, monkeypatch, repo: str):
+  """Hugging Face's cache in `tmp_path` (offline: nothing downloads), holding `repo` ("ORG/NAME")
+  as huggingface_hub lays it out; returns its snapshot's folder, for the files."""
   monkeypatch.setenv("HF_HUB_OFFLINE", "1")
   monkeypatch.setenv("HF_HOME", str(tmp_path))
   import huggingface_hub.constants
 
   monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
   monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-  repo = tmp_path / "hub" / "models--someone--resnet18"
-  snapshot = repo / "snapshots" / ("0" * 40)
+  folder = tmp_path / "hub" / f"models--{repo.replace('/', '--')}"
+  snapshot = folder / "snapshots" / ("0" * 40)
   snapshot.mkdir(parents=True)
-  (repo / "refs").mkdir()
-  (repo / "refs" / "main").write_text("0" * 40)
+  (folder / "refs").mkdir()
+  (folder / "refs" / "main").write_text("0" * 40)
+  return snapshot
+
+
+def test_hf_hub_weights_are_read_from_a_prepared_cache_offline(tmp_path, monkeypatch):
+  """hf-hub:ORG/NAME reads Hugging Face's cache (here one the test writes, offline: nothing
+  downloads), as huggingface_hub lays it out."""
+  snapshot = offline_hub(tmp_path, monkeypatch, "someone/resnet18")
   weights = {"conv1.weight": np.ones((64, 3, 7, 7), np.float32)}
   save_file(weights, str(snapshot / "model.safetensors"))
   read = pretrained.read("hf-hub:someone/resnet18")
@@ -240,17 +247,7 @@ def test_the_inputs_statistics_are_the_weights_own_else_imagenets(tmp_path, monk
   saved["run"].update(input_mean=[0.5] * 3, input_std=[0.25] * 3)
   assert plan.resolved(config, resuming=(saved, "w")).run.input_std == (0.25,) * 3
   # hf-hub:ORG/NAME: the repo's config.json, from the cache, offline.
-  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-  import huggingface_hub.constants
-
-  monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-  monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-  repo = tmp_path / "hub" / "models--someone--vit"
-  snapshot = repo / "snapshots" / ("0" * 40)
-  snapshot.mkdir(parents=True)
-  (repo / "refs").mkdir()
-  (repo / "refs" / "main").write_text("0" * 40)
-  timm_config(snapshot, [0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
+  timm_config(offline_hub(tmp_path, monkeypatch, "someone/vit"), [0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
   assert pretrained.input_statistics("hf-hub:someone/vit")["input_std"] == (0.5, 0.5, 0.5)
 
 
@@ -315,6 +312,12 @@ def test_layer_decay_the_heads_rate_and_a_frozen_backbone_scale_each_update(tiny
   assert all(not np.asarray(u).any() for name, tree in updates.items() if name != "head"
              for u in jax.tree.leaves(tree))
   np.testing.assert_allclose(np.asarray(updates["head"]["kernel"]), -5.0 * np.ones((2, 2)))
+  # A model of yours without a `head` or `blocks`: refused in one line as its state is built.
+  mine = dict(encoder=dict(kernel=one(2)), classifier=dict(kernel=one(2)))
+  with pytest.raises(ConfigError, match="an attribute named `head`, which this model has none"):
+    recipe.optimizer(frozen, 10).init(mine)
+  with pytest.raises(ConfigError, match="config.layer_decay=0.5 decays the rates of the blocks"):
+    recipe.optimizer(plan_resolved(config, head_lr_multiplier=1.0), 10).init(mine)
 
 
 def plan_resolved(config, **changes):

@@ -32,8 +32,7 @@ HUB = "hf-hub:"
 FILES = (".safetensors", ".pth", ".pt", ".bin")
 IGNORED = re.compile(r"(^|\.)num_batches_tracked$")  # BatchNorm's counter: nothing to map
 # What torchvision's and most of timm's ImageNet weights were trained on: their default.
-IMAGENET = dict(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), input_size=(3, 224, 224),
-                crop_pct=0.875)
+IMAGENET = dict(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), input_size=(3, 224, 224))
 
 
 def is_weights(source: str) -> bool:
@@ -87,7 +86,7 @@ def hub_file(repo: str, names=("model.safetensors", "pytorch_model.bin")) -> str
 
 @functools.cache
 def weights_config(source: str) -> tuple[dict, str]:
-  """What the weights were trained on (mean, std, input_size [C, H, W], crop_pct): timm's
+  """What the weights were trained on (mean, std, input_size [C, H, W]): timm's
   `pretrained_cfg` in the config.json beside the file or in its Hub repo, else `IMAGENET`; and
   where that came from."""
   try:
