@@ -36,7 +36,7 @@ class Input:
     self.splits, self.info = sources.get_datasets(config)
     num_train, batch = self.info.num_examples["train"], config.run.global_batch_size
     self.num_train_steps = batches.num_batches(config.num_epochs * num_train, batch)
-    if num_train < batch:  # (the epochs follow each other in the stream: a step spans several)
+    if num_train < batch and jax.process_index() == 0:  # (a step spans several epochs)
       logging.warning("the global batch of %d is larger than the training set's %d examples: a "
                       "step holds each about %.1f times (%d steps in all); --config.batch_size=%d "
                       "fits it", batch, num_train, batch / num_train, self.num_train_steps, max(

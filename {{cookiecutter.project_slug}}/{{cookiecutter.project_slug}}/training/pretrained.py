@@ -26,6 +26,7 @@ import re
 import numpy as np
 from absl import logging
 
+from .. import process
 from ..errors import ConfigError
 
 HUB = "hf-hub:"
@@ -217,7 +218,7 @@ def convert(theirs: dict[str, np.ndarray], ours: dict[str, tuple], source: str):
                       f"model (first: {next(iter(theirs), None)!r}); the weights of model.py's "
                       "ResNets or vit.py's ViTs, in timm's or torchvision's names, fit.")
   unused = sorted(k for k in theirs if k not in used and not IGNORED.search(k))
-  if unused:
+  if unused and process.is_first():
     logging.warning("config.init_from=%s: %d keys not used: %s", source, len(unused),
                     ", ".join(unused))
   return values, fresh
@@ -269,7 +270,7 @@ def init_from(source: str, abstract, init, run=None, image_shape=()):
                  tuple(run.input_mean), tuple(run.input_std),
                  where if mine else "config.input_mean and input_std, not the weights'")
   size = tuple(given["input_size"])[1:]
-  if image_shape and tuple(image_shape[:2]) != size:
+  if image_shape and tuple(image_shape[:2]) != size and process.is_first():
     logging.warning("config.init_from=%s: the weights were trained on images of %dx%d, these are "
                     "%dx%d: they may do worse; write the photos at %d (write_arrayrecord.py "
                     "--image_size=%d,%d) or set config.image_size", source, *size,
