@@ -100,12 +100,14 @@ EXPECTED_FILES = [
     "predict.py",
     "pyproject.toml",
     "recipe.py",
+    "sweep.py",
     "tests/conftest.py",
     "tests/shipped_model.py",
     "tests/shipped_recipe.py",
     "tests/test_accelerator.py",
     "tests/test_aot.py",
     "tests/test_bad_records.py",
+    "tests/test_class_weights.py",
     "tests/test_benchmark.py",
     "tests/test_clusters.py",
     "tests/test_distributed.py",
@@ -114,6 +116,7 @@ EXPECTED_FILES = [
     "tests/test_input_pipeline.py",
     "tests/test_layers.py",
     "tests/test_masking.py",
+    "tests/test_mix.py",
     "tests/test_model.py",
     "tests/test_multiprocess.py",
     "tests/test_never_stuck.py",
@@ -121,6 +124,7 @@ EXPECTED_FILES = [
     "tests/test_preemption.py",
     "tests/test_pretrained.py",
     "tests/test_steps.py",
+    "tests/test_sweep.py",
     "tests/test_tfds.py",
     "tests/test_train.py",
     "tests/test_use.py",
@@ -281,15 +285,15 @@ def project_imports(project: Path) -> dict[str, set[str]]:
 
 
 def test_bake_layout_commands_at_the_top_machinery_in_one_package_no_import_cycle(cookies):
-  """What users run and edit stands at the top (12 .py files: the commands, the models, the
+  """What users run and edit stands at the top (13 .py files: the commands, the models, the
   recipe), the machinery in the
   package named after the project; train.py imports at most 8 of its modules; no module imports
   itself back through others (lazy imports inside functions included)."""
   project = bake_ok(cookies)
   top = sorted(p.name for p in project.glob("*.py"))
   assert top == ["aot.py", "benchmark.py", "benchmark_torch.py", "evaluate.py", "export.py",
-                 "launch.py", "model.py", "predict.py", "recipe.py", "train.py", "vit.py",
-                 "write_arrayrecord.py"], top
+                 "launch.py", "model.py", "predict.py", "recipe.py", "sweep.py", "train.py",
+                 "vit.py", "write_arrayrecord.py"], top
   graph = project_imports(project)
   assert {"nnx_data_parallel.training.dispatch",
           "nnx_data_parallel.training.runs"} <= graph["train"]

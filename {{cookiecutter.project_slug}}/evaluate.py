@@ -66,15 +66,6 @@ def image_folder_source(folder: str, run: trained.Restored) -> sources.ArraySour
   return sources.ArraySource(np.stack(images), np.array(labels, np.int32))
 
 
-def confusion_image(counts: np.ndarray) -> np.ndarray:
-  """The matrix as a gray image `[1, H, W, 3]` uint8: each row (a true class) scaled by its
-  count, white where every example of the class went; cells of at least 4 pixels."""
-  share = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
-  cell = max(4, 256 // len(counts))
-  pixels = np.kron(np.round(255 * share), np.ones((cell, cell))).astype(np.uint8)
-  return np.repeat(pixels[None, :, :, None], 3, axis=-1)
-
-
 def confusion_text(names: list[str], counts: np.ndarray) -> str:
   """The matrix as text: a row a true class, a column a predicted one, names apart."""
   width = max(6, *map(len, names)) + 1  # (a space before each name)
@@ -145,13 +136,9 @@ def main(argv):
     print(confusion_text(names, result["confusion"]))
   writer = writers.create_writer(os.path.join(FLAGS.workdir, "evaluate"))
   prefix = tag_prefix(FLAGS.image_folder, FLAGS.data_dir)
-  scalars = {f"{prefix}_loss": result["loss"], f"{prefix}_accuracy": result["accuracy"]}
-  for name, accuracy in zip(names, result["per_class_accuracy"], strict=True):
-    if not np.isnan(accuracy):  # a class without examples has none
-      scalars[f"{prefix}_accuracy/{name}"] = accuracy
-  writer.write_scalars(run.step, scalars)
-  matrix = "confusion_matrix" if prefix == "eval" else f"{prefix}_confusion_matrix"
-  writer.write_images(run.step, {matrix: confusion_image(result["confusion"])})
+  writer.write_scalars(run.step, {f"{prefix}_loss": result["loss"],
+                                  f"{prefix}_accuracy": result["accuracy"]})
+  writers.write_confusion(writer, run.step, result["confusion"], names, prefix)
   writer.close()
 
 
@@ -166,7 +153,8 @@ def tag_prefix(image_folder: str | None, data_dir: str | None) -> str:
 
 if __name__ == "__main__":  # flags defined here: the functions above can be imported
   flags.DEFINE_string("workdir", None, "A training run's workdir.", required=True)
-  flags.DEFINE_integer("step", None, "The checkpoint's step (default: the latest).")
+  flags.DEFINE_string("step", None, "The checkpoint's step (default: the latest); best: the "
+                      "best evaluation's (the run's config.best_metric).")
   flags.DEFINE_bool("use_runs_model", False, "Build the model with the run's own copy of "
                     "model.py (WORKDIR/model.py) where it differs from yours: this EXECUTES that "
                     "file's code; use it only on a workdir you trust.")

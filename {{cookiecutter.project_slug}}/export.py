@@ -110,7 +110,8 @@ def main(argv):
 if __name__ == "__main__":  # flags defined here: the functions above can be imported
   flags.DEFINE_string("workdir", None, "A training run's workdir.", required=True)
   flags.DEFINE_string("out", None, "The .npz file to write.", required=True)
-  flags.DEFINE_integer("step", None, "The checkpoint's step (default: the latest).")
+  flags.DEFINE_string("step", None, "The checkpoint's step (default: the latest); best: the "
+                      "best evaluation's (the run's config.best_metric).")
   flags.DEFINE_bool("use_runs_model", False, "Build the model with the run's own copy of "
                     "model.py (WORKDIR/model.py) where it differs from yours: this EXECUTES that "
                     "file's code; use it only on a workdir you trust.")

@@ -52,7 +52,7 @@ def augment(images_BHWC, keys_B, config) -> jax.Array:
     images_BHWC: float images, pixels in [0, 1].
     keys_B: one random key an example, made from its place in the data stream alone (so any
       batching, device or process count, and any resume give it the same draw; for a draw of
-      your own, fold a number above 2 into it, as the crop folds 1 and the flip 2).
+      your own, fold a number above 3 into it, as the crop folds 1, the flip 2 and `mix` 3).
     config: the run's config.
   Returns:
     The augmented images, of the same shape.
@@ -74,6 +74,31 @@ def augment(images_BHWC, keys_B, config) -> jax.Array:
     images_BHWC = jax.vmap(lambda image, s: jax.lax.dynamic_slice(
         image, (s[0], s[1], 0), (height, width, channels)))(padded_BHWC, shifts_B2)
   return images_BHWC
+
+
+def mix(images_BHWC, labels_B, mask_B, keys_B, config):
+  """Mixup and CutMix, after `augment` (timm's Mixup: `mixup_alpha`, `cutmix_alpha`, the chance
+  `mix_prob` that an image is mixed, `mix_switch_prob` that CutMix is the one, where both are
+  on; DeiT's: 0.8, 1.0, 1.0, 0.5), each image drawn by its own key: each real example mixed with
+  its neighbour in the batch (rows 2i and 2i + 1, on every path alike: `neighbours`) where that
+  is real too; the padding never (nor a real example beside it).
+
+  Returns:
+    None where both are off; else the images, the partners' labels `[B]` and each example's
+    weight on its own label `[B]`: its loss is w x loss(label) + (1 - w) x loss(the partner's)
+    (the step's), with label smoothing the cross-entropy of timm's mixed targets.
+  """
+  if not (config.get("mixup_alpha") or config.get("cutmix_alpha")):  # (off; or an older config)
+    return None
+  mix_pair = functools.partial(
+      augmentations.mixup_cutmix, mixup_alpha=config.mixup_alpha,
+      cutmix_alpha=config.cutmix_alpha, switch_prob=config.mix_switch_prob, prob=config.mix_prob)
+  paired_B = mask_B & augmentations.neighbours(mask_B) & (jnp.arange(len(mask_B)) < len(
+      mask_B) - len(mask_B) % 2)  # (an odd count's last row: alone)
+  mixed_BHWC, weight_B = jax.vmap(lambda key, image, other, paired: mix_pair(
+      jax.random.fold_in(key, 3), image, other, paired=paired))(
+          keys_B, images_BHWC, augmentations.neighbours(images_BHWC), paired_B)
+  return mixed_BHWC, augmentations.neighbours(labels_B), weight_B
 
 
 # The metrics, evaluation's and training's: a name and a CLU metric of the step's outputs

@@ -57,6 +57,8 @@ def set_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   logging.info("reading the data: config.dataset=%r", config.dataset)  # (each phase: a line)
   data = input_pipeline.Input(config, sharding.process_rows(mesh, config.run.global_batch_size))
   info, num_train_steps = data.info, data.num_train_steps
+  run_plan = runs.with_class_weights(run_plan, info)  # (balanced: the data's class counts)
+  config = run_plan.config
   logging.info("checking model.py on the data's images %s", list(info.image_shape))
   optim.check_model(run_plan, info)  # model.py on this data, abstractly: before any compile
   # The state: built, or restored (the workdir's latest checkpoint), and the steps that take it.
@@ -91,8 +93,22 @@ def train_loop(run: Run, received: list):
   # dispatch runs the steps of one element: up to the next multiple of k (or the end).
   running, since = compiled.empty(run.plan.metrics.train), run.first_step + 1
   step, eval_metrics, stopped_by, every = run.first_step, None, None, dispatch.sync_every(config)
-  eval_split = (run.data.eval, len(run.data.eval_batches), config, run.plan.metrics.eval)
-  while step < num_train_steps:
+  best = stopping.Best(config, saved)  # (kept with its metrics: Orbax's BestN; early stopping)
+  if ended := best.stops(step):  # (a resumed run that stopped early: ends again)
+    progress.log("%s", ended)
+  # The evaluations' metrics; the last one's also the confusion matrix, written as an image.
+  final = run.plan.metrics.confusion(run.data.info.num_classes)
+
+  def evaluate(last: bool):  # (the state and step as they are now)
+    stopping.phase(f"the evaluation at step {step}", "evaluation")
+    return jax.device_get(dispatch.evaluate(compiled, state, run.data.eval, len(
+        run.data.eval_batches), config, final if last else run.plan.metrics.eval))
+
+  def save(metrics=None):  # (in the background: it writes while the evaluation runs)
+    stopping.phase(f"saving checkpoint {step}", "save")
+    saved.save(step, compiled.get_state(state), metrics)
+
+  while step < num_train_steps and not ended:
     done = min((step // k + 1) * k, num_train_steps)  # `done` counts finished updates
     profiler.before(step, done)
     steps = f"step {done}" if done == step + 1 else f"steps {step + 1}-{done}"
@@ -130,18 +146,21 @@ def train_loop(run: Run, received: list):
     if evaluate_now or save_now:
       jax.block_until_ready(state)  # the steps queued so far are training time
       with clock.paused():  # left out of the training rates
-        if save_now:  # first: asynchronous, it writes while the evaluation runs
-          stopping.phase(f"saving checkpoint {step}", "save")
-          saved.save(step, compiled.get_state(state))
+        if save_now and not config.best_metric:
+          save()
         if evaluate_now:
-          stopping.phase(f"the evaluation at step {step}", "evaluation")
-          eval_metrics = dispatch.summarize(dispatch.evaluate(compiled, state, *eval_split))
-          reporting.eval(step, eval_metrics)
+          evaluated = evaluate(is_last)
+          eval_metrics = dispatch.summarize(evaluated)
+          reporting.eval(step, eval_metrics, getattr(evaluated, "confusion", None))
+          improved, ended = best.improves(step, eval_metrics), best.stops(step)
+        if config.best_metric and (save_now or evaluate_now and (improved or ended)):
+          save(eval_metrics if evaluate_now else None)  # (its metrics with it: the best kept)
+      if ended:
+        progress.log("%s", ended)
     if stopped_by:
       break
   if eval_metrics is None and not stopped_by:  # nothing left to train: the restored state's
-    stopping.phase(f"the evaluation at step {step}", "evaluation")
-    eval_metrics = dispatch.summarize(dispatch.evaluate(compiled, state, *eval_split))
+    eval_metrics = dispatch.summarize(evaluate(False))
   return step, state, eval_metrics, stopped_by
 
 
@@ -166,7 +185,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     raise stopping.Stopped(stopped_by, step, num_train_steps, workdir)  # (no local: no cycle)
   logging.info("Final eval: accuracy %.4f, loss %.4f, on %d examples", eval_metrics["accuracy"],
                eval_metrics["loss"], eval_metrics["examples"])
-  run.report.end(num_train_steps, config.run.global_batch_size)  # (then the commands for next)
+  run.report.end(step, config.run.global_batch_size)  # (then the commands for next)
   return eval_metrics
 
 

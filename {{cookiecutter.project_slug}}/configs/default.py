@@ -28,6 +28,13 @@ def get_config() -> ml_collections.ConfigDict:
   config.augment_crop = False
   config.augment_crop_scale = (0.08, 1.0)  # Inception's (and timm's) defaults
   config.augment_crop_ratio = (3 / 4, 4 / 3)
+  # Mixup and CutMix (recipe.mix: timm's, pairs of real examples; DeiT's: 0.8, 1.0, 1.0, 0.5):
+  # mixup's and CutMix's Beta(alpha, alpha) (0: off), the chance an image is mixed, and that it
+  # is CutMix's where both are on.
+  config.mixup_alpha = 0.0
+  config.cutmix_alpha = 0.0
+  config.mix_prob = 1.0
+  config.mix_switch_prob = 0.5
   # Photos stored whole (write_arrayrecord.py --resize_shorter) are cropped on the host, as
   # they are decoded: training's crop (above; without augment_crop, evaluation's) from the whole
   # photo; evaluation scales them to cover the image size / this, keeps the centre (256 -> 224).
@@ -79,6 +86,10 @@ def get_config() -> ml_collections.ConfigDict:
   # L2, this x w added to the gradient (PyTorch's weight_decay).
   config.weight_decay = 0.0
   config.grad_clip_norm = 0.0  # clip the gradient's global norm to this; 0: no clipping
+  # Each class's weight in the training loss, a weighted mean over the real examples: '' (none),
+  # 'balanced' (N / (K x its examples), of the training split's class counts) or one a class,
+  # comma-separated ('1,1,4': the third class's losses count 4 times).
+  config.class_weights = ""
   config.label_smoothing = 0.0  # the targets: 1 - this on the label, this / classes on all
   # Fine-tuning (configs/finetune.py; recipe.learning_rate_factors): the head's learning rate
   # times this; every other parameter frozen (the head alone trained); BEiT's layer-wise decay d
@@ -161,6 +172,13 @@ def get_config() -> ml_collections.ConfigDict:
   # Also keep every checkpoint of a step that is a multiple of this (a multiple of
   # checkpoint_every_steps), however many newer ones follow; 0: none. A resume keeps the run's.
   config.keep_checkpoint_every_steps = 0
+  # The best checkpoint by an evaluation metric ('eval_accuracy', `best_mode` 'max'; 'eval_loss'
+  # and 'min'), saved at each evaluation that improves it and kept beside the newest ('': none);
+  # evaluate.py, predict.py and export.py take it with --step=best. early_stopping_evals: the run
+  # ends after this many evaluations without improving it (0: never), said in a line.
+  config.best_metric = ""
+  config.best_mode = "max"
+  config.early_stopping_evals = 0
   config.skip_nonfinite_steps = False  # True: skip a step whose loss is not finite; False: stop
   # A resumed run keeps its own config (the workdir's config.json) but for how it runs (plan.py's
   # FREE_ON_RESUME); the keys named here (comma-separated, e.g. 'learning_rate,num_epochs') may

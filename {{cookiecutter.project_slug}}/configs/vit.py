@@ -2,13 +2,20 @@
 timm train it from scratch: AdamW (b1 0.9, b2 0.999) at 5e-4 x batch / 512, a weight decay of 0.05
 on the kernels alone (not biases, norms, the class token or the position embeddings), 5 warmup
 epochs then a cosine decay over 300 epochs, label smoothing 0.1, the gradient's norm clipped at 1
-(big_vision's), random resized crops of 8-100% and flips. Global batch 4096; bfloat16 compute,
-float32 parameters. Not here: DeiT's RandAugment, random erasing, stochastic depth and
-mixup/cutmix (write them in recipe.py's `augment` and `loss`): without them expect less than
-DeiT-B's 81.8% top-1 (this recipe has not been run to the end here).
+(big_vision's), random resized crops of 8-100% and flips, mixup (0.8) and CutMix (1.0), one
+of them on every image (recipe.mix). Global batch 4096; bfloat16 compute, float32 parameters.
+Not here: DeiT's RandAugment, random erasing and stochastic depth (write them in recipe.py's
+`augment`): without them expect less than DeiT-B's 81.8% top-1 (this recipe has not been run
+to the end here).
 
   python train.py --config=configs/vit.py --config.data_dir=data/imagenet --workdir=runs/vit
   python aot.py --config=configs/vit.py --config.dataset=synthetic --topology=h100:8  # will it fit
+
+At a small scale, in minutes on 8 CPU devices (ViT-Ti/4 on the digits, from scratch, as below
+but at a batch of 128 and 2e-3, 3 warmup epochs of 30, without mixup and CutMix, which need
+longer schedules):
+
+  python train.py --config=configs/vit.py:small --workdir=runs/vit
 
 Large models, one line each: --config.parallelism=fsdp (the parameters and AdamW's moments split
 over the devices); --config.remat=block (or a jax.checkpoint_policies name); --config.mu_dtype=
@@ -19,18 +26,22 @@ Ti/16: --config.model.name=vit_s or vit_ti.
 
 import ml_collections
 
-from configs import imagenet
+from configs import default, imagenet
 
 
-def get_config():
-  config = imagenet.get_config()  # ImageNet's data, crops and intervals
+def get_config(scale: str = "imagenet"):
+  """ViT-B/16 on ImageNet; `small`: ViT-Ti/4 on configs/default.py's data (the digits)."""
+  if scale not in ("imagenet", "small"):
+    raise ValueError(f"configs/vit.py:{scale}: use configs/vit.py (ImageNet) or :small")
+  small = scale == "small"
+  config = default.get_config() if small else imagenet.get_config()  # data, crops, intervals
   config.model = ml_collections.ConfigDict(dict(
-      module="vit", name="vit_b", patch=16, depth=0, dropout=0.0, scan=False, dtype="bfloat16",
-      param_dtype="float32"))
+      module="vit", name="vit_ti" if small else "vit_b", patch=4 if small else 16, depth=0,
+      dropout=0.0, scan=False, dtype="float32" if small else "bfloat16", param_dtype="float32"))
   config.batch_norm_devices = 0  # (no BatchNorm)
   # Fits h100:8 (34.6 GiB a GPU); v5e chips (16 GiB): --config.remat=block --config.model.scan=True
   # (9.79 GiB; BENCHMARKS.md)
-  config.remat = "dots_with_no_batch_dims_saveable"
+  config.remat = "none" if small else "dots_with_no_batch_dims_saveable"
   config.optimizer = "adamw"
   config.momentum = 0.9
   config.nesterov = False
@@ -44,4 +55,9 @@ def get_config():
   config.grad_clip_norm = 1.0
   config.batch_size = 4096
   config.num_epochs = 300
+  config.mixup_alpha, config.cutmix_alpha = 0.8, 1.0  # (mix_prob 1, mix_switch_prob 0.5)
+  if small:
+    config.learning_rate, config.base_batch_size, config.warmup_epochs = 2e-3, 128, 3.0
+    config.batch_size, config.num_epochs = 128, 30
+    config.mixup_alpha = config.cutmix_alpha = 0.0
   return config

@@ -83,11 +83,11 @@ def plain_options(config=None, **changes):
 
 
 def recipe_metrics(config):
-  """The metric collections (`metrics.of`) of the recipe module that `config` names."""
+  """The metric collections (`metrics.of`) of the recipe module that `config` names (with the
+  examples' mean class weight where it sets class weights, as `plan.make_plan`'s)."""
   from {{cookiecutter.project_slug}} import plan
-  from {{cookiecutter.project_slug}}.training import metrics
 
-  return metrics.of(plan.recipe_module(config))
+  return plan.make_plan(config).metrics
 
 
 # The recipe's options, all on (off in configs/default.py): the runs of `two_epochs` check that

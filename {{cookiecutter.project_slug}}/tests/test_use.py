@@ -209,6 +209,28 @@ def test_a_workdir_without_a_checkpoint_or_that_step_is_one_line(folder_run, tmp
     trained.Restored(workdir, step=7)
 
 
+def test_a_checkpoint_deleted_as_it_is_read_is_not_damage(folder_run, tmp_path, monkeypatch):
+  """export.py (evaluate.py, predict.py) on a run still training: its retention deletes the
+  checkpoint being read as it saves a newer one. The newest is listed again and read (not "no
+  checkpoint can be restored"); the one asked for by --step, gone, is one line."""
+  _, workdir, _, _ = folder_run
+  shutil.copytree(workdir, tmp_path / "run", ignore=shutil.ignore_patterns("events.*"))
+  saved, read = tmp_path / "run" / "checkpoints", trained.restore_model
+
+  def retention(checkpoints, step, abstract, where):  # the training saves 64, deletes step
+    if step != 64:
+      shutil.copytree(saved / str(step), saved / "64", dirs_exist_ok=True)
+      shutil.rmtree(saved / str(step))
+    return read(checkpoints, step, abstract, where)
+  monkeypatch.setattr(trained, "restore_model", retention)
+  assert trained.Restored(str(tmp_path / "run")).step == 64 and not (saved / "54").exists()
+  with pytest.raises(rules.ConfigError, match=r"^checkpoint 50 in '.*' was deleted as it was "
+                     r"read \(the run there keeps its newest checkpoints, "
+                     r"config.max_checkpoints_to_keep\); the checkpoints now: 10, 20, 30, 40, "
+                     r"64\.$"):
+    trained.Restored(str(tmp_path / "run"), step=50)
+
+
 # Runs with nothing but jax and numpy: flax cannot be imported, and the project is not on the
 # path (python -I: no PYTHONPATH, no current directory).
 LOAD_EXPORTED = """

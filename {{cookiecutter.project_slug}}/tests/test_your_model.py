@@ -150,7 +150,8 @@ def draws_randomness(graphdef, state, images) -> bool:
   return not np.array_equal(forward(False), forward(True))
 
 
-def takes_the_same_steps_on_every_path(batch_norm_devices: int, paths=("spmd", "fsdp", "pmap")):
+def takes_the_same_steps_on_every_path(batch_norm_devices: int, paths=("spmd", "fsdp", "pmap"),
+                                       **keys):
   """Three SGD steps (a padded batch among them) from the same state: each path gives one
   device's state (its batch split into 8 groups for BatchNorm's statistics with
   `batch_norm_devices`=1) and metrics. Random layers draw by row of the global batch on spmd and
@@ -158,6 +159,7 @@ def takes_the_same_steps_on_every_path(batch_norm_devices: int, paths=("spmd", "
   config = comparable(config_as_shipped())
   config.fsdp_min_size = 0  # split every leaf that divides over 8
   config.batch_norm_devices = batch_norm_devices
+  config.update(keys)
   splits, info = sources.get_datasets(config)
   assert info.image_shape == (8, 8, 1)  # (test_parallel.batches: digits-shaped)
   config = plan.resolved(config)
@@ -230,6 +232,14 @@ def test_your_model_takes_the_same_steps_with_each_devices_own_statistics():
   """config.batch_norm_devices=1 (configs/imagenet.py's): each device's BatchNorm statistics,
   spmd alone (test_parallel holds fsdp and pmap on the tests' own BatchNorm model)."""
   takes_the_same_steps_on_every_path(batch_norm_devices=1, paths=("spmd",))
+
+
+@pytest.mark.slow  # (the paths' steps compiled again)
+def test_your_model_takes_the_same_steps_with_mixup_and_cutmix():
+  """configs/vit.py's mixup and CutMix (recipe.mix: each example with its neighbour), label
+  smoothing: every path (pmap too: neighbours lie on one device) takes one device's steps."""
+  takes_the_same_steps_on_every_path(batch_norm_devices=0, mixup_alpha=0.8, cutmix_alpha=1.0,
+                                     label_smoothing=0.1)
 
 
 def test_your_model_resumes_bit_for_bit(straight, tmp_path, caplog):

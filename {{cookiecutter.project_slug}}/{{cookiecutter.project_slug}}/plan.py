@@ -92,7 +92,8 @@ class Plan(NamedTuple):
 def make_plan(config) -> Plan:
   """`config`'s plan: the modules it names imported, its compiler options parsed."""
   recipe = recipe_module(config)
-  return Plan(config, model_module(config), recipe, metrics.of(recipe), xla_options(config))
+  return Plan(config, model_module(config), recipe,
+              metrics.of(recipe, weighted=bool(config.get("class_weights"))), xla_options(config))
 
 
 def resolved(config: ml_collections.ConfigDict, devices=None,

@@ -12,11 +12,13 @@ does it on process 0 alone (`is_first`).
 """
 
 import contextlib
+import functools
 import glob
 import os
 import sys
 import threading
 import time
+import traceback
 
 import jax
 from absl import app, flags, logging
@@ -53,6 +55,8 @@ def start(config) -> None:
   """A run's process, before anything is compiled: its log kept to progress and metrics; JAX's
   compilation cache in `config.compilation_cache_dir`; the job joined (one of several)."""
   logging.get_absl_handler().addFilter(_QuietLibraries())
+  sys.unraisablehook = functools.partial(_quiet_unraisable, sys.unraisablehook)
+  threading.excepthook = functools.partial(_quiet_thread, threading.excepthook)
   if config.compilation_cache_dir and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     jax.config.update("jax_compilation_cache_dir",
                       os.path.expanduser(config.compilation_cache_dir))
@@ -168,3 +172,25 @@ class _QuietLibraries(logging.logging.Filter):
     return record.levelno >= logging.logging.WARNING or not any(
         f"{os.sep}{lib}{os.sep}" in record.pathname
         for lib in ("jax", "orbax", "gcsfs", "datasets"))
+
+
+def _quiet_unraisable(previous, unraisable) -> None:
+  """sys.unraisablehook, less TensorStore's callbacks into the asyncio loop of an Orbax save that
+  failed and closed it (`RuntimeError: Event loop is closed`, a traceback each, all within
+  asyncio): the failure is said in one line (checkpoints.saving)."""
+  frames = traceback.extract_tb(unraisable.exc_traceback)
+  if not (unraisable.exc_type is RuntimeError and frames and f"{os.sep}asyncio{os.sep}" in
+          frames[0].filename and str(unraisable.exc_value) == "Event loop is closed"):
+    previous(unraisable)
+
+
+def _quiet_thread(previous, args) -> None:
+  """threading.excepthook, a TensorBoard event writer's OSError (a full disk) said in one warning
+  line, not a traceback: its curves end there; the run's saves say the rest."""
+  frames = traceback.extract_tb(args.exc_traceback)
+  if issubclass(args.exc_type, OSError) and any(
+      f"{os.sep}tensorboardX{os.sep}" in frame.filename for frame in frames):
+    logging.warning("TensorBoard's event file could not be written (%s): the curves end here",
+                    errors.one_line(args.exc_value, 200))
+  else:
+    previous(args)

@@ -5,6 +5,7 @@ host_rules.py those of the host (memory, /dev/shm) and the workdir."""
 
 import importlib.util
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -16,18 +17,12 @@ from .errors import ConfigError
 from .parallel import sharding
 from .plan import PARALLELISMS
 
-
-def _int(low: int):
-  return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low
-
-
-def _number(test):
-  return lambda v: isinstance(v, (int, float)) and test(v)
+_int = lambda low: lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low  # noqa
+_number = lambda test: lambda v: isinstance(v, (int, float)) and test(v)  # noqa: E731
 
 
-def _pair(top: float):
-  return lambda v: isinstance(v, (tuple, list)) and len(v) == 2 and all(
-      isinstance(x, (int, float)) for x in v) and 0 < v[0] <= v[1] <= top
+_pair = lambda top: lambda v: isinstance(v, (tuple, list)) and len(v) == 2 and all(  # noqa
+    isinstance(x, (int, float)) for x in v) and 0 < v[0] <= v[1] <= top
 
 
 def _floating(v) -> bool:
@@ -48,7 +43,7 @@ VALUE_RULES = (
       "cpu_sync_every_steps", "profile_num_steps"), _int(1), "must be a positive integer."),
     (("augment_max_shift", "read_threads", "prefetch_batches", "prefetch_to_device",
       "profile_first_step", "seed", "per_device_batch_size", "warmup_steps", "fsdp_min_size",
-      "batch_norm_devices", "keep_checkpoint_every_steps"),
+      "batch_norm_devices", "keep_checkpoint_every_steps", "early_stopping_evals"),
      _int(0), "must be an integer >= 0."),
     (("steps_per_dispatch",), _int(0), "must be an integer >= 0 (0: chosen per backend)."),
     (("num_workers",), _int(-1), "must be -1 (chosen from the cores), 0 or more."),
@@ -58,11 +53,17 @@ VALUE_RULES = (
      "must be a positive number."),
     (("eval_fraction",), lambda v: v < 1, "must be below 1."),
     (("weight_decay", "peak_flops_per_device", "compilation_cache_min_seconds",
-      "grad_clip_norm", "watchdog_compile_s", "watchdog_floor_s"), _number(lambda v: v >= 0),
+      "grad_clip_norm", "watchdog_compile_s", "watchdog_floor_s", "mixup_alpha", "cutmix_alpha"),
+     _number(lambda v: v >= 0),
      "must be a number >= 0."),
     (("label_smoothing", "ema_decay", "momentum"), _number(lambda v: 0 <= v < 1),
      "must be a number in [0, 1); 0 turns it off."),
     (("head_lr_multiplier",), _number(lambda v: v >= 0), "must be a number >= 0."),
+    (("best_mode",), lambda v: v in ("max", "min"), "must be 'max' or 'min'."),
+    (("class_weights",), lambda v: v in ("", "balanced") or re.fullmatch(r"[\d.e+-]+(,[\d.e+-]+)*",
+     v), "must be '', 'balanced' or a weight a class, comma-separated (e.g. '1,1,4')."),
+    (("mix_prob", "mix_switch_prob"), _number(lambda v: 0 <= v <= 1),
+     "must be a number in [0, 1]."),
     (("layer_decay",), _number(lambda v: 0 <= v <= 1), "must be a number in [0, 1] (0.65-0.75 "
      "for ViT-B, BEiT's); 0 turns it off."),
     (("augment_flip", "augment_crop", "nesterov", "ema_warmup", "resize_on_device",
@@ -243,6 +244,13 @@ def _recipe(config, target):
     recipe.optimizer(target.resolved, 100)
   except ConfigError as e:
     return str(e)
+  metrics, best = tuple(f"eval_{name}" for name in recipe.METRICS), config.get("best_metric", "")
+  if best and best not in metrics:
+    return (f"config.best_metric={best!r} is not an evaluation's metric; use one of {metrics} "
+            "(recipe.py's METRICS), or '' to keep no best checkpoint.")
+  if config.get("early_stopping_evals") and not best:
+    return ("config.early_stopping_evals counts the evaluations that do not improve "
+            "config.best_metric, which is ''; set it too, e.g. --config.best_metric=eval_accuracy.")
 
 
 def _batch_divides(config, target):
@@ -274,13 +282,8 @@ RULES = (_dataset_name, _model, _data_dir_read,
 def validate_config(config: ml_collections.ConfigDict, workdir: str | None = None,
                     devices=None) -> None:
   """Raises ConfigError with the first rule that `config` breaks (VALUE_RULES, then RULES),
-  before any data is read, anything written or anything compiled.
-
-  Args:
-    config: the config.
-    workdir: the run's workdir; None: its rules are not checked.
-    devices: the devices the run will use; None: `jax.devices()` (aot.py: a topology's).
-  """
+  before any data is read, anything written or anything compiled: of `workdir` too (the run's;
+  None: not checked), on `devices` (the run's; None: `jax.devices()`; aot.py: a topology's)."""
   for keys, test, must in VALUE_RULES:
     for key in keys:
       if (value := _value(config, key)) is not _ABSENT and not test(value):

@@ -1,6 +1,7 @@
 """Augmentations that the recipe (recipe.py) calls on the devices, each drawn from one example's
-key (training/steps.py makes it from the example's place in the data stream alone), and the
-resize of photos' crops that the host cut (`unpacked`, `resize_crops`: dispatch.on_resized)."""
+key (training/steps.py makes it from the example's place in the data stream alone); mixup and
+CutMix of pairs of real examples (`neighbours`, `mixup_cutmix`); and the resize of photos' crops
+that the host cut (`unpacked`, `resize_crops`: dispatch.on_resized)."""
 
 import math
 
@@ -33,6 +34,67 @@ def random_resized_crop(key, image_HWC, scale, ratio) -> jax.Array:
   zoom_2 = jnp.array([height, width]) / size_2
   return jax.image.scale_and_translate(image_HWC, image_HWC.shape, (0, 1), zoom_2,
                                        -corner_2 * zoom_2, method="linear")
+
+
+def neighbours(x_B) -> jax.Array:
+  """`x_B` with rows 2i and 2i + 1 swapped (an odd count's last row kept): each example's partner
+  for mixing. A device holds whole pairs of the rows (an even share of the batch, on every
+  path), so pairing moves nothing between devices."""
+  even = len(x_B) - len(x_B) % 2
+  swapped = x_B[:even].reshape(even // 2, 2, *x_B.shape[1:])[:, ::-1].reshape(x_B[:even].shape)
+  return jnp.concatenate([swapped, x_B[even:]])
+
+
+def beta(key, alpha: float, tries: int = 16) -> jax.Array:
+  """A draw of Beta(alpha, alpha) (1 where alpha is 0): X / (X + Y) of two Gamma(alpha) draws,
+  each by Marsaglia and Tsang's method (alpha < 1: Gamma(alpha + 1) U^(1 / alpha)) with `tries`
+  proposals at once, the first accepted kept (each is, with probability over 0.95: all 16 fail
+  once in 1e20 draws). No loop: under SPMD, jax.random.beta's loop (until every example's draw
+  is accepted) waits on the whole batch at each turn (aot.py: 8 all-reduces more a step)."""
+  if alpha <= 0:
+    return jnp.float32(1.0)
+  a = alpha + 1 if alpha < 1 else alpha
+  d = a - 1 / 3
+  normal_key, uniform_key, boost_key = jax.random.split(key, 3)
+  x_2T = jax.random.normal(normal_key, (2, tries))
+  v_2T = (1 + x_2T / math.sqrt(9 * d)) ** 3
+  accepted_2T = (v_2T > 0) & (jnp.log(jax.random.uniform(uniform_key, (2, tries))) < (
+      x_2T**2 / 2 + d - d * v_2T + d * jnp.log(jnp.maximum(v_2T, 1e-30))))
+  v_2 = jnp.take_along_axis(v_2T, jnp.argmax(accepted_2T, axis=1)[:, None], 1)[:, 0]
+  log_gamma_2 = jnp.log(d * v_2)  # (in logs: tiny draws of a small alpha do not underflow)
+  if alpha < 1:
+    log_gamma_2 += jnp.log(jax.random.uniform(boost_key, (2,), minval=1e-30)) / alpha
+  return jax.nn.sigmoid(log_gamma_2[0] - log_gamma_2[1])
+
+
+def mixup_cutmix(key, image_HWC, other_HWC, mixup_alpha, cutmix_alpha, switch_prob, prob,
+                 paired=True):
+  """One image mixed with another (timm's Mixup, drawn per image): with probability `prob`,
+  CutMix where `switch_prob` draws it (always where mixup is off): a box of the other image
+  pasted in, its sides sqrt(1 - lam) of the image's, lam ~ Beta(cutmix_alpha, cutmix_alpha), its
+  centre uniform, clipped at the edges; else mixup: lam x + (1 - lam) other, lam ~
+  Beta(mixup_alpha, mixup_alpha). Unmixed where not `paired` (padding: one select, one buffer).
+
+  Returns:
+    The image, and its weight on its own label: lam (CutMix's: 1 - the box's share of the area,
+    as cut), 1 where it is not mixed.
+  """
+  height, width, _ = image_HWC.shape
+  apply_key, switch_key, mixup_key, cutmix_key, box_key = jax.random.split(key, 5)
+  lam_mixup, lam_cutmix = beta(mixup_key, mixup_alpha), beta(cutmix_key, cutmix_alpha)
+  cut_h = jnp.floor(height * jnp.sqrt(1 - lam_cutmix)).astype(jnp.int32)
+  cut_w = jnp.floor(width * jnp.sqrt(1 - lam_cutmix)).astype(jnp.int32)
+  centre_y, centre_x = jax.random.randint(box_key, (2,), 0, jnp.array([height, width]))
+  top, bottom = (jnp.clip(centre_y + d, 0, height) for d in (-(cut_h // 2), cut_h // 2))
+  left, right = (jnp.clip(centre_x + d, 0, width) for d in (-(cut_w // 2), cut_w // 2))
+  rows_H1, cols_1W = jnp.arange(height)[:, None], jnp.arange(width)[None, :]
+  box_HW = (rows_H1 >= top) & (rows_H1 < bottom) & (cols_1W >= left) & (cols_1W < right)
+  cut = cutmix_alpha > 0 and (mixup_alpha <= 0 or jax.random.bernoulli(switch_key, switch_prob))
+  apply = jax.random.bernoulli(apply_key, prob) & paired
+  mixed_HWC = jnp.where(cut, jnp.where(box_HW[..., None], other_HWC, image_HWC),
+                        lam_mixup * image_HWC + (1 - lam_mixup) * other_HWC)
+  lam = jnp.where(cut, 1 - (bottom - top) * (right - left) / (height * width), lam_mixup)
+  return jnp.where(apply, mixed_HWC, image_HWC), jnp.where(apply, lam, 1.0)
 
 
 def unpacked(packed_GN, offset_B, boxes_B6, canvas_HWC) -> jax.Array:

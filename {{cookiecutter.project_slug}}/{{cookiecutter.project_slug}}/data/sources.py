@@ -60,6 +60,9 @@ class DatasetInfo:
   # A crop's expected pixels, sent packed (`crop_pixels`); 0: not known (host_memory counts the
   # canvas).
   crop_pixels: int = 0
+  # The train split's images a class, where known cheaply (class_weights='balanced'): what was
+  # read, not the data's description (aot.py's, from the metadata alone, has none).
+  class_counts: tuple[int, ...] = dataclasses.field(default=(), compare=False)
 
 
 class Split(Protocol):
@@ -196,7 +199,8 @@ def get_datasets(config) -> tuple[dict, DatasetInfo]:
   info = DatasetInfo(tuple(loaded.image_shape), int(loaded.num_classes),
                      {split: len(data) for split, data in loaded.sources.items()},
                      tuple(loaded.class_names), "uint8" if first is None else first.dtype.name,
-                     loaded.crops_on_host, loaded.canvas, loaded.crop_pixels)
+                     loaded.crops_on_host, loaded.canvas, loaded.crop_pixels,
+                     tuple(int(n) for n in counts))
   return loaded.sources, info
 
 

@@ -5,6 +5,7 @@ newest intact one (damaged.py puts aside those that are not)."""
 import contextlib
 import functools
 import json
+import math
 import os
 
 import jax
@@ -21,13 +22,9 @@ from .damaged import DAMAGED, leaf_name, newest_intact, put_aside
 
 
 class Checkpoints:
-  """A run's checkpoints; any error of a save, whenever Orbax reports it, raised as SaveFailed.
-
-  Args:
-    workdir: the run's workdir.
-    config: the run's config (`checkpoint_manager`).
-    claim: the run's hold on the workdir (runs.Claim, renewed as saves are checked); None.
-  """
+  """A run's checkpoints in `workdir`, as its `config` says (`checkpoint_manager`); any error of
+  a save, whenever Orbax reports it, raised as SaveFailed. `claim`: the run's hold on the
+  workdir (runs.Claim, renewed as saves are checked), or None."""
 
   def __init__(self, workdir: str, config, claim=None):
     self.workdir, self.claim = workdir, claim
@@ -58,8 +55,9 @@ class Checkpoints:
 
     def restore(step):  # in `abstract`'s shapes, dtypes and shardings, once it fits
       check_checkpoint_fits(self.manager, step, abstract, workdir)
-      return self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-          abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))))["state"]
+      return typed_keys(abstract, self.manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.PyTreeRestore(abstract, restore_args=ocp.checkpoint_utils
+                                       .construct_restore_args(abstract))))["state"])
 
     step, state = newest_intact(
         sorted(self.manager.all_steps(), reverse=True), restore,
@@ -87,14 +85,15 @@ class Checkpoints:
           f"({errors.one_line(e, 200)}): move {where} out of the checkpoints (or give write "
           "access), then run the same command.") from None
 
-  def save(self, step: int, state) -> None:
-    """Starts saving `state` and its `checksums` as checkpoint `step`, in the background. A save
-    off the interval (the last step's, a stop's) may wait for the one before it without Orbax's
-    advice to checkpoint less often: no interval would avoid that wait."""
+  def save(self, step: int, state, metrics: dict | None = None) -> None:
+    """Starts saving `state` and its `checksums` as checkpoint `step`, in the background, with
+    the evaluation's `metrics` where the run keeps its best (`best`). A save off the interval
+    (the last step's, a stop's, a best's) may wait for the one before it without Orbax's advice
+    to checkpoint less often: no interval would avoid that wait."""
     off_interval = step % self.every != 0
     with (saving(self.workdir),
           _without(ORBAX_WAIT_ADVICE) if off_interval else contextlib.nullcontext()):
-      self.manager.save(step, force=True, args=ocp.args.Composite(
+      self.manager.save(step, force=True, metrics=dict(metrics or {}), args=ocp.args.Composite(
           state=ocp.args.PyTreeSave(state), checksums=ocp.args.JsonSave(checksums(state))))
 
   def check(self) -> None:
@@ -104,8 +103,7 @@ class Checkpoints:
     if self.claim:
       self.claim.renew()
 
-  def close(self) -> None:
-    """Waits for the last save, and closes."""
+  def close(self) -> None:  # (the last save waited for)
     with saving(self.workdir):
       self.manager.close()
 
@@ -114,6 +112,24 @@ class Checkpoints:
     with saving(self.workdir):
       self.manager.wait_until_finished()
     return self.manager.latest_step(), str(self.manager.directory)
+
+
+def typed_keys(abstract, state):
+  """`state` with each leaf that `abstract` holds as a typed PRNG key (a Dropout's stream) one
+  again: Orbax restores its raw data (uint32[..., 2]), which pmap's keys cannot take."""
+  is_key = lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)  # noqa: E731
+  return jax.tree.map(lambda a, x: jax.random.wrap_key_data(x) if is_key(a) and not is_key(x)
+                      else x, abstract, state)
+
+
+def best(manager, config) -> tuple[int | None, float | None]:
+  """The step and value of the best evaluation saved by `config.best_metric` (`Checkpoints.save`'s
+  metrics; the earliest of equals) among Orbax's `manager`'s; (None, None) before one."""
+  metric, sign = config.best_metric.removeprefix("eval_"), 1 if config.best_mode == "max" else -1
+  scored = [(sign * metrics[metric], -step) for step in manager.all_steps()
+            if metric in (metrics := manager.metrics(step) or {})]
+  value, step = max(scored, default=(None, None))
+  return (None, None) if step is None else (-step, sign * value)
 
 
 def absolute(path: str) -> str:
@@ -132,20 +148,22 @@ def array_handlers():
 
 def checkpoint_manager(workdir: str, config=None, create: bool = True):
   """Orbax's manager of a workdir's checkpoints, each the state and its `checksums`, written to a
-  temporary directory and renamed when complete: one cut short by a kill is never restored.
-
-  Args:
-    workdir: the workdir.
-    config: the run's config: written as it says (kept: the newest `max_checkpoints_to_keep`,
-      and each of a step that `keep_checkpoint_every_steps` divides); None: read, all kept.
-    create: whether the directory is made (a reader's: never).
-  """
-  policy = None  # (read: every one kept)
+  temporary directory and renamed when complete: one cut short by a kill is never restored. With
+  the run's `config`, written as it says (kept: the newest `max_checkpoints_to_keep`, each of a
+  step that `keep_checkpoint_every_steps` divides, the `best`); without, read, all kept; the
+  directory made where `create` (a reader's: never)."""
+  policy, best = None, {}  # (read: every one kept)
+  if config and (metric := config.get("best_metric", "").removeprefix("eval_")):  # (Orbax then
+    worst = -math.inf if config.best_mode == "max" else math.inf  # writes each save's metrics)
+    best = dict(best_fn=lambda metrics: metrics.get(metric, worst), best_mode=config.best_mode)
   if config:
     every = config.get("keep_checkpoint_every_steps", 0)
     policy = ocp.checkpoint_managers.AnyPreservationPolicy([
         ocp.checkpoint_managers.LatestN(n=config.max_checkpoints_to_keep),
-        *[ocp.checkpoint_managers.EveryNSteps(interval_steps=every)] * bool(every)])
+        *[ocp.checkpoint_managers.EveryNSteps(interval_steps=every)] * bool(every),
+        *[ocp.checkpoint_managers.BestN(
+            get_metric_fn=best["best_fn"], n=1, reverse=config.best_mode == "min",
+            keep_checkpoints_without_metrics=False) for _ in [best] if best]])
   handlers = ocp.handlers.DefaultCheckpointHandlerRegistry()
   state = ocp.PyTreeCheckpointHandler(type_handler_registry=array_handlers())
   checksums = ocp.JsonCheckpointHandler()
@@ -155,7 +173,7 @@ def checkpoint_manager(workdir: str, config=None, create: bool = True):
       handlers.add(item, arg, handler)
   return ocp.CheckpointManager(
       os.path.join(workdir, "checkpoints"), handler_registry=handlers,
-      options=ocp.CheckpointManagerOptions(preservation_policy=policy, create=create))
+      options=ocp.CheckpointManagerOptions(preservation_policy=policy, create=create, **best))
 
 
 @jax.jit
@@ -203,13 +221,9 @@ def checksums_file(checkpoints, step: int) -> epath.Path:
 def changed_leaf(checkpoints, step: int, state) -> str | None:
   """Why a checkpoint is not what it saved, by its checksums: a leaf that differs, or its
   checksum file damaged; else None (also for one saved without checksums, by an older version:
-  said, restored unchecked). The processes sum together; each reads the saved sums itself.
-
-  Args:
-    checkpoints: Orbax's manager.
-    step: the checkpoint's step.
-    state: its state as restored (or a part of it: those leaves alone).
-  """
+  said, restored unchecked), of checkpoint `step` of Orbax's manager `checkpoints` restored as
+  `state` (or a part of it: those leaves alone). The processes sum together; each reads the
+  saved sums itself."""
   path = checksums_file(checkpoints, step)
   if not path.exists():
     return None
@@ -260,15 +274,9 @@ def shapes(tree) -> dict[str, tuple]:
 
 
 def check_checkpoint_fits(checkpoints, step: int, abstract_state, workdir: str) -> None:
-  """Raises ConfigError if a checkpoint holds another model or optimizer (without its metadata:
-  FileNotFoundError, damage).
-
-  Args:
-    checkpoints: Orbax's manager.
-    step: the checkpoint's step.
-    abstract_state: the state this config and model build, abstract.
-    workdir: the workdir (named in the error).
-  """
+  """Raises ConfigError (naming `workdir`) if checkpoint `step` of Orbax's manager `checkpoints`
+  holds another model or optimizer than `abstract_state` (this config's and model's); without
+  its metadata, FileNotFoundError (damage)."""
   if not (epath.Path(checkpoints.directory) / str(step) / "state" / "_METADATA").exists():
     raise FileNotFoundError("its metadata, state/_METADATA, is missing")  # (Orbax's file)
   saved = shapes(checkpoints.item_metadata(step)["state"])

@@ -258,7 +258,8 @@ def sync_every(config) -> int:
 def summarize(running) -> dict[str, float]:
   """The running metrics, fetched in one transfer and computed on the host."""
   running = jax.device_get(running)
-  return {**{name: float(value) for name, value in running.compute().items()},
+  return {**{name: float(value) for name, value in running.compute().items()
+             if name != "confusion"},  # (the final evaluation's matrix: report.py writes it)
           "examples": int(running.loss.count)}
 
 

@@ -41,23 +41,27 @@ class Collections(NamedTuple):
   eval: type[metrics.Collection]  # the recipe's METRICS
   train_loss: type[metrics.Collection]  # and `cross_entropy`: the loss of evaluation, to compare
   train: type[metrics.Collection]  # and the skipped steps and the global norms (below)
+  confusion: functools.partial  # num_classes -> eval's and the confusion matrix (`with_confusion`)
 
 
 @functools.cache
-def of(recipe) -> Collections:
+def of(recipe, weighted: bool = False) -> Collections:
   """The collections of `recipe` (the run's recipe module: one set per recipe, made once).
   Training's adds to its METRICS the plain cross-entropy (when a smoothed loss is optimised, the
   loss of evaluation to compare with), the steps skipped, and the global norms (big_vision's) of
   the gradient (before any clipping), of the parameters and of the update as applied, averaged
-  over the steps that applied theirs (`steps.train_step`)."""
+  over the steps that applied theirs (`steps.train_step`); `weighted` (class weights), the mean
+  weight of the examples (`weight`: its sum is the step's divisor)."""
   fields = recipe.METRICS
-  train_loss = dict(fields, cross_entropy=metrics.Average.from_output("cross_entropy"))
+  train_loss = dict(fields, cross_entropy=metrics.Average.from_output("cross_entropy"),
+                    **({"weight": metrics.Average.from_output("weight")} if weighted else {}))
   return Collections(
       eval=metrics.Collection.create(**fields),
       train_loss=metrics.Collection.create(**train_loss),
       train=metrics.Collection.create(**train_loss, nonfinite_steps=NonFinite,
                                       l2_grads=metrics.Average, l2_params=metrics.Average,
-                                      l2_updates=metrics.Average))
+                                      l2_updates=metrics.Average),
+      confusion=functools.partial(with_confusion, recipe))
 
 
 def with_confusion(recipe, num_classes: int) -> type[metrics.Collection]:

@@ -6,6 +6,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+from absl import logging
 from flax import nnx
 
 from .. import errors
@@ -69,7 +70,7 @@ def check_model(run_plan, info) -> None:
     build_and_call = pmap.under_axis(build_and_call, config.run.num_devices if "run" in config
                                       else 1)
   try:
-    logits = jax.eval_shape(build_and_call, images_BHWC)
+    traced, logits = jax.make_jaxpr(build_and_call, return_shape=True)(images_BHWC)
   except ConfigError:  # (create_model's own: said as it is)
     raise
   except Exception as e:
@@ -77,6 +78,10 @@ def check_model(run_plan, info) -> None:
     raise ConfigError(f"{where}: {failed[0]}{fix}") from None
   shape = getattr(logits, "shape", None)
   if shape == (batch, classes) and jnp.issubdtype(logits.dtype, jnp.floating):
+    if made := probabilities(traced.jaxpr, traced.jaxpr.outvars[0]):
+      logging.warning("%s: the model returns probabilities (a %s of its logits); the loss and "
+                      "predictions take logits (and apply the softmax themselves): return the "
+                      "logits, without the %s", shown, made, made)
     return
   got = (f"{list(shape)} {logits.dtype}" if shape is not None else
          f"a {type(logits).__name__} of {jax.tree.map(lambda x: list(x.shape), logits)}")
@@ -90,6 +95,28 @@ def check_model(run_plan, info) -> None:
     hint = "; reduce the other axes (pool, or take the class token) before the head"
   raise ConfigError(f"{shown}: the model returned {got} for a batch of {batch} images; expected "
                     f"logits [{batch}, {classes}] of a floating dtype{hint}.")
+
+
+def probabilities(jaxpr, var) -> str | None:
+  """Whether `var` (a model's output, in the `jaxpr` of its call) is made by a softmax (exp over
+  its sum) or a sigmoid: the name, else None; log_softmax's log-probabilities are logits."""
+  made = {id(v): eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+
+  def source(v):  # the equation that computes v, through reshapes and casts, and its output
+    while (eqn := made.get(id(v))) and eqn.primitive.name in (
+        "broadcast_in_dim", "reshape", "convert_element_type", "squeeze", "copy", "copy_p"):
+      v = eqn.invars[0]
+    return eqn, v
+
+  eqn, var = source(var)
+  name = eqn and eqn.primitive.name
+  if inner := eqn and (eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")):  # (jit, ...)
+    inner = getattr(inner, "jaxpr", inner)
+    return probabilities(inner, inner.outvars[eqn.outvars.index(var)])
+  if name == "div" and [getattr(source(v)[0], "primitive", None) and source(v)[0].primitive.name
+                        for v in eqn.invars] == ["exp", "reduce_sum"]:
+    return "softmax"
+  return "sigmoid" if name == "logistic" else None
 
 
 def model_fix(error: Exception, config, image_shape, module) -> tuple[str, str]:

@@ -3,6 +3,7 @@ progress lines and bar, the loop's clock (`Clock`), a profile (`Profiler`), what
 to do (`log_run`; the state: `Report`) and each log interval's rates (`Report.train`)."""
 
 import contextlib
+import os
 import platform
 import shlex
 import sys
@@ -14,6 +15,7 @@ import jax
 from absl import logging
 from flax import nnx
 
+from .. import errors
 from ..parallel import sharding
 from . import flops, steps, writers
 
@@ -61,6 +63,7 @@ class Report:
                              metrics=tuple(run_plan.recipe.METRICS))
     self.profiler = Profiler(config, workdir)
     self.workdir, self.is_main = workdir, is_main
+    self.class_names = info.class_names or [str(i) for i in range(info.num_classes)]
 
   def train(self, step: int, since: int, summary: dict[str, float]) -> None:
     """Writes and logs the metrics of training steps, with the rates of the lap that ends now
@@ -81,9 +84,11 @@ class Report:
     self.writer.write_scalars(step, {f"train_{name}": v for name, v in summary.items()})
     self.progress.report(step, since, summary, lap)
 
-  def eval(self, step: int, metrics: dict[str, float]) -> None:
-    """Writes and logs an evaluation's metrics."""
+  def eval(self, step: int, metrics: dict[str, float], confusion=None) -> None:
+    """Writes and logs an evaluation's metrics; the final one's confusion too (its counts)."""
     self.writer.write_scalars(step, {f"eval_{name}": v for name, v in metrics.items()})
+    if confusion is not None:
+      writers.write_confusion(self.writer, step, confusion.counts, self.class_names)
     self.progress.report_eval(step, metrics)
 
   def end(self, last_step: int | None = None, batch_size: int = 0) -> None:
@@ -93,11 +98,13 @@ class Report:
       self.writer.write_scalars(last_step, loop)
     self.writer.close()
     if last_step is not None and self.is_main:
-      w = shlex.quote(self.workdir)
+      w, python = shlex.quote(self.workdir), shlex.quote(errors.shown(sys.executable))
+      board = os.path.join(os.path.dirname(sys.executable), "tensorboard")  # (the venv's)
+      board = shlex.quote(errors.shown(board)) if os.path.exists(board) else "tensorboard"
       logging.info("Next: evaluate the run, classify images, export the model, see the curves:"
-                   "\n  python evaluate.py --workdir=%s\n  "
-                   "python predict.py --workdir=%s IMAGE_OR_FOLDER ...\n  python export.py "
-                   "--workdir=%s --out=model.npz\n  tensorboard --logdir=%s", w, w, w, w)
+                   "\n  %s evaluate.py --workdir=%s\n  %s predict.py --workdir=%s IMAGE_OR_FOLDER"
+                   " ...\n  %s export.py --workdir=%s --out=model.npz\n  %s --logdir=%s",
+                   python, w, python, w, python, w, board, w)
 
 
 class Lap(NamedTuple):
@@ -162,14 +169,7 @@ class Clock:
 
 
 def draw_bar(done: int, total: int, text: str = "", width: int = 30):
-  """`[=====     ] done/total text` on stderr (a terminal), over the one drawn before.
-
-  Args:
-    done: the work done.
-    total: all of it.
-    text: what follows the count.
-    width: the bar's characters.
-  """
+  """`[=====     ] done/total text` on stderr (a terminal), `width` wide, over the one before."""
   full = width * done // max(total, 1)
   sys.stderr.write(f"\r[{'=' * full}{' ' * (width - full)}] {done}/{total} {text}\033[K")
   sys.stderr.flush()

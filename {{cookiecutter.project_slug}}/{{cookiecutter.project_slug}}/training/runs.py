@@ -6,6 +6,8 @@ names. (Reading a trained run back: trained.py.)"""
 import atexit
 import contextlib
 import datetime
+import errno
+import fcntl
 import json
 import os
 import socket
@@ -39,6 +41,29 @@ def prepare(config: ml_collections.ConfigDict, workdir: str) -> tuple[Plan, str]
   workdir = absolute(workdir)
   config = plan.resolved(config, resuming=(saved_config(workdir), workdir))
   return plan.make_plan(ml_collections.FrozenConfigDict(config)), workdir
+
+
+def with_class_weights(run_plan: Plan, info: sources.DatasetInfo) -> Plan:
+  """The plan with `config.run.class_weights`, the loss's weight of each class (steps.py: a
+  weighted mean), where `config.class_weights` is set: its numbers, or for 'balanced' N / (K x
+  n_k) of the training split's class counts (scikit-learn's; 0 for a class without examples)."""
+  config, given = run_plan.config, run_plan.config.get("class_weights", "")
+  if not given:
+    return run_plan
+  counts, classes = info.class_counts, info.num_classes
+  if given == "balanced" and not counts:
+    raise errors.ConfigError(
+        f"config.class_weights='balanced' needs the training split's class counts, which "
+        f"config.dataset={config.dataset!r} does not give; give {classes} weights, one a class.")
+  weights = (tuple(sum(counts) / (len(counts) * n) if n else 0.0 for n in counts)
+             if given == "balanced" else tuple(float(w) for w in given.split(",")))
+  if len(weights) != classes:
+    raise errors.ConfigError(f"config.class_weights={given!r} holds {len(weights)} weights; the "
+                             f"data has {classes} classes: give one a class, or 'balanced'.")
+  config = ml_collections.ConfigDict(config)  # (a frozen one's copy)
+  with config.unlocked():
+    config.run.class_weights = weights
+  return run_plan._replace(config=ml_collections.FrozenConfigDict(config))
 
 
 def start_or_resume(workdir: str, config, info: sources.DatasetInfo, abstract, init
@@ -75,40 +100,56 @@ def start_or_resume(workdir: str, config, info: sources.DatasetInfo, abstract, i
 
 class Claim:
   """This run's hold on its workdir, taken before anything is written there (by process 0, of a
-  local workdir): `CLAIM_FILE` names the holder's host, process id and start, renewed as the loop
-  checks its saves (`renew`) and removed however the run ends (`close`; at the latest as its
-  process exits). A run on a workdir held by
-  another stops in one line naming the holder; a claim whose process is gone (on this host), or
-  not renewed for `STALE_AFTER_S`, is stale: said, and taken over."""
+  local workdir): `CLAIM_FILE` names the holder's host, process id and its start, created
+  exclusively (two runs started at once: one holds it), renewed as the loop checks its saves
+  (`renew`) and removed however the run ends (`close`; at the latest as its process exits). A run
+  on a workdir held by another stops in one line naming the holder; a claim whose process is gone
+  (on this host) or is another program now (its start differs: a process id reused), or not
+  renewed for `STALE_AFTER_S`, is stale: said, and taken over."""
 
   def __init__(self, workdir: str):
     self.path, self.renewed = os.path.join(workdir, CLAIM_FILE), 0.0
     self.held = jax.process_index() == 0 and "://" not in workdir
     if not self.held:
       return
+    self.since = datetime.datetime.now().isoformat(timespec="seconds")
+    made = "made"
     try:
       os.makedirs(workdir, exist_ok=True)
+      made, directory = "written", os.open(workdir, os.O_RDONLY)
+      try:  # (the check and the take one run at a time, where the file system locks)
+        with contextlib.suppress(OSError):
+          fcntl.flock(directory, fcntl.LOCK_EX)
+        self.take(workdir)
+      finally:
+        os.close(directory)
     except OSError as e:
-      raise errors.ConfigError(f"--workdir={workdir!r} cannot be made ({errors.one_line(e)}); "
-                               "give a directory that this user can write.") from None
-    holder = self.holder()
-    if holder and not (why := stale(holder)):
-      age = time.time() - holder.get("renewed", 0)
-      raise errors.ConfigError(
-          f"workdir {workdir!r} is in use by another run: process {holder.get('pid')} on "
-          f"{holder.get('host')}, since {holder.get('since')} (renewed {age:.0f} s ago); let it "
-          f"end or stop it, or use another --workdir (a claim not renewed for {STALE_AFTER_S} s "
-          "is taken over).")
-    if holder and holder.get("pid") != os.getpid():
-      logging.warning("workdir %s was held by process %s on %s since %s, %s: taken over", workdir,
-                      holder.get("pid"), holder.get("host"), holder.get("since"), why)
-    self.since = datetime.datetime.now().isoformat(timespec="seconds")
+      self.held = False
+      fix = ("free space on its file system, or use another --workdir" if e.errno == errno.ENOSPC
+             else "give a directory that this user can write")
+      raise errors.ConfigError(f"--workdir={workdir!r} cannot be {made} "
+                               f"({errors.one_line(e)}); {fix}.") from None
     atexit.register(self.close)
-    try:
-      self.renew(force=True)
-    except OSError as e:
-      raise errors.ConfigError(f"--workdir={workdir!r} cannot be written ({errors.one_line(e)}); "
-                               "give a directory that this user can write.") from None
+
+  def take(self, workdir: str) -> None:
+    holder = self.holder()
+    if holder and (why := stale(holder)):
+      if holder.get("pid") != os.getpid():
+        logging.warning("workdir %s was held by process %s on %s since %s, %s: taken over",
+                        workdir, holder.get("pid"), holder.get("host"), holder.get("since"), why)
+      with contextlib.suppress(FileNotFoundError):
+        os.remove(self.path)
+      holder = None
+    if holder is None:
+      with contextlib.suppress(FileExistsError):  # (unless another run took it since)
+        return self.renew(force=True)
+      holder = self.holder() or {}
+    age = time.time() - holder.get("renewed", 0)
+    raise errors.ConfigError(
+        f"workdir {workdir!r} is in use by another run: process {holder.get('pid')} on "
+        f"{holder.get('host')}, since {holder.get('since')} (renewed {age:.0f} s ago); let it "
+        f"end or stop it, or use another --workdir (a claim not renewed for {STALE_AFTER_S} s "
+        "is taken over).")
 
   def holder(self) -> dict | None:
     try:
@@ -121,26 +162,45 @@ class Claim:
     return holder if isinstance(holder, dict) else {"unreadable": True}
 
   def renew(self, force: bool = False) -> None:
-    """Writes the claim anew, at most once a minute (`force`: now, raising OSError where it
-    cannot; later, a claim that cannot be written ages: the saves say why)."""
+    """Writes the claim anew, at most once a minute; the first time (`force`) only where there is
+    none (raising FileExistsError), and raising OSError where it cannot be written (later, a
+    claim that cannot be written ages: the saves say why)."""
     if not self.held or (not force and time.time() - self.renewed < 60):
       return
-    self.renewed = time.time()
-    claim = dict(host=socket.gethostname(), pid=os.getpid(), since=self.since,
-                 renewed=self.renewed)
+    self.renewed, written = time.time(), f"{self.path}.{os.getpid()}"
+    claim = dict(host=socket.gethostname(), pid=os.getpid(), started=started(os.getpid()),
+                 since=self.since, renewed=self.renewed)
     try:
-      with open(f"{self.path}.{os.getpid()}", "w") as f:
+      with open(written, "w") as f:
         json.dump(claim, f)
-      os.replace(f"{self.path}.{os.getpid()}", self.path)
+      try:  # (the first time linked, which only a path that is not there takes)
+        (os.link if force else os.replace)(written, self.path)
+      except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP):  # (a file system without links)
+          raise
+        os.replace(written, self.path)
     except OSError:
       if force:
         raise
+    finally:
+      with contextlib.suppress(OSError):
+        os.remove(written)
 
   def close(self) -> None:
     """Lets the workdir go (the claim removed, if it is still this process's)."""
     if self.held and (self.holder() or {}).get("pid") == os.getpid():
       os.remove(self.path)
     self.held = False
+
+
+def started(pid) -> str | None:
+  """When process `pid` started, as this boot's id and its start in clock ticks (Linux's /proc);
+  None where that cannot be read (another system, no such process)."""
+  try:
+    with open("/proc/sys/kernel/random/boot_id") as boot, open(f"/proc/{int(pid)}/stat") as stat:
+      return f"{boot.read().strip()}:{stat.read().rsplit(')', 1)[1].split()[19]}"
+  except (OSError, ValueError, IndexError, TypeError):
+    return None
 
 
 def stale(holder: dict) -> str | None:
@@ -156,6 +216,8 @@ def stale(holder: dict) -> str | None:
       return "which is no longer running"
     except (PermissionError, KeyError, ValueError, TypeError):
       pass
+    if holder.get("started") and started(holder["pid"]) not in (None, holder["started"]):
+      return "whose process id is another program's now (the run ended; the id was reused)"
   try:
     age = time.time() - float(holder.get("renewed", 0))
   except (TypeError, ValueError):  # ("renewed": "yesterday": not a claim this project wrote)

@@ -81,14 +81,31 @@ def loss_and_metrics(model, batch, config, recipe, collection, train: bool = Tru
     collection: the CLU collection class of the metrics.
     train: whether the images are augmented and the loss is training's.
   """
-  logits_BK = forward(model, batch, config, recipe.augment if train else None)
+  augment, mixed = recipe.augment if train else None, []  # (mixed: the partners' labels, weights)
+  if train and (config.get("mixup_alpha") or config.get("cutmix_alpha")):  # then recipe.mix
+
+    def augment(images_BHWC, keys_B, config):
+      images_BHWC, *pairs = recipe.mix(recipe.augment(images_BHWC, keys_B, config),
+                                       batch["label"], batch["mask"], keys_B, config)
+      mixed.extend(pairs)
+      return images_BHWC
+
+  logits_BK = forward(model, batch, config, augment)
   cross_entropy_B = recipe.loss(logits_BK, batch["label"], config, train=False)
   losses_B = (recipe.loss(logits_BK, batch["label"], config, train=True) if train
               else cross_entropy_B)
+  if mixed:  # w x loss(label) + (1 - w) x loss(the partner's)
+    other_labels_B, weight_B = mixed
+    losses_B = weight_B * losses_B + (1 - weight_B) * recipe.loss(
+        logits_BK, other_labels_B, config, train=True)
+  weights = {}  # class weights: each loss times its class's (train_step divides by their sum)
+  if train and config.get("run", {}).get("class_weights"):
+    weights["weight"] = jnp.asarray(config.run.class_weights, jnp.float32)[batch["label"]]
+    losses_B = losses_B * weights["weight"]
   loss_sum = jnp.sum(jnp.where(batch["mask"], losses_B, 0.0))
   step_metrics = collection.single_from_model_output(
       loss=losses_B, cross_entropy=cross_entropy_B, logits=logits_BK, labels=batch["label"],
-      mask=batch["mask"])
+      mask=batch["mask"], **weights)
   return loss_sum, step_metrics
 
 
@@ -151,19 +168,10 @@ def state_sums_of_squares(updates, params) -> tuple:
 
 
 def update_if(applied, update, current, old):
-  """`update(current)` where `applied`, else `old`, selected leaf by leaf: no conditional for the
-  device to wait on (cpu.py's: lax.cond). The parameters' norm is read from the state kept (a
-  TPU's program is smallest so, aot.py: 2,475 kernels a v5e:2x4 ResNet-50 step, against 2,552
-  from the update's state; gpu.py reads the update's).
-
-  Args:
-    applied: a boolean scalar, whether the step is applied.
-    update: current -> (updated state, (the update's squared norm, _)).
-    current: the state as the forward pass left it.
-    old: the state before the step.
-  Returns:
-    The state kept, and (the update's squared norm, the kept parameters' squared norm).
-  """
+  """`update(current)` (-> (updated state, (the update's squared norm, _))) where the boolean
+  `applied`, else `old`, leaf by leaf: no conditional to wait on (cpu.py's: lax.cond). Returns
+  the state kept and (the update's squared norm, the kept parameters'): read from the state kept,
+  a TPU's program is smallest (aot.py: 2,475 kernels a v5e:2x4 ResNet-50 step, not 2,552)."""
   updated, (updates_squared, _) = update(current)
   kept = jax.tree.map(lambda new, old: jnp.where(applied, new, old), updated, old)
   return kept, (updates_squared, sum_of_squares(nnx.filter_state(kept[0], nnx.Param)))
@@ -187,7 +195,9 @@ def train_step(graphdef, state, running, batch, *, config, recipe, collection, s
   if config.get("freeze_batch_norm"):  # BatchNorm on its running statistics, left as they are
     model.set_attributes(nnx.BatchNorm, use_running_average=True, raise_if_not_found=False)
   grads, step_metrics = gradients(model, batch, config, recipe, collection, sum_devices)
-  count, grads_squared = step_metrics.loss.count, sum_of_squares(grads)
+  weights = getattr(step_metrics, "weight", None)  # (class weights: the mean over their sum)
+  count = step_metrics.loss.count if weights is None else weights.total
+  grads_squared = sum_of_squares(grads)
   # Not finite where an entry of the gradient is not (or overflows float32: beyond 1e19).
   finite = jnp.isfinite(step_metrics.loss.total) & jnp.isfinite(grads_squared)
 
@@ -207,16 +217,9 @@ def train_step(graphdef, state, running, batch, *, config, recipe, collection, s
 
 
 def gradients(model, batch, config, recipe, collection, sum_devices=None):
-  """The gradient of a batch's summed loss and the forward pass's metrics, over every device.
-
-  Args:
-    model: the model, in train mode.
-    batch: one batch (the module's docstring).
-    config: the run's config; with `grad_accum_steps` > 1, accumulated over that many pieces.
-    recipe: the recipe module.
-    collection: the CLU collection class of the metrics.
-    sum_devices: pmap's sum over the devices; None where the arrays are global (jit).
-  """
+  """The gradient of a batch's summed loss and the forward pass's metrics (`collection`), over
+  every device (`sum_devices`: pmap's sum; None where the arrays are global, jit): the `model`
+  in train mode, with `grad_accum_steps` > 1 accumulated over that many pieces."""
   grad_fn = nnx.grad(functools.partial(loss_and_metrics, config=config, recipe=recipe,
                                        collection=collection), has_aux=True)
   if config.grad_accum_steps > 1:
@@ -226,14 +229,9 @@ def gradients(model, batch, config, recipe, collection, sum_devices=None):
 
 
 def move_average(ema, model, n, config) -> None:
-  """Moves `ema`, a moving average of `AVERAGED` variables, towards `model`'s, in place.
-
-  Args:
-    ema: the average, a copy of the model.
-    model: the model after the update.
-    n: the number of updates before this one.
-    config: by 1 - `ema_decay`, or with `ema_warmup` by 1 - min(`ema_decay`, (1 + n) / (10 + n)).
-  """
+  """Moves `ema` (a copy of the model: its `AVERAGED` variables) towards `model`'s after the
+  update, in place, by 1 - `config.ema_decay`, or with `ema_warmup` by 1 - min(`ema_decay`,
+  (1 + n) / (10 + n)), n the updates before this one."""
   decay = config.ema_decay
   if config.ema_warmup:
     decay = jnp.minimum(decay, (1 + n) / (10 + n))

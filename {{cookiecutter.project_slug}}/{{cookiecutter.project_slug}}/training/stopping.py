@@ -5,7 +5,7 @@ after the same step, having saved: SIGTERM (a preemption, a scheduler's notice) 
 asks `stop_now`, saves, and `train_and_evaluate` raises `Stopped`; several processes agree on the
 step through a collective, at a step where the loop waits for results anyway. What the loop
 cannot reach, the `Watchdog` does: a wait past its bound, a signal during set-up or a compile, a
-second signal, each ends the process in one line."""
+second signal, each ends the process in one line. Early stopping: `Best`."""
 
 import contextlib
 import os
@@ -21,6 +21,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from ..errors import NonFiniteLoss, Stopped  # noqa: F401 (raised here; Stopped by train.py)
+from . import checkpoints
 
 # A run that waited past the watchdog's bound ends with EX_TEMPFAIL (sysexits.h: "try again"):
 # clusters/slurm.sbatch requeues it, as it does a run stopped by SIGTERM (143).
@@ -237,3 +238,36 @@ def check_finite(nonfinite, since: int, config, checkpoints) -> None:
         f"non-finite loss or gradient at step {since + int(nonfinite.first)}; its update was "
         f"not applied, and {saved}. Lower the learning rate, check the data, "
         "or set --config.skip_nonfinite_steps=True.")
+
+
+class Best:
+  """The run's best evaluation by `config.best_metric` (its `best_mode`), read from its
+  checkpoints as it starts, then followed (`improves`); `config.early_stopping_evals` says when
+  the run ends (`stops`), the same on a resume."""
+
+  def __init__(self, config, saved):
+    self.config, self.step, self.value = config, None, None
+    if config.best_metric:
+      self.step, self.value = checkpoints.best(saved.manager, config)
+
+  def improves(self, step: int, metrics: dict[str, float]) -> bool:
+    """Whether an evaluation's `metrics` are the best so far (strictly), taking them if so."""
+    if not self.config.best_metric:
+      return False
+    value = metrics[self.config.best_metric.removeprefix("eval_")]
+    sign = 1 if self.config.best_mode == "max" else -1
+    if self.step is None or sign * value > sign * self.value:
+      self.step, self.value = step, value
+      return True
+    return False
+
+  def stops(self, step: int) -> str | None:
+    """Why the run ends at `step`: `early_stopping_evals` evaluations without improvement (the
+    evaluations every `eval_every_steps`); None while it goes on."""
+    config, evals = self.config, self.config.early_stopping_evals
+    if evals and self.step is not None and (
+        step // config.eval_every_steps - self.step // config.eval_every_steps >= evals):
+      return (f"Early stopping at step {step}: {config.best_metric} has not improved for "
+              f"{evals} evaluations (config.early_stopping_evals); its best, {self.value:.4f} at "
+              f"step {self.step}, is checkpoint {self.step} (evaluate.py --step=best)")
+    return None

@@ -21,7 +21,14 @@ from ..data import sources
 from ..errors import ConfigError
 from ..parallel import sharding
 from . import optim
-from .checkpoints import absolute, changed_leaf, check_checkpoint_fits, checkpoint_manager
+from .checkpoints import (
+  absolute,
+  best,
+  changed_leaf,
+  check_checkpoint_fits,
+  checkpoint_manager,
+  typed_keys,
+)
 from .damaged import leaf_name, newest_intact
 from .runs import CONFIG_FILE, DATA_FILE, MODEL_FILE
 
@@ -125,7 +132,7 @@ def restore_model(checkpoints, step: int, abstract, workdir: str):
       skip, ocp.checkpoint_utils.construct_restore_args(abstract))
   state = checkpoints.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
       item, restore_args=restore_args)))["state"]
-  return state[int(keep[0])]
+  return typed_keys(abstract[int(keep[0])], state[int(keep[0])])
 
 
 def device_memory_bytes(device) -> int | None:
@@ -164,14 +171,20 @@ class Restored:
 
   Args:
     workdir: the run's workdir.
-    step: the checkpoint's step; None: the latest.
+    step: the checkpoint's step (a number, or its text); None: the latest; "best": the best
+      evaluation's (by the run's `config.best_metric`: checkpoints.best).
     mesh: the devices' mesh; None: every device.
     runs_model: build it by the run's own copy of model.py where the two differ
       (`use_runs_model`); else by today's.
   """
 
-  def __init__(self, workdir: str, step: int | None = None, mesh=None, runs_model: bool = False):
+  def __init__(self, workdir: str, step: int | str | None = None, mesh=None,
+               runs_model: bool = False):
     self.config, self.info = read_description(workdir)
+    if isinstance(step, str) and step != "best":
+      if not step.isdigit():
+        raise ConfigError(f"--step={step!r} must be a checkpoint's step (a number) or 'best'.")
+      step = int(step)
     self.model_code, hint = use_runs_model(workdir, self.config, runs_model)
     if self.config.parallelism == "pmap":  # the same parameters: placed as spmd places them
       self.config.parallelism = "spmd"
@@ -183,6 +196,14 @@ class Restored:
     check_fits_devices(model, self.mesh, self.config, workdir)
     checkpoints = checkpoint_manager(absolute(workdir), create=False)
     available = checkpoints.all_steps()
+    if step == "best":
+      if not self.config.get("best_metric"):
+        raise ConfigError(f"--step=best: the run in {workdir!r} kept no best checkpoint (its "
+                          "config.best_metric is ''); give a --step of "
+                          f"{', '.join(map(str, available)) or 'a checkpoint'}.")
+      step = best(checkpoints, self.config)[0]
+      if step is None:
+        raise ConfigError(f"--step=best: no evaluation of the run in {workdir!r} is saved yet.")
     if not available:
       raise ConfigError(f"workdir {workdir!r} holds no checkpoint yet; train first, or give "
                         "the --workdir of a run that saved one.")
@@ -190,19 +211,30 @@ class Restored:
       raise ConfigError(f"--step={step}: workdir {workdir!r} holds the checkpoints of steps "
                         f"{', '.join(map(str, available))}.")
     def damaged(s, why):
+      if not (epath.Path(checkpoints.directory) / str(s)).exists():
+        raise FileNotFoundError(s)  # (deleted as it was read: a run's retention, saving anew)
       if step is not None:  # the one asked for
         raise ConfigError(f"checkpoint {step} in {workdir!r} {why}; give another --step (the "
                           f"checkpoints: {', '.join(map(str, available))}).")
       logging.warning("checkpoint %d in %s %s; using an older one", s, workdir, why)
 
     keep = 2 if len(abstract) > 2 else 0  # (the leaves read: the model's, or its average's)
-    try:
-      self.step, self.state = newest_intact(
-          [step] if step is not None else sorted(available, reverse=True),
-          lambda s: restore_model(checkpoints, s, abstract, workdir), damaged,
-          lambda s, model: changed_leaf(checkpoints, s, {keep: model}))
-    except ConfigError as e:  # another model: today's model.py, where the run's differs
-      raise ConfigError(f"{str(e).removesuffix('.')}{hint}.") from None
+    for tries in range(3, 0, -1):  # (the steps listed again after one was deleted)
+      try:
+        self.step, self.state = newest_intact(
+            [step] if step is not None else sorted(available, reverse=True),
+            lambda s: restore_model(checkpoints, s, abstract, workdir), damaged,
+            lambda s, model: changed_leaf(checkpoints, s, {keep: model}))
+        break
+      except ConfigError as e:  # another model: today's model.py, where the run's differs
+        raise ConfigError(f"{str(e).removesuffix('.')}{hint}.") from None
+      except FileNotFoundError as e:
+        checkpoints.reload()
+        available = checkpoints.all_steps()
+        if step is not None or not tries - 1:
+          raise ConfigError(f"checkpoint {e} in {workdir!r} was deleted as it was read (the run "
+                            "there keeps its newest checkpoints, config.max_checkpoints_to_keep)"
+                            f"; the checkpoints now: {', '.join(map(str, available))}.") from None
     if self.step is None:
       raise ConfigError(f"no checkpoint in {workdir!r} can be restored (the warnings above say "
                         "why).")

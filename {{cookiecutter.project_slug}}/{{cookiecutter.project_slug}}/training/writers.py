@@ -4,6 +4,8 @@ TensorFlow) and W&B beside them (wandb_writer.py). Each writer has the methods o
 
 import concurrent.futures
 
+import numpy as np
+
 from ..plan import flatten
 
 
@@ -102,3 +104,22 @@ def create_writer(workdir: str, write: bool = True, config=None, new_run: bool =
   if new_run and flat is not None:
     writers.write_hparams(flat)
   return writers
+
+
+def write_confusion(writer, step: int, counts, names, prefix: str = "eval") -> np.ndarray:
+  """Writes a confusion matrix `[true class, predicted class]` of counts as an image
+  (`{prefix}_confusion_matrix`; `confusion_matrix` for the run's own eval split) and each class's
+  accuracy as a scalar (`{prefix}_accuracy/NAME`, of the classes with examples); returns those
+  accuracies (NaN: a class without examples)."""
+  counts = np.asarray(counts)
+  with np.errstate(invalid="ignore"):
+    per_class = np.diag(counts) / counts.sum(axis=1)
+  writer.write_scalars(step, {f"{prefix}_accuracy/{name}": accuracy for name, accuracy in
+                              zip(names, per_class, strict=True) if not np.isnan(accuracy)})
+  share = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)  # a row a true class, white
+  cell = max(4, 256 // len(counts))  # where all its examples went; cells of 4 pixels at least
+  pixels = np.kron(np.round(255 * share), np.ones((cell, cell))).astype(np.uint8)
+  image = np.repeat(pixels[None, :, :, None], 3, axis=-1)
+  writer.write_images(step, {"confusion_matrix" if prefix == "eval" else
+                             f"{prefix}_confusion_matrix": image})
+  return per_class
