@@ -84,12 +84,10 @@ def mix(images_BHWC, labels_B, mask_B, keys_B, config):
   is real too; the padding never (nor a real example beside it).
 
   Returns:
-    None where both are off; else the images, the partners' labels `[B]` and each example's
-    weight on its own label `[B]`: its loss is w x loss(label) + (1 - w) x loss(the partner's)
-    (the step's), with label smoothing the cross-entropy of timm's mixed targets.
+    The images, the partners' labels `[B]` and each example's weight on its own label `[B]`:
+    its loss is w x loss(label) + (1 - w) x loss(the partner's) (the step's, which calls this
+    where either alpha is set), with label smoothing the cross-entropy of timm's mixed targets.
   """
-  if not (config.get("mixup_alpha") or config.get("cutmix_alpha")):  # (off; or an older config)
-    return None
   mix_pair = functools.partial(
       augmentations.mixup_cutmix, mixup_alpha=config.mixup_alpha,
       cutmix_alpha=config.cutmix_alpha, switch_prob=config.mix_switch_prob, prob=config.mix_prob)

@@ -154,7 +154,8 @@ def train_loop(run: Run, received: list):
           reporting.eval(step, eval_metrics, getattr(evaluated, "confusion", None))
           improved, ended = best.improves(step, eval_metrics), best.stops(step)
         if config.best_metric and (save_now or evaluate_now and (improved or ended)):
-          save(eval_metrics if evaluate_now else None)  # (its metrics with it: the best kept)
+          save(eval_metrics if evaluate_now and improved else None)  # (a new best's metrics:
+          # BestN keeps the one with the best value, so an equal one later never displaces it)
       if ended:
         progress.log("%s", ended)
     if stopped_by:

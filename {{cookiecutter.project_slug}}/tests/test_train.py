@@ -1391,7 +1391,8 @@ def test_the_best_checkpoint_is_kept_and_early_stopping_stops_saves_and_says_so(
   best evaluation's (Orbax's BestN), which `--step=best` restores; early_stopping_evals=2: the
   run ends at the second evaluation in a row without a better accuracy, saves there and says
   so; the same command again ends at once, alike."""
-  tiny_config.num_epochs, tiny_config.eval_every_steps = 8, 5
+  tiny_config.num_epochs = 8  # (a save at each evaluation: an equal accuracy later is saved too)
+  tiny_config.eval_every_steps = tiny_config.checkpoint_every_steps = 5
   tiny_config.max_checkpoints_to_keep, tiny_config.learning_rate = 1, 0.02
   tiny_config.best_metric, tiny_config.early_stopping_evals = "eval_accuracy", 2
   with caplog.at_level("INFO", logger="absl"):

@@ -86,8 +86,8 @@ class Checkpoints:
           "access), then run the same command.") from None
 
   def save(self, step: int, state, metrics: dict | None = None) -> None:
-    """Starts saving `state` and its `checksums` as checkpoint `step`, in the background, with
-    the evaluation's `metrics` where the run keeps its best (`best`). A save off the interval
+    """Starts saving `state` and its `checksums` as checkpoint `step`, in the background, with a
+    new best evaluation's `metrics` where the run keeps its best (`best`). A save off the interval
     (the last step's, a stop's, a best's) may wait for the one before it without Orbax's advice
     to checkpoint less often: no interval would avoid that wait."""
     off_interval = step % self.every != 0

@@ -219,7 +219,7 @@ class Restored:
       logging.warning("checkpoint %d in %s %s; using an older one", s, workdir, why)
 
     keep = 2 if len(abstract) > 2 else 0  # (the leaves read: the model's, or its average's)
-    for tries in range(3, 0, -1):  # (the steps listed again after one was deleted)
+    for attempt in range(3):  # (the steps listed again after one was deleted)
       try:
         self.step, self.state = newest_intact(
             [step] if step is not None else sorted(available, reverse=True),
@@ -231,7 +231,7 @@ class Restored:
       except FileNotFoundError as e:
         checkpoints.reload()
         available = checkpoints.all_steps()
-        if step is not None or not tries - 1:
+        if step is not None or attempt == 2:
           raise ConfigError(f"checkpoint {e} in {workdir!r} was deleted as it was read (the run "
                             "there keeps its newest checkpoints, config.max_checkpoints_to_keep)"
                             f"; the checkpoints now: {', '.join(map(str, available))}.") from None
