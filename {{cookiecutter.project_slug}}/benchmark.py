@@ -5,6 +5,7 @@ Prints its tables and writes them to --out (JSON) and --markdown (BENCHMARKS.md)
   python benchmark.py [--tiny] [--out=bench.json] [--markdown=BENCHMARKS.md]
   python benchmark.py --resnet  # on a GPU: ResNet-50 against timm's, eager and torch.compile
   python benchmark.py --kernels  # on a GPU: where the ResNet-50 step's time goes, by kernel
+  python benchmark.py --randaugment  # RandAugment's cost an image at 224: host against devices
   python benchmark.py --data_dir=DIR --out=data.json [--config=configs/imagenet.py
       --config.KEY=VALUE ... --images_per_second=2500 --batches=20 --pil_image_folder=DIR]
 
@@ -34,6 +35,9 @@ Prints its tables and writes them to --out (JSON) and --markdown (BENCHMARKS.md)
   (`jax.profiler`) over a few steps: the GPU's kernels a step, summed by kind (convolutions,
   reductions, selections, ...), how busy the GPU was, and the kernels too short to be more than
   their launch.
+- RandAugment (--randaugment; benchmark_randaugment.py): DeiT's, an image at 224x224, on the
+  host (PIL, one core, and the resize of the crop that the host then does) against the same
+  operations in JAX, under jit on this backend and, compiled for a TPU v5e, its compiler's bound.
 - Dispatch: the host time of handing the ResNet-50 state to a compiled call, as an nnx.State and
   as the loop's flat list of arrays (`benchmark_host.measure_dispatch`).
 - Default run: `python train.py --config=configs/default.py` as a whole process, cold (no
@@ -98,6 +102,8 @@ _RESNET = flags.DEFINE_bool("resnet", False, "On a GPU: the ResNet-50 row alone,
                             "torch.compile); the comparison replaces its section of --markdown.")
 _KERNELS = flags.DEFINE_bool("kernels", False, "On a GPU: where the ResNet-50 bare step's time "
                              "goes, its kernels by kind (a profile of a few steps).")
+_RANDAUGMENT = flags.DEFINE_bool("randaugment", False, "RandAugment's cost an image at 224 on the "
+                                 "host against the devices (benchmark_randaugment.py).")
 _REPEATS = flags.DEFINE_integer("repeats", REPEATS, "--resnet: pairs of runs of the loop and the "
                                 "bare step.")
 _MEASURE = flags.DEFINE_string("measure", None, "Internal: 'steps:MODEL', 'memory:MODEL:PATH', "
@@ -361,6 +367,14 @@ def main(argv):
     with open(_OUT.value, "w") as f:
       json.dump(dict(result, device_kind=jax.devices()[0].device_kind, jax=jax.__version__), f,
                 indent=2)
+    return
+  if _RANDAUGMENT.value:  # (asked for: loaded now)
+    from {{cookiecutter.project_slug}}.tools import benchmark_randaugment
+
+    result = benchmark_randaugment.measure(8 if _TINY.value else 64)
+    print(benchmark_randaugment.describe(result))
+    with open(_OUT.value, "w") as f:
+      json.dump(result, f, indent=2)
     return
   if _DATA_DIR.value:
     result = benchmark_data.main(_CONFIG.value, _DATA_DIR.value, _BATCHES.value, _RATE.value,

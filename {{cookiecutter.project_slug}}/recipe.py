@@ -46,7 +46,7 @@ def augment(images_BHWC, keys_B, config) -> jax.Array:
 
   In this order: a random resized crop (`augment_crop`; on the host instead for photos stored
   whole), a horizontal flip of half the images (`augment_flip`), a shift by up to
-  `augment_max_shift` pixels each way (zero fill).
+  `augment_max_shift` pixels each way (zero fill). (`randaugment`: on the host, before.)
 
   Args:
     images_BHWC: float images, pixels in [0, 1].

@@ -96,7 +96,8 @@ def train_loop(run: Run, received: list):
   best = stopping.Best(config, saved)  # (kept with its metrics: Orbax's BestN; early stopping)
   if ended := best.stops(step):  # (a resumed run that stopped early: ends again)
     progress.log("%s", ended)
-  # The evaluations' metrics; the last one's also the confusion matrix, written as an image.
+  # The evaluations' metrics; the last one's also the confusion matrix, written as an image
+  # (with early stopping each one's counts it: any may be the last).
   final = run.plan.metrics.confusion(run.data.info.num_classes)
 
   def evaluate(last: bool):  # (the state and step as they are now)
@@ -149,10 +150,11 @@ def train_loop(run: Run, received: list):
         if save_now and not config.best_metric:
           save()
         if evaluate_now:
-          evaluated = evaluate(is_last)
+          evaluated = evaluate(is_last or bool(config.get("early_stopping_evals")))
           eval_metrics = dispatch.summarize(evaluated)
-          reporting.eval(step, eval_metrics, getattr(evaluated, "confusion", None))
           improved, ended = best.improves(step, eval_metrics), best.stops(step)
+          reporting.eval(step, eval_metrics, getattr(evaluated, "confusion", None) if (
+              is_last or ended) else None)
         if config.best_metric and (save_now or evaluate_now and (improved or ended)):
           save(eval_metrics if evaluate_now and improved else None)  # (a new best's metrics:
           # BestN keeps the one with the best value, so an equal one later never displaces it)

@@ -35,6 +35,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.cutmix_alpha = 0.0
   config.mix_prob = 1.0
   config.mix_switch_prob = 0.5
+  # RandAugment on the host's workers (data/randaugment.py: PIL's operations, as timm's), as a
+  # timm string: '' (off) or e.g. 'rand-m9-mstd0.5-inc1' (DeiT's: 2 operations of magnitude 9
+  # of 10, its noise 0.5, the increasing ones). With it the host resizes photos' crops.
+  config.randaugment = ""
   # Photos stored whole (write_arrayrecord.py --resize_shorter) are cropped on the host, as
   # they are decoded: training's crop (above; without augment_crop, evaluation's) from the whole
   # photo; evaluation scales them to cover the image size / this, keeps the centre (256 -> 224).

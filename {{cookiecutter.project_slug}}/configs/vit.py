@@ -2,18 +2,19 @@
 timm train it from scratch: AdamW (b1 0.9, b2 0.999) at 5e-4 x batch / 512, a weight decay of 0.05
 on the kernels alone (not biases, norms, the class token or the position embeddings), 5 warmup
 epochs then a cosine decay over 300 epochs, label smoothing 0.1, the gradient's norm clipped at 1
-(big_vision's), random resized crops of 8-100% and flips, mixup (0.8) and CutMix (1.0), one
-of them on every image (recipe.mix). Global batch 4096; bfloat16 compute, float32 parameters.
-Not here: DeiT's RandAugment, random erasing and stochastic depth (write them in recipe.py's
-`augment`): without them expect less than DeiT-B's 81.8% top-1 (this recipe has not been run
-to the end here).
+(big_vision's), random resized crops of 8-100% and flips, RandAugment 'rand-m9-mstd0.5-inc1'
+(on the host's workers: data/randaugment.py), mixup (0.8) and CutMix (1.0), one of them on
+every image (recipe.mix). Global batch 4096; bfloat16 compute, float32 parameters. Not here:
+DeiT's random erasing and stochastic depth (write them in recipe.py's `augment` and vit.py):
+without them expect less than DeiT-B's 81.8% top-1 (this recipe has not been run to the end
+here).
 
   python train.py --config=configs/vit.py --config.data_dir=data/imagenet --workdir=runs/vit
   python aot.py --config=configs/vit.py --config.dataset=synthetic --topology=h100:8  # will it fit
 
 At a small scale, in minutes on 8 CPU devices (ViT-Ti/4 on the digits, from scratch, as below
-but at a batch of 128 and 2e-3, 3 warmup epochs of 30, without mixup and CutMix, which need
-longer schedules):
+but at a batch of 128 and 2e-3, 3 warmup epochs of 30, without RandAugment, mixup and CutMix,
+which need longer schedules):
 
   python train.py --config=configs/vit.py:small --workdir=runs/vit
 
@@ -56,8 +57,10 @@ def get_config(scale: str = "imagenet"):
   config.batch_size = 4096
   config.num_epochs = 300
   config.mixup_alpha, config.cutmix_alpha = 0.8, 1.0  # (mix_prob 1, mix_switch_prob 0.5)
+  config.randaugment = "rand-m9-mstd0.5-inc1"  # (on the host's workers)
   if small:
     config.learning_rate, config.base_batch_size, config.warmup_epochs = 2e-3, 128, 3.0
     config.batch_size, config.num_epochs = 128, 30
     config.mixup_alpha = config.cutmix_alpha = 0.0
+    config.randaugment = ""
   return config

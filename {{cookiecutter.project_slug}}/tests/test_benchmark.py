@@ -280,3 +280,21 @@ def test_kernels_are_a_gpu_streams_kernels_a_step_summed_by_kind(tmp_path):
   assert done.returncode != 0 and not (tmp_path / "k.json").exists()
   assert done.stderr.strip().splitlines()[-1] == (
       "error: --kernels profiles a GPU's kernels; JAX's backend here is cpu.")
+
+
+@pytest.mark.slow  # (a process; a TPU compile)
+def test_randaugment_is_measured_on_the_host_and_for_the_devices(tmp_path):
+  """`--randaugment`: DeiT's RandAugment an image at 224 on the host (PIL) and the resize it
+  needs, in JAX under jit here, and, where the TPU compiler is installed (the dev extra's
+  `tpu`), a v5e chip's bound of it against configs/vit.py's step: numbers, and the line."""
+  out = tmp_path / "randaugment.json"
+  done = subprocess.run([sys.executable, "benchmark.py", "--randaugment", "--tiny",
+                         f"--out={out}"], cwd=PROJECT, capture_output=True, text=True,
+                        timeout=400)
+  assert done.returncode == 0, done.stderr[-3000:]
+  result = json.loads(out.read_text())
+  assert_positive_finite(result, ("host_ms", "host_resize_ms", "device_ms"), "randaugment")
+  assert "RandAugment (DeiT's) at 224x224, an image: on the host (PIL, one core)" in done.stdout
+  if "tpu_error" not in result:
+    assert_positive_finite(result, ("tpu_ms", "tpu_gb", "tpu_flops"), "randaugment on a TPU")
+    assert "on a TPU v5e chip, at best" in done.stdout

@@ -759,6 +759,8 @@ BAD_CONFIGS = [
                                               "high) with 0 < low <= high <= 1"),
     ("--config.augment_crop_ratio=(2.0,1.0)", "config.augment_crop_ratio=(2.0, 1.0) must be (low, "
                                               "high) with 0 < low <= high, e.g."),
+    ("--config.randaugment=rand-m9-x3", "config.randaugment='rand-m9-x3' is not one of timm's "
+                                        "RandAugment strings; use e.g. 'rand-m9-mstd0.5-inc1'"),
 ]
 
 
@@ -1298,7 +1300,7 @@ def test_the_recipe_changes_each_touch_recipe_py_alone(tiny_config, tmp_path, mo
       "changed_recipe", "lion", 1e-3)
   tiny_config.focal_gamma, tiny_config.brightness = 2.0, 0.2  # (keys added to default.py)
   rules.validate_config(tiny_config)
-  caplog.set_level("INFO")
+  caplog.set_level("INFO", logger="absl")  # (absl's own level: WARNING once its flags parsed)
   final = train.train_and_evaluate(tiny_config, str(tmp_path / "run"))
   assert 0 <= final["accuracy"] <= final["top5_accuracy"] <= 1 and final["examples"] == 360
   assert final["top5_accuracy"] > 0.6, final  # (10 classes: chance is 0.5)
@@ -1389,8 +1391,8 @@ def test_the_best_checkpoint_is_kept_and_early_stopping_stops_saves_and_says_so(
     tiny_config, tmp_path, caplog):
   """best_metric=eval_accuracy with max_checkpoints_to_keep=1: the newest checkpoint and the
   best evaluation's (Orbax's BestN), which `--step=best` restores; early_stopping_evals=2: the
-  run ends at the second evaluation in a row without a better accuracy, saves there and says
-  so; the same command again ends at once, alike."""
+  run ends at the second evaluation in a row without a better accuracy, saves there, says so
+  and writes that evaluation's confusion matrix; the same command again ends at once, alike."""
   tiny_config.num_epochs = 8  # (a save at each evaluation: an equal accuracy later is saved too)
   tiny_config.eval_every_steps = tiny_config.checkpoint_every_steps = 5
   tiny_config.max_checkpoints_to_keep, tiny_config.learning_rate = 1, 0.02
@@ -1403,6 +1405,10 @@ def test_the_best_checkpoint_is_kept_and_early_stopping_stops_saves_and_says_so(
   assert stopped < 8 * 23 and stopped == best + 2 * 5, accuracy  # (stopped early)
   assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [best, stopped]
   assert final["accuracy"] == pytest.approx(accuracy[stopped], abs=1e-6)  # (float32 there)
+  reader = event_accumulator.EventAccumulator(glob.glob(f"{tmp_path}/events.out.tfevents.*")[0])
+  reader.Reload()  # the last evaluation's confusion matrix, as a run that ends writes it
+  assert [image.step for image in reader.Images("confusion_matrix")] == [stopped]
+  assert sorted(read_scalars(str(tmp_path))["eval_accuracy/0"]) == [stopped]
   said = (f"Early stopping at step {stopped}: eval_accuracy has not improved for 2 evaluations "
           f"(config.early_stopping_evals); its best, {accuracy[best]:.4f} at step {best}, is "
           f"checkpoint {best} (evaluate.py --step=best)")

@@ -1,6 +1,6 @@
 """The rules of the host and the workdir (rules.py runs them last): the input's host memory and
-/dev/shm, W&B, config.init_from, a bucket's or a local workdir. Each takes the config and the
-run's `rules.Target`, and returns what is wrong, or None."""
+/dev/shm, W&B, config.init_from, RandAugment's string, a bucket's or a local workdir. Each takes
+the config and the run's `rules.Target`, and returns what is wrong, or None."""
 
 import importlib.util
 import os
@@ -8,6 +8,7 @@ import os
 import jax
 
 from .data import batches, input_pipeline, sources
+from .errors import ConfigError
 
 # What a remote --workdir needs without TensorFlow: Orbax reaches it through etils' fsspec
 # backend, the TensorBoard writer (tensorboardX) through the cloud's own client.
@@ -83,6 +84,18 @@ def _init_from(config, target):
             "training run to start from, a .safetensors or .pth file, or hf-hub:ORG/NAME.")
 
 
+def _randaugment(config, target):
+  """timm's RandAugment string (data/randaugment.py)."""
+  if not config.get("randaugment"):
+    return None
+  from .data.randaugment import RandAugment  # (asked for: loaded now)
+
+  try:
+    RandAugment.of(target.resolved)
+  except ConfigError as e:
+    return str(e)
+
+
 def _remote_workdir(config, target):
   workdir = target.workdir
   if workdir is None or "://" not in workdir:  # gs://, s3://, ...
@@ -113,4 +126,5 @@ def _local_workdir(config, target):
             f"{'not writable' if os.path.isdir(existing) else 'a file'}); give another directory.")
 
 
-RULES = (_input_memory, _shared_memory, _wandb, _init_from, _remote_workdir, _local_workdir)
+RULES = (_input_memory, _shared_memory, _wandb, _init_from, _randaugment, _remote_workdir,
+         _local_workdir)

@@ -49,6 +49,7 @@ class LoadUnit:
   shares: int = 1  # units an element
   groups: int = 1  # the local devices a share spans (photos' crops: packed a device each)
   out: Callable[..., dict] | None = None  # with workers, what sends a unit (`shm.Outbox`)
+  augment: Callable | None = None  # training's on the host: (images, positions) -> images
 
   @property
   def local_batch_size(self) -> int:
@@ -78,8 +79,7 @@ class LoadUnit:
     if self.shuffle_seed is not None:
       for e in np.unique(epoch):  # a unit may straddle epochs
         indices[epoch == e] = self.permutation(e)[indices[epoch == e]]
-    # The batches that fill the last element (`trim`): left out (all but the first at least).
-    kept = min(k, self.num_batches - element * k) if self.trim else k
+    kept = min(k, self.num_batches - element * k) if self.trim else k  # (trim: those that fill)
     taken = self.source.take(indices, positions_S[read_S])
     failed = taken.pop("failed", None)  # records read from files: which could not be used
     if failed is not None:  # masked, and carried to `count_bad_records` with the examples read
@@ -91,13 +91,14 @@ class LoadUnit:
       mask_S[slots[list(failed)]] = False
     taken["label"] = taken["label"].astype(np.int32)
     crops = taken.pop("image") if "box" in taken else None  # each crop's own pixels
+    if self.augment is not None:  # (RandAugment, of the images as the model takes them)
+      taken["image"] = self.augment(taken["image"], positions_S[read_S])
     if not mask_S.all():  # padding: zeros
       for key, value in taken.items():
         taken[key] = np.zeros((len(mask_S), *value.shape[1:]), value.dtype)
         taken[key][mask_S] = value[mask_S[read_S]]
-    unit = {**taken, "mask": mask_S, "position": positions_S.astype(np.uint32)}
-    unit = {key: value.reshape(k, per_share, *value.shape[1:])[:kept]
-            for key, value in unit.items()}
+    unit = {key: value.reshape(k, per_share, *value.shape[1:])[:kept] for key, value in {
+        **taken, "mask": mask_S, "position": positions_S.astype(np.uint32)}.items()}
     if crops is not None:
       used = mask_S[read_S]  # (of the rows read: those of examples, usable)
       shape = (k, per_share, *self.source.crops.canvas, crops[0].shape[-1])
@@ -263,6 +264,9 @@ def train_batches(source, config, first_step: int = 0, rows=None) -> Elements:
   k, batch = config.run.steps_per_dispatch, config.run.global_batch_size
   load = LoadUnit(source, batch, config.num_epochs, config.seed, k, first_step, rows=rows,
                   **split(config, len(rows) if rows else batch))
+  if config.get("randaugment"):  # (asked for: loaded now)
+    from .randaugment import RandAugment
+    load = dataclasses.replace(load, augment=RandAugment.of(config))
   return Elements(load, first_step // k)
 
 
@@ -288,8 +292,9 @@ def available_cpus() -> int:
 
 def default_workers(config) -> int:
   """`config.num_workers`, or when it is -1: none for data held in memory (a batch is a gather,
-  which workers would only copy again), else one a core of this process's but one."""
+  which workers would only copy again) unless the host augments it (RandAugment), else one a
+  core of this process's but one."""
   if config.num_workers >= 0:
     return config.num_workers
-  in_memory = SOURCES[config.dataset].in_memory
+  in_memory = SOURCES[config.dataset].in_memory and not config.get("randaugment")
   return 0 if in_memory else max(available_cpus() - 1, 1)

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from ..errors import ConfigError
 from . import batches, sources
 from .batches import Elements, count_bad_records, default_workers, split
 from .sources import DatasetInfo
@@ -34,6 +35,10 @@ class Input:
   def __init__(self, config, rows=None):
     self.config, self.rows, self.train, self.eval = config, rows, None, None
     self.splits, self.info = sources.get_datasets(config)
+    if config.get("randaugment") and self.info.pixel_dtype != "uint8":  # (PIL's operations)
+      raise ConfigError(f"config.randaugment={config.randaugment!r} works on 8-bit images; "
+                        f"these are {self.info.pixel_dtype}: store them as uint8, or use --config."
+                        "randaugment='' (and your own augmentation in recipe.augment).")
     num_train, batch = self.info.num_examples["train"], config.run.global_batch_size
     self.num_train_steps = batches.num_batches(config.num_epochs * num_train, batch)
     if num_train < batch and jax.process_index() == 0:  # (a step spans several epochs)

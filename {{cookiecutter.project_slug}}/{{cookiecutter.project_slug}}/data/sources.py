@@ -145,9 +145,10 @@ def canvas(config, resize_shorter: int, image_shape) -> tuple[int, int] | None:
     resize_shorter: the photos' shorter side as stored.
     image_shape: the model's input [H, W, C].
   Returns:
-    (height, width) where `config.resize_on_device`; else None.
+    (height, width) where `config.resize_on_device`; else None (RandAugment's images: resized
+    on the host).
   """
-  if not config.get("resize_on_device"):
+  if not config.get("resize_on_device") or config.get("randaugment"):
     return None
   low, high = config.augment_crop_ratio if config.augment_crop else (1, 1)
   longest = resize_shorter * max(high, 1 / low, 1)

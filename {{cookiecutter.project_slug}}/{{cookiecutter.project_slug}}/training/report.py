@@ -42,7 +42,6 @@ class Report:
     self.schedule = jax.jit(run_plan.recipe.schedule(config, num_train_steps))
     self.schedule(0)
     self.speed = flops.Speed(graphdef, state, info.image_shape, run_plan)
-    # The model, its size and where its state lives; the steps and their FLOPs.
     logging.info("%d steps of %d examples, %d per call; %.3g FLOPs a step, peak %s",
                  num_train_steps, config.run.global_batch_size, config.run.steps_per_dispatch,
                  self.speed.flops_per_step,
@@ -288,8 +287,9 @@ def log_run(config, info, recipe, memory, num_train_steps: int, workdir: str) ->
   logging.info("%s: %d train and %d eval images of %s, %d classes%s", config.dataset,
                info.num_examples["train"], info.num_examples["eval"],
                "x".join(map(str, info.image_shape)), info.num_classes, names and f" ({names})")
-  logging.info("input: %d worker%s a process (and as many for evaluation), ~%.3g GiB of host "
-               "memory in its buffers", memory.workers, "s" * (memory.workers != 1),
+  logging.info("input: %d worker%s a process (and as many for evaluation%s), ~%.3g GiB of host "
+               "memory in its buffers", memory.workers, "s" * (memory.workers != 1), config.get(
+                   "randaugment") and f"; training's RandAugment {config.randaugment}",
                memory.bytes / 2**30)
   logging.info("global batch %d%s; peak learning rate %.4g%s, %d warmup steps, %s decay",
                config.run.global_batch_size, f" ({config.run.per_device_batch_size} x {devices} "
