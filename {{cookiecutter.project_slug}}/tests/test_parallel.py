@@ -364,11 +364,17 @@ class StockBatchNormCNN(BatchNormCNN):
 
 
 class AxisNamingCNN(StockBatchNormCNN):
-  """A plain nnx.BatchNorm that names pmap's axis, as Flax's ImageNet example names its own."""
+  """A plain nnx.BatchNorm that names pmap's axis as Flax's pmap examples name it: 'batch'."""
+
+  axis = "batch"
 
   def __init__(self, rngs):
     super().__init__(rngs)
-    self.norm = nnx.BatchNorm(4, momentum=0.9, axis_name=pmap.PMAP_AXIS, rngs=rngs)
+    self.norm = nnx.BatchNorm(4, momentum=0.9, axis_name=self.axis, rngs=rngs)
+
+
+class OtherAxisCNN(AxisNamingCNN):
+  axis = "devices"
 
 
 def test_a_batchnorm_naming_pmaps_axis_trains_on_pmap_and_is_refused_in_one_line_elsewhere(
@@ -376,7 +382,8 @@ def test_a_batchnorm_naming_pmaps_axis_trains_on_pmap_and_is_refused_in_one_line
   """A model.py whose nnx.BatchNorm names pmap's axis: its check (`optim.check_model`, run under
   pmap's axis as the step is) passes and 3 padded steps on pmap give the state of the same model
   without the name (which the step gives pmap's axis), bit for bit; on spmd and fsdp the check
-  stops in one line naming the axis and the fix."""
+  stops in one line naming the axis and the fix; on pmap, a name that is not pmap's ('devices')
+  is refused in one line that names pmap's."""
   from types import SimpleNamespace
 
   from {{cookiecutter.project_slug}}.errors import ConfigError
@@ -386,21 +393,23 @@ def test_a_batchnorm_naming_pmaps_axis_trains_on_pmap_and_is_refused_in_one_line
   got, metrics = run(tiny_config, "pmap", data, *batchnorm_state(SGD, AxisNamingCNN))
   assert metrics["nonfinite_steps"] == 0 and metrics["examples"] == 148
   assert_trees_close(got, expected, atol=0)
-  model = SimpleNamespace(__file__=__file__, create_model=lambda config, image_shape, classes,
-                          rngs: AxisNamingCNN(nnx.Rngs(0)))
   info = SimpleNamespace(image_shape=(8, 8, 1), num_classes=10, class_names=None)
-  for parallelism in ("pmap", "spmd", "fsdp"):
+  for parallelism, model_class in (("pmap", AxisNamingCNN), ("spmd", AxisNamingCNN),
+                                   ("fsdp", AxisNamingCNN), ("pmap", OtherAxisCNN)):
+    model = SimpleNamespace(__file__=__file__, create_model=lambda config, image_shape, classes,
+                            rngs, model_class=model_class: model_class(nnx.Rngs(0)))
     config = plan.resolved(ml_collections.ConfigDict(dict(tiny_config, parallelism=parallelism)))
     run_plan = plan.make_plan(config)._replace(model=model)
-    if parallelism == "pmap":
+    if model_class is AxisNamingCNN and parallelism == "pmap":
       optim.check_model(run_plan, info)
       continue
     with pytest.raises(ConfigError) as refused:
       optim.check_model(run_plan, info)
     message = str(refused.value)
-    assert "\n" not in message and "'devices'" in message and "drop its axis_name=" in message, (
+    assert "\n" not in message and f"names the axis '{model_class.axis}'" in message and (
+        "drop its axis_name=" in message), message
+    assert ("pmap's is 'batch'" if parallelism == "pmap" else "parallelism=pmap") in message, (
         message)
-    assert "parallelism=pmap" in message, message
 
 
 def batchnorm_state(optimizer=None, model_class=BatchNormCNN, groups=1):

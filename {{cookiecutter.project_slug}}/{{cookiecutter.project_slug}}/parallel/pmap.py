@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from ..data import batches
 from . import sharding
 
-PMAP_AXIS = "devices"  # pmap's axis: the steps are mapped over it (`on_devices`)
+PMAP_AXIS = "batch"  # pmap's axis, the steps mapped over it (`on_devices`): Flax's examples' name
 
 
 def local_devices_mesh() -> Mesh:

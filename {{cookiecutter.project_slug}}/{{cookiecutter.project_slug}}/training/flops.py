@@ -73,7 +73,7 @@ class Speed:
     # Under pmap, traced with its axis (of size 1: the global batch on one device), for models
     # whose layers name it (BatchNorm).
     config = run_plan.config
-    axis = "devices" if config.parallelism == "pmap" else None  # (pmap.PMAP_AXIS)
+    axis = "batch" if config.parallelism == "pmap" else None  # (pmap.PMAP_AXIS)
     # (The crop's resampling is left out: it is a matrix product, but not the model's.)
     step = functools.partial(steps.train_step, graphdef, **dispatch.step_options(
         run_plan, crop_on_device=False))

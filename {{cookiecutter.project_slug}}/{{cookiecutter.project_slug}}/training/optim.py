@@ -134,11 +134,15 @@ def model_fix(error: Exception, config, image_shape, module) -> tuple[str, str]:
   """
   where, said = errors.where(error, module.__file__), errors.one_line(error)
   if "unbound axis name" in said:
+    axis = said.rsplit(":", 1)[-1].strip()
+    if config.parallelism == "pmap":  # (its axis: 'batch', as Flax's pmap examples name it)
+      return where, (f": a layer names the axis {axis!r}; pmap's is 'batch' (as in Flax's "
+                     "examples): name that, or drop its axis_name= (the steps give nnx.BatchNorm "
+                     "pmap's axis)")
     return where, (
-        f": a layer names the axis {said.rsplit(':', 1)[-1].strip()!r}, which config.parallelism="
-        f"{config.parallelism!r} does not have (pmap's alone names one): drop its axis_name= "
-        "(spmd and fsdp take the global batch's statistics without it) or train with "
-        "--config.parallelism=pmap")
+        f": a layer names the axis {axis!r}, which config.parallelism={config.parallelism!r} "
+        "does not have (pmap's alone names one): drop its axis_name= (spmd and fsdp take the "
+        "global batch's statistics without it) or train with --config.parallelism=pmap")
   missing = re.search(r"(\w+)\.__call__\(\) missing \d+ required (?:positional|keyword-only) "
                       r"arguments?: (.+)", said)
   if isinstance(error, TypeError) and missing:
