@@ -89,7 +89,8 @@ def test_the_string_is_timms_and_the_draws_its_distribution():
 @pytest.mark.parametrize("given, problem", [
     ("rand-m9-q3", "'rand-m9-q3' is not one of timm's RandAugment strings"),
     ("m9-mstd0.5", "'m9-mstd0.5' is not one of timm's RandAugment strings"),
-    ("rand-m9-tweights", "'rand-m9-tweights' is not one of timm's RandAugment strings")])
+    ("rand-m9-tweights", "'rand-m9-tweights' is not one of timm's RandAugment strings"),
+    ("rand-n2.5", "'rand-n2.5' is not one of timm's RandAugment strings")])
 def test_a_string_not_timms_is_one_line_before_anything_runs(given, problem):
   config = owned(tiny.get_config())
   config.randaugment = given

@@ -19,7 +19,7 @@ from ..errors import ConfigError
 OPS = ("AutoContrast", "Equalize", "Invert", "Rotate", "Posterize", "Solarize", "SolarizeAdd",
        "Color", "Contrast", "Brightness", "Sharpness", "ShearX", "ShearY", "TranslateXRel",
        "TranslateYRel")
-STRING = r"rand(-(m|n|mstd|mmax|inc|p)\d+(\.\d*)?)*"  # timm's keys (its `t`, weighted ops: not)
+STRING = r"rand(-(m|mstd|mmax|p)\d+(\.\d*)?|-(n|inc)\d+)*"  # timm's keys (`t`, weighted: not)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)  # the fill of what the geometric ops uncover, as timm's
 
 
